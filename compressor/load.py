@@ -107,6 +107,12 @@ def load_model(
         kwargs["device_map"] = "auto"
     logger.info("loading %s (%s, %s)", src.describe(), config.model_type, dtype)
     model = auto.from_pretrained(src.path, **kwargs)
+    if src.gguf_file:
+        # transformers dequantizes GGUF tensors to `dtype` on load; what is left is
+        # a marker that would make save_pretrained refuse a plain float model.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     if device == "cuda":
         model = model.to("cuda")
     model.eval()
