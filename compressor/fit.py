@@ -21,7 +21,11 @@ _F64 = torch.float64
 # no information (e.g. a dimension the pre-norm zeroes); it is left out of the
 # solve and gets a zero weight.
 DEAD_COLUMN_RTOL = 1e-12
-# Damping ladder for a singular covariance: λ = step × mean diagonal.
+# Eigen-directions of the input covariance below this fraction of the largest
+# one are treated as exactly singular and left out of the solve (like lstsq's
+# rcond); float32 rounding noise sits near 1e-14, real directions far above.
+RANK_RTOL = 1e-10
+# Damping ladder if Cholesky still fails on a full-rank covariance: λ = step × mean diagonal.
 DAMPING_STEPS = (0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2, 1e-1)
 
 
@@ -34,6 +38,8 @@ class AffineFit:
     n_fit: int
     damping: float = 0.0
     dead_inputs: int = 0
+    truncated: int = 0
+    """Input directions dropped as numerically singular."""
     warnings: list[str] = field(default_factory=list)
     # Eigen-decomposition of the explained-output covariance Wᵀ Cxx W (fit
     # rows), descending: drives reduced-rank fits and the effective rank.
@@ -74,23 +80,40 @@ def solve_affine(m: Moments) -> AffineFit:
         warnings.append(f"{dead} dead input column(s) (zero variance) left out of the solve")
     c_live = cxx[live][:, live]
     rhs = cxy[live]
+    # Rank check first: Cholesky often "succeeds" on an exactly rank-deficient
+    # covariance (LayerNorm outputs are rank d-1; float32 rounding leaves a
+    # ~1e-14 eigenvalue), and the solve then amplifies noise along that
+    # direction. Such directions are dropped: the minimum-norm solution.
+    eigvals, eigvecs = torch.linalg.eigh(c_live)
+    cutoff = RANK_RTOL * float(eigvals[-1])
     damping = 0.0
-    for step in DAMPING_STEPS:
-        lam = step * mean_diag
-        a = c_live + lam * torch.eye(c_live.shape[0], dtype=_F64) if lam else c_live
-        chol, info = torch.linalg.cholesky_ex(a)
-        if int(info) == 0:
-            damping = step
-            break
-    else:
-        raise RuntimeError(
-            "the input covariance is singular even with damping 0.1 × mean diagonal; "
-            "the calibration data is degenerate (e.g. all windows identical)"
+    truncated = int((eigvals <= cutoff).sum())
+    if truncated:
+        warnings.append(
+            f"input covariance rank-deficient: {truncated} direction(s) below {RANK_RTOL:g} × largest eigenvalue "
+            "dropped (minimum-norm solution)"
         )
-    if damping:
-        warnings.append(f"input covariance singular: damped by {damping:g} × mean diagonal")
+        keep = eigvals > cutoff
+        V = eigvecs[:, keep]
+        solved = V @ ((V.T @ rhs) / eigvals[keep, None])
+    else:
+        for step in DAMPING_STEPS:
+            lam = step * mean_diag
+            a = c_live + lam * torch.eye(c_live.shape[0], dtype=_F64) if lam else c_live
+            chol, info = torch.linalg.cholesky_ex(a)
+            if int(info) == 0:
+                damping = step
+                break
+        else:
+            raise RuntimeError(
+                "the input covariance is singular even with damping 0.1 × mean diagonal; "
+                "the calibration data is degenerate (e.g. all windows identical)"
+            )
+        if damping:
+            warnings.append(f"input covariance singular: damped by {damping:g} × mean diagonal")
+        solved = torch.cholesky_solve(rhs, chol)
     W = torch.zeros(m.d_in, m.d_out, dtype=_F64)
-    W[live] = torch.cholesky_solve(rhs, chol)
+    W[live] = solved
     b = m.my - W.T @ m.mx
     if not (torch.isfinite(W).all() and torch.isfinite(b).all()):
         raise FloatingPointError("the affine solve produced non-finite weights; calibration activations overflowed")
@@ -99,7 +122,7 @@ def solve_affine(m: Moments) -> AffineFit:
     order = torch.argsort(eigvals, descending=True)
     sse = m.sse(W, b)
     return AffineFit(
-        W=W, b=b, n_fit=m.n, damping=damping, dead_inputs=dead, warnings=warnings,
+        W=W, b=b, n_fit=m.n, damping=damping, dead_inputs=dead, truncated=truncated, warnings=warnings,
         explained_eigvals=eigvals[order].clamp_min(0), explained_eigvecs=eigvecs[:, order],
         fit_sse=float(sse.sum()), fit_sst=m.sst(),
     )
@@ -179,7 +202,8 @@ def score(m: Moments, W: torch.Tensor, b: torch.Tensor) -> Score:
     sse, sst = float(sse_f.sum()), float(sst_f.sum())
     live = sst_f > 0
     per_feature = 1.0 - sse_f[live] / sst_f[live]
-    med = float(per_feature.median()) if per_feature.numel() else float("nan")
+    # quantile interpolates: the usual median for an even number of features
+    med = float(torch.quantile(per_feature, 0.5)) if per_feature.numel() else float("nan")
     r2 = 1.0 - sse / sst if sst > 0 else float("nan")
     return Score(r2=r2, r2_median_feature=med, sse=sse, sst=sst)
 

@@ -36,15 +36,15 @@ def build_module(fit: AffineFit | LowRankFit, like: nn.Module) -> nn.Module:
     ref = next(like.parameters())
     with torch.no_grad():
         if isinstance(fit, LowRankFit):
-            mod = LowRankAffineFFN(fit.A.shape[0], fit.B.shape[1], fit.rank)
+            mod = LowRankAffineFFN(fit.A.shape[0], fit.B.shape[1], fit.rank).to(device=ref.device, dtype=ref.dtype)
             mod.down.weight.copy_(fit.A.T)
             mod.up.weight.copy_(fit.B.T)
             mod.up.bias.copy_(fit.b)
         else:
-            mod = AffineFFN(fit.d_in, fit.d_out)
+            mod = AffineFFN(fit.d_in, fit.d_out).to(device=ref.device, dtype=ref.dtype)
             mod.proj.weight.copy_(fit.W.T)
             mod.proj.bias.copy_(fit.b)
-    return mod.to(device=ref.device, dtype=ref.dtype)
+    return mod
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""Shared fixtures. The plain helpers live in ``tests/tiny.py`` (import them
+with ``from tiny import ...``); this file re-exports them and wraps them in
+fixtures."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny import (  # noqa: F401  (re-exported)
+    ARCH_MATRIX,
+    COMPRESSIBLE,
+    PROFILE_ONLY,
+    ffn_reference_modules,
+    random_windows,
+)
+from tiny import tiny_model as _tiny_model
+
+
+@pytest.fixture
+def tiny_model():
+    """Factory fixture: ``tiny_model("llama")`` → a fresh tiny random model."""
+    return _tiny_model
+
+
+@pytest.fixture(params=ARCH_MATRIX)
+def arch(request) -> str:
+    """Parametrises a test over every model type in :data:`ARCH_MATRIX`."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread():
+    """Run a module's tiny-model tests on one intra-op thread (restored after).
+
+    Tiny matmuls gain nothing from threads, and on a busy machine the
+    intra-op thread pool makes them many times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,265 @@
+"""Closed-form affine / reduced-rank fits against independent numpy references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from compressor.fit import (
+    effective_rank,
+    fit_r2_at_rank,
+    low_rank,
+    rank_for_fraction,
+    score,
+    solve_affine,
+)
+from compressor.stats import Moments
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+F64 = torch.float64
+
+
+def _problem(n=400, d_in=12, d_out=9, noise=0.3, seed=0, nonlinear=0.0):
+    """Well-conditioned random regression data (numpy float64)."""
+    rng = np.random.default_rng(seed)
+    mix = np.eye(d_in) + 0.2 * rng.standard_normal((d_in, d_in))
+    x = rng.standard_normal((n, d_in)) @ mix + rng.standard_normal(d_in)
+    W = rng.standard_normal((d_in, d_out))
+    b = rng.standard_normal(d_out)
+    y = x @ W + b + noise * rng.standard_normal((n, d_out)) + nonlinear * np.tanh(x[:, :d_out]) ** 2
+    return x, y
+
+
+def _moments(x: np.ndarray, y: np.ndarray, chunk: int | None = None) -> Moments:
+    m = Moments(x.shape[1], y.shape[1])
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    step = chunk or x.shape[0]
+    for lo in range(0, x.shape[0], step):
+        m.update(xt[lo : lo + step], yt[lo : lo + step], compute_dtype=F64)
+    return m
+
+
+def _lstsq_affine(x: np.ndarray, y: np.ndarray):
+    """Reference: ordinary least squares with an explicit intercept column."""
+    X1 = np.hstack([x, np.ones((x.shape[0], 1))])
+    sol, *_ = np.linalg.lstsq(X1, y, rcond=None)
+    return sol[:-1], sol[-1]
+
+
+def _np_r2(y: np.ndarray, pred: np.ndarray) -> float:
+    sse = ((y - pred) ** 2).sum()
+    sst = ((y - y.mean(0)) ** 2).sum()
+    return 1.0 - sse / sst
+
+
+# -- full-rank solve ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_solve_affine_matches_lstsq(seed):
+    x, y = _problem(seed=seed)
+    fit = solve_affine(_moments(x, y, chunk=97))
+    W_ref, b_ref = _lstsq_affine(x, y)
+    assert fit.W.dtype == F64 and fit.W.shape == (12, 9)
+    np.testing.assert_allclose(fit.W.numpy(), W_ref, atol=1e-8, rtol=0)
+    np.testing.assert_allclose(fit.b.numpy(), b_ref, atol=1e-8, rtol=0)
+    assert fit.damping == 0.0 and fit.dead_inputs == 0 and fit.warnings == []
+    assert fit.n_fit == 400
+    # fit-row SSE / SST are the direct ones
+    pred = x @ W_ref + b_ref
+    assert fit.fit_sse == pytest.approx(((y - pred) ** 2).sum(), rel=1e-9)
+    assert fit.fit_sst == pytest.approx(((y - y.mean(0)) ** 2).sum(), rel=1e-12)
+
+
+def test_solve_affine_without_rows_raises():
+    with pytest.raises(ValueError, match="no calibration rows"):
+        solve_affine(Moments(3, 2))
+
+
+@pytest.mark.parametrize(
+    "d_out",
+    [
+        9,  # odd number of features: the median is the middle value
+        10,  # even (every real hidden size): numpy averages the two middle values
+    ],
+)
+def test_heldout_score_matches_numpy(d_out):
+    x, y = _problem(n=600, d_out=d_out, seed=2, nonlinear=1.5)
+    fit = solve_affine(_moments(x[:400], y[:400]))
+    xh, yh = x[400:], y[400:]
+    s = score(_moments(xh, yh, chunk=64), fit.W, fit.b)
+
+    pred = xh @ fit.W.numpy() + fit.b.numpy()
+    sse_f = ((yh - pred) ** 2).sum(0)
+    sst_f = ((yh - yh.mean(0)) ** 2).sum(0)  # about the *held-out* mean
+    assert s.r2 == pytest.approx(1.0 - sse_f.sum() / sst_f.sum(), abs=1e-10)
+    assert s.sse == pytest.approx(sse_f.sum(), rel=1e-10)
+    assert s.sst == pytest.approx(sst_f.sum(), rel=1e-10)
+    per_feature = 1.0 - sse_f / sst_f
+    assert s.r2_median_feature == pytest.approx(float(np.median(per_feature)), abs=1e-10)
+    # held-out R² is worse than the fit-row R² here (the test can tell them apart)
+    assert s.r2 < 1.0 - fit.fit_sse / fit.fit_sst
+
+
+def test_score_of_empty_moments_is_nan():
+    s = score(Moments(3, 2), torch.zeros(3, 2, dtype=F64), torch.zeros(2, dtype=F64))
+    assert all(math.isnan(v) for v in (s.r2, s.r2_median_feature, s.sse, s.sst))
+
+
+def test_dead_input_column_gets_zero_weight():
+    x, y = _problem(seed=3)
+    x[:, 4] = 0.0
+    fit = solve_affine(_moments(x, y))
+    assert fit.dead_inputs == 1
+    assert any("dead input" in w for w in fit.warnings), fit.warnings
+    assert torch.all(fit.W[4] == 0)
+    assert torch.isfinite(fit.W).all() and torch.isfinite(fit.b).all()
+    assert fit.damping == 0.0
+    # the live part is still the least-squares solution on the other columns
+    live = [i for i in range(12) if i != 4]
+    W_ref, b_ref = _lstsq_affine(x[:, live], y)
+    np.testing.assert_allclose(fit.W[live].numpy(), W_ref, atol=1e-8)
+    np.testing.assert_allclose(fit.b.numpy(), b_ref, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "n, d_in, seed",
+    [
+        (6, 12, 4),
+        (11, 12, 0),
+        (30, 32, 0),
+        (6, 8, 6),
+        (11, 12, 4),
+        (63, 64, 0),
+    ],
+)
+def test_singular_covariance_is_damped_not_nan(n, d_in, seed):
+    """Fewer rows than input features: the covariance is singular, so the
+    solve must be damped (and say so) and give a finite, near minimum-norm map."""
+    x, y = _problem(n=n, d_in=d_in, d_out=5, seed=seed)
+    fit = solve_affine(_moments(x, y))
+    assert torch.isfinite(fit.W).all() and torch.isfinite(fit.b).all()
+    assert torch.isfinite(fit.explained_eigvals).all()
+    assert any("underdetermined" in w for w in fit.warnings), fit.warnings
+    # rank-deficient directions are dropped (minimum norm); damping only if Cholesky still fails
+    assert fit.truncated > 0 or fit.damping > 0
+    assert any("rank-deficient" in w or "damped by" in w for w in fit.warnings), fit.warnings
+    # a lightly damped (ridge) solve tends to the minimum-norm least-squares
+    # solution, which interpolates these few rows
+    xc = x - x.mean(0)
+    W_min_norm = np.linalg.pinv(xc) @ (y - y.mean(0))
+    np.testing.assert_allclose(fit.W.numpy(), W_min_norm, atol=1e-3 * np.abs(W_min_norm).max())
+    pred = x @ fit.W.numpy() + fit.b.numpy()
+    assert _np_r2(y, pred) > 0.99
+
+
+# -- reduced rank ------------------------------------------------------------
+
+
+def _rrr_reference(x: np.ndarray, y: np.ndarray, r: int):
+    """Reduced-rank regression, independently: full OLS, then project onto the
+    top-r right singular vectors of the centred fitted values Ŷ = X̃W."""
+    W, _ = _lstsq_affine(x, y)
+    xc = x - x.mean(0)
+    _, _, Vt = np.linalg.svd(xc @ W, full_matrices=False)
+    Vr = Vt[:r].T
+    W_r = W @ Vr @ Vr.T
+    b_r = y.mean(0) - W_r.T @ x.mean(0)
+    return W_r, b_r
+
+
+@pytest.mark.parametrize("r", [1, 3, 6])
+def test_low_rank_matches_reduced_rank_regression(r):
+    x, y = _problem(n=500, d_in=12, d_out=9, seed=5)
+    m = _moments(x, y)
+    fit = solve_affine(m)
+    lr = low_rank(fit, m, r)
+    assert lr.rank == r and lr.A.shape == (12, r) and lr.B.shape == (r, 9)
+    W_r, b_r = _rrr_reference(x, y, r)
+    np.testing.assert_allclose(lr.W.numpy(), W_r, atol=1e-8, rtol=0)
+    np.testing.assert_allclose(lr.b.numpy(), b_r, atol=1e-8, rtol=0)
+    assert np.linalg.matrix_rank(lr.W.numpy(), tol=1e-8) == r
+
+
+def test_low_rank_at_full_rank_equals_full_fit():
+    x, y = _problem(seed=6)
+    m = _moments(x, y)
+    fit = solve_affine(m)
+    lr = low_rank(fit, m, 9)
+    assert torch.allclose(lr.W, fit.W, atol=1e-10, rtol=0)
+    assert torch.allclose(lr.b, fit.b, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [0, 10, -1])
+def test_low_rank_rejects_bad_rank(bad):
+    x, y = _problem(seed=6)
+    m = _moments(x, y)
+    with pytest.raises(ValueError, match="rank must be"):
+        low_rank(solve_affine(m), m, bad)
+
+
+@pytest.mark.parametrize("r", [0, 1, 2, 5, 9])
+def test_fit_r2_at_rank_is_the_direct_fit_row_r2(r):
+    x, y = _problem(n=500, seed=7)
+    m = _moments(x, y)
+    fit = solve_affine(m)
+    if r == 0:
+        pred = np.broadcast_to(y.mean(0), y.shape)  # nothing kept: the mean
+    else:
+        W_r, b_r = _rrr_reference(x, y, r)
+        pred = x @ W_r + b_r
+    assert fit_r2_at_rank(fit, r) == pytest.approx(_np_r2(y, pred), abs=1e-10)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.8, 0.9, 0.99])
+def test_rank_for_fraction_is_the_smallest_sufficient_rank(fraction):
+    # outputs driven by a few strong directions, so the answer varies with the fraction
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((800, 12))
+    W = rng.standard_normal((12, 9)) * np.array([8, 4, 2, 1, 0.5, 0.3, 0.2, 0.1, 0.05])
+    y = x @ W + 0.3 * rng.standard_normal((800, 9))
+    fit = solve_affine(_moments(x, y))
+
+    def r2(r):  # direct fit-row R² of the rank-r reduced-rank fit
+        if r == 0:
+            return _np_r2(y, np.broadcast_to(y.mean(0), y.shape))
+        W_r, b_r = _rrr_reference(x, y, r)
+        return _np_r2(y, x @ W_r + b_r)
+
+    target = fraction * r2(9)
+    r = rank_for_fraction(fit, fraction)
+    assert 1 <= r <= 9
+    assert r2(r) >= target - 1e-12
+    assert r2(r - 1) < target, f"rank {r - 1} already keeps {fraction:.0%}"
+
+
+def test_rank_for_fraction_one_needs_full_rank_on_isotropic_data():
+    x, y = _problem(n=800, seed=9, noise=0.01)
+    fit = solve_affine(_moments(x, y))
+    assert rank_for_fraction(fit, 1.0) == 9
+
+
+# -- effective rank ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 3, 17])
+def test_effective_rank_uniform_and_one_hot(k):
+    assert effective_rank(torch.full((k,), 2.5)) == pytest.approx(k, rel=1e-12)
+    # zeros don't count
+    assert effective_rank(torch.cat([torch.ones(k), torch.zeros(5)])) == pytest.approx(k, rel=1e-12)
+    one_hot = torch.zeros(k + 4)
+    one_hot[k] = 7.0
+    assert effective_rank(one_hot) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_effective_rank_between_extremes_and_of_zero():
+    v = torch.tensor([4.0, 2.0, 1.0, 1.0], dtype=F64)
+    p = v / v.sum()
+    ref = math.exp(-(p * p.log()).sum().item())
+    assert effective_rank(v) == pytest.approx(ref, rel=1e-12)
+    assert 1.0 < effective_rank(v) < 4.0
+    assert effective_rank(torch.zeros(5)) == 0.0

@@ -1,0 +1,140 @@
+"""Tiny, randomly initialised Hugging Face models for the test-suite.
+
+Plain functions (importable as ``from tiny import ...`` because pytest puts
+``tests/`` on ``sys.path`` for rootdir-level test modules); ``conftest.py``
+re-exports them and wraps them in fixtures. Nothing here downloads anything:
+every model is built from a config.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 128
+HIDDEN = 32
+INTERMEDIATE = 64
+LAYERS = 3
+HEADS = 4
+KV_HEADS = 2
+MAX_POS = 64
+
+ARCH_MATRIX = [
+    "gpt2",
+    "gpt_neox",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "bert",
+    "roberta",
+]
+
+# Architectures whose FFN is one module that ``compressor.replace`` can swap.
+PROFILE_ONLY = ("bert", "roberta")
+COMPRESSIBLE = [t for t in ARCH_MATRIX if t not in PROFILE_ONLY]
+
+
+def _decoder_common() -> dict:
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_POS,
+    )
+
+
+def _config_and_class(model_type: str):
+    t = transformers
+    if model_type == "gpt2":
+        cfg = t.GPT2Config(
+            vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POS, n_inner=INTERMEDIATE,
+            bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
+        )
+        return cfg, t.GPT2LMHeadModel
+    if model_type == "gpt_neox":
+        cfg = t.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=INTERMEDIATE,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            max_position_embeddings=MAX_POS,
+        )
+        return cfg, t.GPTNeoXForCausalLM
+    if model_type == "llama":
+        return t.LlamaConfig(**_decoder_common()), t.LlamaForCausalLM
+    if model_type == "mistral":
+        return t.MistralConfig(**_decoder_common(), sliding_window=None), t.MistralForCausalLM
+    if model_type == "qwen2":
+        return t.Qwen2Config(**_decoder_common()), t.Qwen2ForCausalLM
+    if model_type == "qwen3":
+        return t.Qwen3Config(**_decoder_common(), head_dim=HIDDEN // HEADS), t.Qwen3ForCausalLM
+    if model_type == "gemma3_text":
+        cfg = t.Gemma3TextConfig(
+            **_decoder_common(),
+            head_dim=HIDDEN // HEADS,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        )
+        return cfg, t.Gemma3ForCausalLM
+    if model_type == "bert":
+        cfg = t.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=INTERMEDIATE,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            max_position_embeddings=MAX_POS,
+        )
+        return cfg, t.BertModel
+    if model_type == "roberta":
+        cfg = t.RobertaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=INTERMEDIATE,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            max_position_embeddings=MAX_POS + 2,  # RoBERTa offsets positions by pad_token_id + 1
+            pad_token_id=1,
+        )
+        return cfg, t.RobertaModel
+    raise KeyError(f"no tiny config for model type {model_type!r}; known: {ARCH_MATRIX}")
+
+
+def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random model of ``model_type`` (seeded, eval mode, float32, eager attention)."""
+    cfg, cls = _config_and_class(model_type)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    assert model.config.model_type == model_type, (model.config.model_type, model_type)
+    return model
+
+
+def random_windows(n: int, seq_len: int, vocab: int = VOCAB, seed: int = 0) -> torch.LongTensor:
+    """``n`` windows of ``seq_len`` uniform random token ids in ``[2, vocab)``.
+
+    Ids 0 and 1 are avoided so that no window contains RoBERTa's padding id.
+    """
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, seq_len), generator=g, dtype=torch.long)
+
+
+def ffn_reference_modules(model: torch.nn.Module, model_type: str, index: int):
+    """``(in_module, out_module)`` of block ``index``, resolved independently of compressor.archs."""
+    if model_type in PROFILE_ONLY:
+        base = getattr(model, model_type, model)  # BertModel itself, or BertFor*.bert
+        layer = base.encoder.layer[index]
+        return layer.intermediate, layer.output.dense
+    if model_type == "gpt2":
+        block = model.transformer.h[index]
+    elif model_type == "gpt_neox":
+        block = model.gpt_neox.layers[index]
+    else:
+        block = model.model.layers[index]
+    return block.mlp, block.mlp

