@@ -102,4 +102,23 @@ def make_compressed_classes(base_config: str, base_model: str):
         (model_base,),
         {"config_class": config_cls, "__init__": __init__, "__module__": __name__},
     )
+    _inherit_weight_renaming(model_type, model_cls.__name__, config_base.model_type, base_model)
     return config_cls, model_cls
+
+
+def _inherit_weight_renaming(model_type: str, class_name: str, base_type: str, base_class: str) -> None:
+    """transformers >= 5 renames some checkpoint keys on load and reverses it on
+    save (GPT-NeoX: ``embed_out`` ↔ ``lm_head``), but skips that for classes
+    defined outside transformers unless they are registered. Register the base
+    architecture's renaming for the compressed class so the same file loads."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # transformers 4.x: no renaming on load, nothing to inherit
+        return
+    mapping = get_checkpoint_conversion_mapping(base_class) or get_checkpoint_conversion_mapping(base_type)
+    if mapping:
+        for key in (class_name, model_type):
+            register_checkpoint_conversion_mapping(key, mapping, overwrite=True)

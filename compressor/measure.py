@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from ._progress import progress
 
 from .archs import ArchSpec, arch_for, find_blocks
 from .stats import LogHistogram, Moments
@@ -210,7 +210,7 @@ class StatsCollector:
         device = _input_device(self.model)
         n = windows.shape[0]
         steps = range(0, n, batch_size)
-        bar = tqdm(steps, desc=f"{desc} ({split})", unit="batch", leave=False, disable=None)
+        bar = progress(steps, desc=f"{desc} ({split})", unit="batch")
         for start in bar:
             batch = windows[start : start + batch_size].to(device)
             try:

@@ -237,9 +237,9 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
     out = Path(recipe.output.path).expanduser().resolve()
     if src.is_local:
         model_dir = Path(src.path).resolve()
-        if out == model_dir or model_dir.is_relative_to(out) and out != Path(out.anchor):
+        if out == model_dir or out.is_relative_to(model_dir) or model_dir.is_relative_to(out):
             raise RecipeError(
-                f"output.path: {out} is (or contains) the input model folder {model_dir}; "
+                f"output.path: {out} is, contains or lies inside the input model folder {model_dir}; "
                 "choose a different output folder — the input is never modified"
             )
     if out.exists() and not out.is_dir():

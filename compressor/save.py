@@ -71,8 +71,13 @@ def modeling_source(model_type: str) -> str:
 
 def check_output(out: Path, overwrite: bool, source_dir: Path | None = None) -> Path:
     out = out.expanduser().resolve()
-    if source_dir is not None and out == source_dir.resolve():
-        raise FileExistsError(f"output {out} is the input model folder; the input is never modified — choose another folder")
+    if source_dir is not None:
+        src = source_dir.resolve()
+        if out == src or out.is_relative_to(src) or src.is_relative_to(out):
+            raise FileExistsError(
+                f"output {out} is, contains or lies inside the input model folder {src}; "
+                "the input is never modified — choose another folder"
+            )
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"output {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

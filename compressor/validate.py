@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
+from ._progress import progress
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def perplexity(
     for w in wins:
         groups.setdefault(w[1] - w[0], []).append(w)
     n_batches = sum(math.ceil(len(g) / batch_size) for g in groups.values())
-    bar = tqdm(total=n_batches, desc=desc, unit="batch", leave=False, disable=None)
+    bar = progress(total=n_batches, desc=desc, unit="batch")
     try:
         for length, group in groups.items():
             for i in range(0, len(group), batch_size):
