@@ -234,18 +234,9 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
         return
     if recipe.output.path is None:
         raise RecipeError("output.path: required; set it in the recipe or pass --output DIR")
-    out = Path(recipe.output.path).expanduser().resolve()
-    if src.is_local:
-        model_dir = Path(src.path).resolve()
-        if out == model_dir or out.is_relative_to(model_dir) or model_dir.is_relative_to(out):
-            raise RecipeError(
-                f"output.path: {out} is, contains or lies inside the input model folder {model_dir}; "
-                "choose a different output folder — the input is never modified"
-            )
-    if out.exists() and not out.is_dir():
-        raise RecipeError(f"output.path: {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not recipe.output.overwrite:
-        raise RecipeError(
-            f"output.path: {out} is not empty; choose another folder or set output.overwrite: true "
-            "(--overwrite) to replace it"
-        )
+    from .save import check_output
+
+    try:
+        check_output(Path(recipe.output.path), recipe.output.overwrite, Path(src.path) if src.is_local else None)
+    except FileExistsError as e:
+        raise RecipeError(f"output.path: {e}") from None

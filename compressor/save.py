@@ -81,7 +81,9 @@ def check_output(out: Path, overwrite: bool, source_dir: Path | None = None) -> 
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"output {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"output {out} is not empty; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(
+            f"{out} is not empty; choose another folder or set output.overwrite: true (--overwrite) to replace it"
+        )
     return out
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-VOCAB = 128
+from tiny import COMPRESSIBLE, VOCAB, tiny_model  # noqa: F401  (COMPRESSIBLE re-exported)
 
 
 def tiny_tokenizer():
@@ -23,25 +23,7 @@ def tiny_tokenizer():
 
 
 def tiny_causal_lm(model_type: str = "llama", seed: int = 0):
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    if model_type == "gpt2":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=256))
-    elif model_type == "gpt_neox":
-        model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                                        num_hidden_layers=3, num_attention_heads=4,
-                                                        max_position_embeddings=256))
-    elif model_type == "gemma3_text":
-        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(head_dim=8, sliding_window=16, **common))
-    else:
-        cfg_cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config}[model_type]
-        model_cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-                     "qwen3": tf.Qwen3ForCausalLM}[model_type]
-        model = model_cls(cfg_cls(**common))
-    return model.eval()
+    return tiny_model(model_type, seed)
 
 
 def save_tiny_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0) -> Path:
@@ -50,5 +32,3 @@ def save_tiny_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0)
     tiny_tokenizer().save_pretrained(folder)
     return folder
 
-
-COMPRESSIBLE = ["gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma3_text"]

@@ -110,6 +110,8 @@ BAD_INPUTS = [
     ("unsupported-model-type", "OPT", 2, ["'opt'", "not supported", "Supported types", "llama", "gpt2", "qwen2"]),
     ("output-is-input", lambda d, src, out: d["output"].update(path=str(src)), 2,
      ["output.path", "input model folder"]),
+    ("output-inside-input", lambda d, src, out: d["output"].update(path=str(src / "sub")), 2,
+     ["output.path", "input model folder"]),
     ("output-not-empty", "NONEMPTY", 2, ["output.path", "not empty", "overwrite"]),
     ("recipe-file-missing", None, 2, ["does not exist"]),
 ]
