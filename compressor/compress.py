@@ -154,11 +154,11 @@ def compress_model(
         for p in profiles
     ]
 
-    def held_r2(i: int, f: AffineFit | LowRankFit, st: BlockStats) -> float:
+    def held_r2(f: AffineFit | LowRankFit, st: BlockStats) -> float:
         return score(st.heldout_total(), f.W, f.b).r2
 
     for d in decisions:
-        d.r2_replacement = held_r2(d.index, replacements[d.index], stats[d.index])
+        d.r2_replacement = held_r2(replacements[d.index], stats[d.index])
 
     # Optional single-swap sweep: every block alone (the paper's Figure 2).
     swap_delta: dict[int, float] | None = None
@@ -188,14 +188,21 @@ def compress_model(
     params_now = params_before
     current = baseline
     accepted: list[int] = []
-    stale = False
+    # Smallest block index kept since the last refit: only blocks after it see
+    # different inputs, so only those are refitted.
+    stale_from: int | None = None
+    stats = dict(stats)  # refit replaces entries; never mutate the caller's dict
     t0 = time.perf_counter()
+
+    rejected_in_a_row = 0
 
     def stop_reason() -> str | None:
         if pol.max_blocks is not None and len(accepted) >= pol.max_blocks:
             return f"policy.max_blocks={pol.max_blocks} reached"
         if pol.target_ratio is not None and params_now <= pol.target_ratio * params_before:
             return f"policy.target_ratio={pol.target_ratio} reached"
+        if pol.patience is not None and rejected_in_a_row >= pol.patience:
+            return f"policy.patience={pol.patience}: stopped after {rejected_in_a_row} rejections in a row"
         return None
 
     if pol.gate:
@@ -205,20 +212,31 @@ def compress_model(
             if why:
                 d.reason = why
                 continue
+            if d.swap_ppl is not None and d.swap_ppl > limit:
+                # Alone it already breaks the budget; on top of kept blocks it
+                # would too, so the evaluation is skipped.
+                d.decision = "rejected"
+                d.reason = f"single-swap perplexity {d.swap_ppl:.4f} alone exceeds the budget {limit:.4f}"
+                rejected_in_a_row += 1
+                continue
             fit_i = replacements[i]
-            if pol.refit and stale:
-                remaining = [j for j in order[k:] if decisions[j].decision == "not tried"]
-                logger.info("refitting blocks %s on the compressed model's activations", remaining)
-                fresh = collect(
-                    model, calibration.fit, calibration.heldout, blocks=remaining,
-                    batch_size=recipe.calibration.batch_size, spike_factor=m.spike_factor, precision=m.precision,
-                )
-                for j in remaining:
-                    stats[j] = fresh[j]
-                    replacements[j] = make_fit(solve_affine(fresh[j].fit), fresh[j].fit, recipe.replacement, profiles[j].ffn_params)
-                    decisions[j].refit = True
-                    decisions[j].r2_replacement = held_r2(j, replacements[j], fresh[j])
-                stale = False
+            if pol.refit and stale_from is not None:
+                remaining = [j for j in order[k:] if decisions[j].decision == "not tried" and j > stale_from]
+                if remaining:
+                    logger.info("refitting blocks %s on the compressed model's activations", sorted(remaining))
+                    fresh = collect(
+                        model, calibration.fit, calibration.heldout, blocks=remaining,
+                        batch_size=recipe.calibration.batch_size, spike_factor=m.spike_factor,
+                        precision=m.precision, output_rank=m.output_rank,
+                    )
+                    for j in remaining:
+                        stats[j] = fresh[j]
+                        replacements[j] = make_fit(
+                            solve_affine(fresh[j].fit), fresh[j].fit, recipe.replacement, profiles[j].ffn_params
+                        )
+                        decisions[j].refit = True
+                        decisions[j].r2_replacement = held_r2(replacements[j], fresh[j])
+                stale_from = None
                 fit_i = replacements[i]
             s = swap(model, i, build_module(fit_i, model.get_submodule(modules[i])))
             r = ppl(f"gate: block {i} ({k + 1}/{len(order)})")
@@ -229,12 +247,14 @@ def compress_model(
                 params_now = count_params(model)
                 current = r
                 accepted.append(i)
-                stale = True
+                stale_from = i if stale_from is None else min(stale_from, i)
+                rejected_in_a_row = 0
                 logger.info("block %d kept: perplexity %.4f (budget %.4f)", i, r.ppl, limit)
             else:
                 s.undo()
                 d.decision = "rejected"
                 d.reason = f"perplexity {r.ppl:.4f} > budget {limit:.4f}: rolled back"
+                rejected_in_a_row += 1
                 logger.info("block %d rejected: perplexity %.4f > %.4f", i, r.ppl, limit)
         final = current
     else:

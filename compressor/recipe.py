@@ -82,10 +82,11 @@ class PolicyConfig(_Section):
     ppl_budget: float = Field(0.05, ge=0, description="allowed perplexity increase (see budget_mode)")
     budget_mode: Literal["relative", "absolute"] = Field("relative", description="relative: ppl ≤ base·(1+budget); absolute: ppl ≤ base+budget")
     gate: bool = Field(True, description="validate each candidate and roll it back if over budget; false = bare threshold rule")
-    order: Literal["r2", "swap_ppl", "index"] = Field("r2", description="order candidates are tried in")
+    order: Literal["r2", "swap_ppl", "index"] = Field("swap_ppl", description="order candidates are tried in; swap_ppl measures each candidate alone first (one extra evaluation per candidate)")
     refit: bool = Field(False, description="refit later blocks on the inputs of the already-compressed model")
     skip_outlier_dominated: bool = Field(True, description="never try blocks flagged outlier-dominated")
     min_blocks: int = Field(1, ge=0, description="fewer accepted blocks than this fails the gate (exit 3)")
+    patience: int | None = Field(None, ge=1, description="stop trying candidates after this many consecutive rejections")
 
     @model_validator(mode="after")
     def _lists(self):

@@ -287,7 +287,8 @@ def test_rollback_restores_original_blocks(tmp_path, trained_llama):
     from compressor.validate import perplexity
 
     out = tmp_path / "out"
-    recipe = make_recipe(trained_llama, out, policy={"ppl_budget": 0.0, "budget_mode": "absolute", "min_blocks": 0})
+    recipe = make_recipe(trained_llama, out, policy={"ppl_budget": 0.0, "budget_mode": "absolute", "min_blocks": 0,
+                                                      "order": "r2"})
     res = compressor.run(recipe)
     assert res.exit_code == compressor.EXIT_OK, res.report["message"]
     ppl = res.report["perplexity"]
@@ -439,16 +440,19 @@ def test_refit_marks_blocks_after_a_kept_block(tmp_path, caplog):
 
     caplog.set_level(logging.INFO, logger="compressor.compress")
     src = save_tiny_checkpoint(tmp_path / "in", "llama")
-    res = compressor.run(make_recipe(src, tmp_path / "out", policy={"refit": True}))
+    res = compressor.run(make_recipe(src, tmp_path / "out", policy={"refit": True, "order": "index"}))
     assert res.exit_code == 0
     decisions = {d["index"]: d for d in res.report["blocks"]}
     order = tried_order(caplog.records, len(decisions))
     assert sorted(order) == sorted(decisions)
     assert len(order) >= 2
-    any_kept = False
+    # Only blocks after a kept block see different inputs, so only they are refitted.
+    kept_so_far: list[int] = []
     for i in order:
-        assert decisions[i]["refit"] is any_kept, (i, order, decisions[i])
-        any_kept = any_kept or decisions[i]["decision"] == "kept"
+        expected = any(k < i for k in kept_so_far)
+        assert decisions[i]["refit"] is expected, (i, order, decisions[i])
+        if decisions[i]["decision"] == "kept":
+            kept_so_far.append(i)
     assert any(d["refit"] for d in decisions.values())
     saved = json.loads((res.output / "config.json").read_text())["compression"]["blocks"]
     assert {b["index"]: b["refit"] for b in saved} == {i: d["refit"] for i, d in decisions.items() if d["decision"] == "kept"}
@@ -492,3 +496,27 @@ def test_bert_is_profile_only(tmp_path):
     assert [b.index for b in prof.blocks] == [0, 1]
     assert all(type(b).__name__ == "BlockProfile" for b in prof.blocks)
     assert all(b.r2_lin == b.r2_lin and b.r2_lin <= 1 for b in prof.blocks)  # finite-or-not-NaN, ≤ 1
+
+
+def test_single_swap_over_budget_is_rejected_without_a_gate_evaluation(tmp_path, trained_llama):
+    recipe = make_recipe(trained_llama, tmp_path / "out",
+                         policy={"ppl_budget": 0.0, "budget_mode": "absolute", "min_blocks": 0, "order": "swap_ppl"})
+    res = compressor.run(recipe)
+    base = res.report["perplexity"]["baseline"]["ppl"]
+    over = [d for d in res.report["blocks"] if d["swap_ppl"] > base]
+    assert over, "the trained model should have a block whose single swap raises perplexity"
+    for d in over:
+        assert d["decision"] == "rejected" and d["ppl_when_tried"] is None, d
+        assert "alone exceeds the budget" in d["reason"]
+
+
+def test_patience_stops_after_consecutive_rejections(tmp_path, trained_llama):
+    recipe = make_recipe(trained_llama, tmp_path / "out",
+                         policy={"ppl_budget": 0.0, "budget_mode": "absolute", "min_blocks": 0, "order": "r2",
+                                 "patience": 1})
+    res = compressor.run(recipe)
+    decisions = res.report["blocks"]
+    rejected = [d for d in decisions if d["decision"] == "rejected"]
+    stopped = [d for d in decisions if "policy.patience=1" in d["reason"]]
+    assert len(rejected) == 1 and stopped, decisions
+    assert all(d["decision"] == "not tried" and d["ppl_when_tried"] is None for d in stopped)
