@@ -19,11 +19,14 @@ _F64 = torch.float64
 
 # A column whose variance is below this fraction of the mean variance carries
 # no information (e.g. a dimension the pre-norm zeroes); it is left out of the
-# solve and gets a zero weight.
-DEAD_COLUMN_RTOL = 1e-12
-# Eigen-directions of the input covariance below this fraction of the largest
-# one are treated as exactly singular and left out of the solve (like lstsq's
-# rcond); float32 rounding noise sits near 1e-14, real directions far above.
+# solve and gets a zero weight. 1e-16 is a standard-deviation ratio of 1e-8,
+# below float32 resolution; small-scale but live channels stay in.
+DEAD_COLUMN_RTOL = 1e-16
+# Eigenvalues of the input *correlation* matrix below this fraction of the
+# largest one count as exactly singular directions, left out of the solve
+# (like lstsq's rcond); float32 rounding noise sits near 1e-14, real
+# directions far above. Judging on the correlation, not the covariance, keeps
+# small-scale but informative channels (measured on SmolLM2 blocks 21 and 24).
 RANK_RTOL = 1e-10
 # Damping ladder if Cholesky still fails on a full-rank covariance: λ = step × mean diagonal.
 DAMPING_STEPS = (0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2, 1e-1)
@@ -84,18 +87,24 @@ def solve_affine(m: Moments) -> AffineFit:
     # covariance (LayerNorm outputs are rank d-1; float32 rounding leaves a
     # ~1e-14 eigenvalue), and the solve then amplifies noise along that
     # direction. Such directions are dropped: the minimum-norm solution.
-    eigvals, eigvecs = torch.linalg.eigh(c_live)
+    # The check and the truncated solve run on the correlation matrix
+    # R = D^-½ C D^-½ (D = diag C): an input channel that is merely small in
+    # scale (not redundant) is then neither dropped nor resolved with the
+    # squared condition number of raw normal equations. The result is the
+    # minimum-norm solution in standardized inputs (scale-invariant); on
+    # fit-row-spanned inputs its predictions equal lstsq's exactly.
+    scale = diag[live].sqrt()
+    eigvals, eigvecs = torch.linalg.eigh(c_live / scale[:, None] / scale[None, :])
     cutoff = RANK_RTOL * float(eigvals[-1])
-    damping = 0.0
     truncated = int((eigvals <= cutoff).sum())
+    damping = 0.0
     if truncated:
         warnings.append(
             f"input covariance rank-deficient: {truncated} direction(s) below {RANK_RTOL:g} × largest eigenvalue "
-            "dropped (minimum-norm solution)"
+            "of the input correlation dropped (minimum-norm solution in standardized inputs)"
         )
-        keep = eigvals > cutoff
-        V = eigvecs[:, keep]
-        solved = V @ ((V.T @ rhs) / eigvals[keep, None])
+        V, lam = eigvecs[:, truncated:], eigvals[truncated:]
+        solved = (V @ ((V.T @ (rhs / scale[:, None])) / lam[:, None])) / scale[:, None]
     else:
         for step in DAMPING_STEPS:
             lam = step * mean_diag

@@ -126,6 +126,23 @@ def test_dead_input_column_gets_zero_weight():
     np.testing.assert_allclose(fit.b.numpy(), b_ref, atol=1e-8)
 
 
+def test_small_scale_channel_is_kept_and_null_direction_dropped():
+    """A channel 1e-6 × smaller than the others but informative must stay in
+    the solve (its raw covariance eigenvalue is ~1e-12 of the largest), while
+    an exact redundancy (LayerNorm-style: features sum to zero) is dropped."""
+    x, y = _problem(n=600, d_in=10, d_out=6, noise=0.05, seed=7)
+    x[:, 3] *= 1e-6
+    y[:, 0] += 3e6 * x[:, 3]  # y really depends on the tiny channel
+    x = np.hstack([x, -x.sum(1, keepdims=True)])  # exact linear redundancy
+    fit = solve_affine(_moments(x, y))
+    assert fit.truncated == 1, fit.warnings
+    X1 = np.hstack([x, np.ones((x.shape[0], 1))])
+    sol, *_ = np.linalg.lstsq(X1, y, rcond=None)
+    np.testing.assert_allclose(x @ fit.W.numpy() + fit.b.numpy(), X1 @ sol, atol=1e-6)
+    # the tiny channel's weight carries its effect instead of being zeroed
+    assert _np_r2(y, x @ fit.W.numpy() + fit.b.numpy()) > 0.99
+
+
 @pytest.mark.parametrize(
     "n, d_in, seed",
     [
@@ -148,10 +165,11 @@ def test_singular_covariance_is_damped_not_nan(n, d_in, seed):
     # rank-deficient directions are dropped (minimum norm); damping only if Cholesky still fails
     assert fit.truncated > 0 or fit.damping > 0
     assert any("rank-deficient" in w or "damped by" in w for w in fit.warnings), fit.warnings
-    # a lightly damped (ridge) solve tends to the minimum-norm least-squares
-    # solution, which interpolates these few rows
+    # the minimum-norm least-squares solution in standardized inputs (what a
+    # vanishing ridge on standardized features tends to) interpolates these rows
     xc = x - x.mean(0)
-    W_min_norm = np.linalg.pinv(xc) @ (y - y.mean(0))
+    sd = xc.std(0)
+    W_min_norm = (np.linalg.pinv(xc / sd) @ (y - y.mean(0))) / sd[:, None]
     np.testing.assert_allclose(fit.W.numpy(), W_min_norm, atol=1e-3 * np.abs(W_min_norm).max())
     pred = x @ fit.W.numpy() + fit.b.numpy()
     assert _np_r2(y, pred) > 0.99
