@@ -122,8 +122,9 @@ Perplexity: {r['perplexity']['final']['tokens']} scored tokens of `{r['perplexit
 ## Load
 
 ```python
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("path/to/this/folder", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder", trust_remote_code=True)
 # or, with compressor installed: `import compressor` and drop trust_remote_code
 ```
 

@@ -128,6 +128,7 @@ def save_compressed(
         (tmp / MODELING_FILE).write_text(modeling_source(model_type))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
+        _apply_umask(tmp)
         if verify is not None:
             verify(tmp)
         if out.exists():
@@ -142,6 +143,20 @@ def save_compressed(
         raise
     logger.info("saved compressed model to %s", out)
     return out
+
+
+def _apply_umask(folder: Path) -> None:
+    """Give every file the permissions the user's umask asks for.
+
+    ``save_pretrained`` writes weights through a private temporary file
+    (mode 0600); a published checkpoint should be as readable as any other
+    file the user creates.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def load_compressed(folder: str | Path, **kwargs):

@@ -392,6 +392,19 @@ def test_input_checkpoint_never_modified(tmp_path):
     assert tree_hashes(src) == before
 
 
+def test_saved_files_follow_umask(tmp_path):
+    """save_pretrained writes weights as 0600; the published folder must not."""
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    old = os.umask(0o022)
+    try:
+        res = compressor.run(make_recipe(src, tmp_path / "out"))
+    finally:
+        os.umask(old)
+    assert res.exit_code == 0
+    modes = {p.name: p.stat().st_mode & 0o777 for p in res.output.iterdir() if p.is_file()}
+    assert modes and all(m == 0o644 for m in modes.values()), modes
+
+
 def test_reproducible_weights(tmp_path):
     src = save_tiny_checkpoint(tmp_path / "in", "llama")
     a = compressor.run(make_recipe(src, tmp_path / "a"))
