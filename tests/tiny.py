@@ -37,15 +37,19 @@ COMPRESSIBLE = [t for t in ARCH_MATRIX if t not in PROFILE_ONLY]
 
 
 def _decoder_common() -> dict:
+    return _encoder_style_common(num_key_value_heads=KV_HEADS)
+
+
+def _encoder_style_common(**overrides) -> dict:
+    """Config fields named the BERT way (also GPT-NeoX's)."""
     return dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
         max_position_embeddings=MAX_POS,
-    )
+    ) | overrides
 
 
 def _config_and_class(model_type: str):
@@ -57,15 +61,7 @@ def _config_and_class(model_type: str):
         )
         return cfg, t.GPT2LMHeadModel
     if model_type == "gpt_neox":
-        cfg = t.GPTNeoXConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=INTERMEDIATE,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            max_position_embeddings=MAX_POS,
-        )
-        return cfg, t.GPTNeoXForCausalLM
+        return t.GPTNeoXConfig(**_encoder_style_common()), t.GPTNeoXForCausalLM
     if model_type == "llama":
         return t.LlamaConfig(**_decoder_common()), t.LlamaForCausalLM
     if model_type == "mistral":
@@ -83,25 +79,10 @@ def _config_and_class(model_type: str):
         )
         return cfg, t.Gemma3ForCausalLM
     if model_type == "bert":
-        cfg = t.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=INTERMEDIATE,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            max_position_embeddings=MAX_POS,
-        )
-        return cfg, t.BertModel
+        return t.BertConfig(**_encoder_style_common()), t.BertModel
     if model_type == "roberta":
-        cfg = t.RobertaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=INTERMEDIATE,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            max_position_embeddings=MAX_POS + 2,  # RoBERTa offsets positions by pad_token_id + 1
-            pad_token_id=1,
-        )
+        # RoBERTa offsets positions by pad_token_id + 1
+        cfg = t.RobertaConfig(**_encoder_style_common(max_position_embeddings=MAX_POS + 2), pad_token_id=1)
         return cfg, t.RobertaModel
     raise KeyError(f"no tiny config for model type {model_type!r}; known: {ARCH_MATRIX}")
 

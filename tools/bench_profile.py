@@ -295,14 +295,6 @@ def _run_measured(model, cal, fn, batch_size: int) -> dict:
     return out
 
 
-def child_peak(tokens: int, data: Path, batch_size: int) -> dict:
-    model, cal = load(tokens, data)
-    out = _run_measured(model, cal, streaming_profile, batch_size)
-    logger.info("streaming @ %d tokens: peak growth %.0f MiB, %.1f s", tokens, out["peak_growth_mib"],
-                out["timing"]["profile_s"])
-    return out
-
-
 def naive_profile(model, cal, batch_size: int) -> tuple[dict, list[float], list[list[str]]]:
     """Store every FFN input/output row (float64), then lstsq + held-out R² per block.
 
@@ -360,10 +352,11 @@ def naive_profile(model, cal, batch_size: int) -> tuple[dict, list[float], list[
     return {"capture_s": t1 - t0, "lstsq_s": t2 - t1, "profile_s": t2 - t0}, r2, [[] for _ in r2]
 
 
-def child_naive(tokens: int, data: Path, batch_size: int) -> dict:
+def child_run(kind: str, tokens: int, data: Path, batch_size: int) -> dict:
+    """One measured profile in this (fresh) process: ``streaming`` or ``naive``."""
     model, cal = load(tokens, data)
-    out = _run_measured(model, cal, naive_profile, batch_size)
-    logger.info("naive @ %d tokens: peak growth %.0f MiB, %.1f s", tokens, out["peak_growth_mib"],
+    out = _run_measured(model, cal, streaming_profile if kind == "streaming" else naive_profile, batch_size)
+    logger.info("%s @ %d tokens: peak growth %.0f MiB, %.1f s", kind, tokens, out["peak_growth_mib"],
                 out["timing"]["profile_s"])
     return out
 
@@ -795,8 +788,8 @@ def main(argv=None) -> int:
     )
     args.data_path = resolve_data(args.data)
     if args.child_peak or args.child_naive:
-        fn = child_peak if args.child_peak else child_naive
-        out = fn(args.child_peak or args.child_naive, args.data_path, args.batch_size)
+        kind = "streaming" if args.child_peak else "naive"
+        out = child_run(kind, args.child_peak or args.child_naive, args.data_path, args.batch_size)
         sys.stdout.write(CHILD_MARKER + json.dumps(out) + "\n")
         return 0
     result = main_bench(args)
