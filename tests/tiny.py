@@ -37,11 +37,11 @@ COMPRESSIBLE = [t for t in ARCH_MATRIX if t not in PROFILE_ONLY]
 
 
 def _decoder_common() -> dict:
-    return _encoder_style_common(num_key_value_heads=KV_HEADS)
+    return _common_fields(num_key_value_heads=KV_HEADS)
 
 
-def _encoder_style_common(**overrides) -> dict:
-    """Config fields named the BERT way (also GPT-NeoX's)."""
+def _common_fields(**overrides) -> dict:
+    """Config fields shared by the tiny configs (BERT-style names, as most configs use)."""
     return dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -61,7 +61,7 @@ def _config_and_class(model_type: str):
         )
         return cfg, t.GPT2LMHeadModel
     if model_type == "gpt_neox":
-        return t.GPTNeoXConfig(**_encoder_style_common()), t.GPTNeoXForCausalLM
+        return t.GPTNeoXConfig(**_common_fields()), t.GPTNeoXForCausalLM
     if model_type == "llama":
         return t.LlamaConfig(**_decoder_common()), t.LlamaForCausalLM
     if model_type == "mistral":
@@ -79,10 +79,10 @@ def _config_and_class(model_type: str):
         )
         return cfg, t.Gemma3ForCausalLM
     if model_type == "bert":
-        return t.BertConfig(**_encoder_style_common()), t.BertModel
+        return t.BertConfig(**_common_fields()), t.BertModel
     if model_type == "roberta":
         # RoBERTa offsets positions by pad_token_id + 1
-        cfg = t.RobertaConfig(**_encoder_style_common(max_position_embeddings=MAX_POS + 2), pad_token_id=1)
+        cfg = t.RobertaConfig(**_common_fields(max_position_embeddings=MAX_POS + 2), pad_token_id=1)
         return cfg, t.RobertaModel
     raise KeyError(f"no tiny config for model type {model_type!r}; known: {ARCH_MATRIX}")
 

