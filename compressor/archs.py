@@ -27,10 +27,21 @@ class ArchSpec:
     """Module (relative to a block) whose output is the FFN output."""
     compressible: bool = True
     """False for architectures we only profile (the FFN is not one module)."""
+    ffn_up: tuple[str, ...] = ()
+    """Projections (relative to the FFN module) that make its hidden units:
+    ``(gate, up)`` for gated MLPs (``act(gate x) * up x``), ``(up,)`` for plain
+    ones (``act(up x)``). Empty: hidden-unit kinds (prune, hybrid) unsupported."""
+    ffn_down: str = ""
+    """Projection (relative to the FFN module) whose input is the hidden units."""
+    act_attrs: tuple[str, ...] = ("hidden_act",)
+    """Config attributes naming the activation (first present wins)."""
+    residual_direct: bool = True
+    """True when the FFN output is added to the residual stream as is (no
+    post-FFN norm): the residual teacher target is defined only then."""
     note: str = ""
 
 
-_DECODER = ArchSpec(blocks=("model.layers", "layers"))
+_DECODER = ArchSpec(blocks=("model.layers", "layers"), ffn_up=("gate_proj", "up_proj"), ffn_down="down_proj")
 _BERT = ArchSpec(
     blocks=("bert.encoder.layer", "roberta.encoder.layer", "encoder.layer"),
     ffn_in="intermediate",
@@ -40,13 +51,18 @@ _BERT = ArchSpec(
 )
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "gpt2": ArchSpec(blocks=("transformer.h", "h")),
-    "gpt_neox": ArchSpec(blocks=("gpt_neox.layers", "layers")),
+    "gpt2": ArchSpec(blocks=("transformer.h", "h"), ffn_up=("c_fc",), ffn_down="c_proj",
+                     act_attrs=("activation_function",)),
+    "gpt_neox": ArchSpec(blocks=("gpt_neox.layers", "layers"), ffn_up=("dense_h_to_4h",), ffn_down="dense_4h_to_h"),
     "llama": _DECODER,
     "mistral": _DECODER,
     "qwen2": _DECODER,
     "qwen3": _DECODER,
-    "gemma3_text": _DECODER,
+    "gemma3_text": ArchSpec(
+        blocks=("model.layers", "layers"), ffn_up=("gate_proj", "up_proj"), ffn_down="down_proj",
+        act_attrs=("hidden_activation", "hidden_act"), residual_direct=False,
+        note="the FFN output passes a post-FFN RMSNorm before the residual add",
+    ),
     "bert": _BERT,
     "roberta": _BERT,
 }

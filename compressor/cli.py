@@ -61,7 +61,7 @@ def _recipe_option(p: argparse.ArgumentParser, flag: str, section, name: str, **
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .recipe import CalibrationConfig, MeasureConfig, ModelConfig, PolicyConfig, ReplacementConfig
+    from .recipe import REPLACEMENT_CONFIGS, CalibrationConfig, LowRankReplacement, MeasureConfig, ModelConfig, PolicyConfig
 
     parser = argparse.ArgumentParser(
         prog="compressor",
@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     # None = not given: the recipe default applies (shown in the help).
     _recipe_option(p, "--threshold", PolicyConfig, "threshold", type=float, default=None)
     _recipe_option(p, "--ppl-budget", PolicyConfig, "ppl_budget", type=float, default=None)
-    _recipe_option(p, "--kind", ReplacementConfig, "kind", default=None)
-    _recipe_option(p, "--rank", ReplacementConfig, "rank", type=int, default=None)
+    p.add_argument("--kind", choices=list(REPLACEMENT_CONFIGS), default=None,
+                   help="replacement kind: affine, low_rank, prune, hybrid (default: affine)")
+    _recipe_option(p, "--rank", LowRankReplacement, "rank", type=int, default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
     p.add_argument("--report", default=None, help="also write report.json here")

@@ -1,54 +1,67 @@
-"""The policy engine: profile → candidates → perplexity-gated replacement.
+"""The policy engine: one layer-sequential pass → fits → a strategy → the gate.
 
-High R²_lin alone is not trusted. Candidates are swapped in one at a time, in
-the policy's order, and each is kept only if the whole model's perplexity on
-the evaluation windows stays within budget; otherwise it is rolled back. Every
-block's decision and its reason end up in the report.
+* pass A (:class:`~compressor.engine.LayerWalker`): per layer, the statistics
+  the kind needs, the R²_lin profile, and either the kind's fit at its
+  configured level (``greedy``) or its error curve (``allocate``);
+* ``greedy`` (:mod:`compressor.gate`): whole-block swaps tried one at a time;
+* ``allocate`` (:mod:`compressor.allocate`): one global FFN-parameter target
+  split across blocks, validated, backed off by bisection until the gate holds.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
-from .archs import arch_for, find_blocks
+from .allocate import BlockCurve, allocate
 from .data import CalibrationSet
-from .fit import AffineFit, LowRankFit, score, solve_affine
-from .measure import BlockStats, collect
+from .engine import LayerStats, LayerWalker
+from .gate import greedy_gate
+from .kinds import BlockData, Fitted, Level, get_kind
 from .profiling import BlockProfile, block_profile
 from .recipe import Recipe
-from .replace import build_module, count_params, ffn_path, swap
-from .select import candidates, make_fit, replacement_params
+from .replace import count_params, ffn_path
 from .validate import Perplexity, perplexity
 
 logger = logging.getLogger(__name__)
+
+# Keep every block's hidden-unit statistics in RAM for the allocate strategy
+# (so a back-off step re-solves instead of re-running calibration) while they
+# take less than this share of the available memory.
+KEEP_STATS_MEMORY_SHARE = 0.3
+# allocate without policy.ffn_keep: the bisection searches kept fractions above this.
+MIN_FFN_KEEP = 0.3
 
 
 @dataclass
 class BlockDecision:
     index: int
+    module: str
     r2_lin: float
     r2_bulk: float
     outlier_sst_share: float
     outlier_dominated: bool
-    decision: str = "not a candidate"  # kept | rejected | not a candidate | not tried
+    decision: str = "not a candidate"  # kept | rejected | not a candidate | not tried | not replaced
     reason: str = ""
-    replacement: str | None = None
-    rank: int | None = None
+    kind: str | None = None
+    size: int | None = None
+    """Kept hidden units (prune, hybrid) or rank (low_rank) of the replacement."""
     ffn_params: int = 0
     replacement_params: int = 0
     r2_replacement: float | None = None
-    """Held-out R² of the map actually tried (low-rank and/or refitted)."""
-    refit: bool = False
+    """Held-out R² of the replacement's output."""
     swap_ppl: float | None = None
     """Perplexity with only this block replaced (single-swap sweep)."""
     ppl_when_tried: float | None = None
     delta_ppl: float | None = None
-    """Perplexity increase this block caused when it was kept."""
+    """Perplexity increase this block caused when it was kept (greedy)."""
+    predicted_cost: float | None = None
+    """Sensitivity-weighted error the allocation expected (allocate)."""
 
 
 @dataclass
@@ -63,8 +76,11 @@ class CompressionResult:
     params_after: int
     gate_passed: bool
     gate_message: str
+    strategy: str = "greedy"
     timings: dict[str, float] = field(default_factory=dict)
-    modules: dict[int, str] = field(default_factory=dict)
+    fitted: dict[int, Fitted] = field(default_factory=dict)
+    attempts: list[dict] = field(default_factory=list)
+    """allocate: every global target tried, with its perplexity and verdict."""
 
     @property
     def kept(self) -> list[BlockDecision]:
@@ -74,14 +90,10 @@ class CompressionResult:
         """Entries for the checkpoint's ``config.compression.blocks``."""
         out = []
         for d in self.kept:
-            prof = self.profiles[d.index]
-            out.append({
-                "index": d.index, "module": self.modules[d.index], "replacement": d.replacement,
-                "in_features": prof.d_in, "out_features": prof.d_out, "rank": d.rank,
-                "r2_lin": prof.r2_lin, "r2_replacement": d.r2_replacement, "refit": d.refit,
-                "delta_ppl": d.delta_ppl, "swap_ppl": d.swap_ppl,
-                "ffn_params": d.ffn_params, "replacement_params": d.replacement_params,
-            })
+            entry = self.fitted[d.index].entry(d.module)
+            entry.update({"r2_lin": self.profiles[d.index].r2_lin, "ffn_params": d.ffn_params,
+                          "delta_ppl": d.delta_ppl, "swap_ppl": d.swap_ppl})
+            out.append(entry)
         return out
 
     def decisions_json(self) -> list[dict]:
@@ -92,194 +104,226 @@ def budget_limit(base: float, budget: float, mode: str) -> float:
     return base * (1.0 + budget) if mode == "relative" else base + budget
 
 
+def _strategy(recipe: Recipe) -> str:
+    s = recipe.policy.strategy
+    if s == "auto":
+        return "allocate" if recipe.replacement.kind in ("prune", "hybrid") else "greedy"
+    return s
+
+
+def _activation(model: nn.Module, spec) -> str | None:
+    cfg = model.config
+    for attr in spec.act_attrs:
+        value = getattr(cfg, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _available_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def compress_model(
-    model: nn.Module,
-    recipe: Recipe,
-    calibration: CalibrationSet,
-    eval_tokens: torch.Tensor,
-    *,
-    stats: dict[int, BlockStats] | None = None,
+    model: nn.Module, recipe: Recipe, calibration: CalibrationSet, eval_tokens: torch.Tensor,
 ) -> CompressionResult:
-    """Run measure → fit → select → replace → validate on ``model`` in place.
-
-    ``stats`` (e.g. from the cache) skips the calibration pass.
-    """
-    model_type, spec = arch_for(model)
-    if not spec.compressible:
-        raise ValueError(
-            f"{model_type} models are profile-only ({spec.note}); `compress` refuses them. Use `compressor profile`."
-        )
-    _, block_list = find_blocks(model, spec)
-    n_blocks = len(block_list)
-    m, pol, ev = recipe.measure, recipe.policy, recipe.evaluation
+    """Run measure → fit → select → replace → validate on ``model`` in place."""
+    rc, m, pol, ev = recipe.replacement, recipe.measure, recipe.policy, recipe.evaluation
+    kind = get_kind(rc.kind)
+    strategy = _strategy(recipe)
     timings: dict[str, float] = {}
-
-    if stats is None:
-        t0 = time.perf_counter()
-        stats = collect(
-            model, calibration.fit, calibration.heldout, batch_size=recipe.calibration.batch_size,
-            spike_factor=m.spike_factor, precision=m.precision, output_rank=m.output_rank,
-        )
-        timings["measure_s"] = time.perf_counter() - t0
+    compute_dtype = {"float32": torch.float32, "float64": torch.float64}[m.precision]
 
     t0 = time.perf_counter()
-    profiles, fits = [], {}
+    walker = LayerWalker(model, {"fit": calibration.fit, "heldout": calibration.heldout},
+                         batch_size=recipe.calibration.batch_size)
+    spec, n_blocks = walker.spec, len(walker.layers)
+    if kind.needs_hidden and not (spec.ffn_up and spec.ffn_down):
+        raise ValueError(f"replacement kind {rc.kind} needs the FFN's hidden units, which "
+                         f"compressor/archs.py does not locate for {walker.model_type}")
+    act = _activation(model, spec)
     modules = {i: ffn_path(model, i) for i in range(n_blocks)}
-    for i in range(n_blocks):
-        prof, fit = block_profile(stats[i], outlier_share_flag=m.outlier_share_flag)
-        prof.ffn_params = count_params(model.get_submodule(modules[i]))
-        fits[i] = fit
-        profiles.append(prof)
-    replacements = {i: make_fit(fits[i], stats[i].fit, recipe.replacement, profiles[i].ffn_params) for i in range(n_blocks)}
-    for i, p in enumerate(profiles):
-        p.affine_params = replacement_params(replacements[i])
-    timings["fit_s"] = time.perf_counter() - t0
+    ffn_params = {i: count_params(model.get_submodule(modules[i])) for i in range(n_blocks)}
+    profiles: list[BlockProfile | None] = [None] * n_blocks
+    fitted: dict[int, Fitted] = {}
+    curves: list[BlockCurve] = []
+    kept_data: dict[int, BlockData] = {}
+    per_block = None  # bytes of one block's kept statistics, known after layer 0
 
-    def ppl(desc: str) -> Perplexity:
+    def block_data(i: int, st: LayerStats) -> BlockData:
+        return BlockData(i, model.get_submodule(modules[i]), spec, act, st.xy.fit, st.xy.heldout_total(),
+                         st.zfit, st.zheld)
+
+    def on_layer(i: int, st: LayerStats):
+        nonlocal per_block
+        prof, _ = block_profile(st.xy, outlier_share_flag=m.outlier_share_flag)
+        prof.ffn_params, prof.affine_params = ffn_params[i], prof.d_in * prof.d_out + prof.d_out
+        profiles[i] = prof
+        data = block_data(i, st)
+        if strategy == "greedy":
+            fitted[i] = kind.fit(data, rc, kind.default_level(data, rc))
+            return None
+        levels = kind.levels(data, rc)
+        bulk = st.xy.heldout["bulk"]
+        energy = float(bulk.cyy_diag.sum()) / max(bulk.n, 1)
+        weight = energy / st.resid_energy if pol.allocation == "sensitivity" and st.resid_energy > 0 else 1.0
+        curves.append(BlockCurve(i, ffn_params[i], levels, weight, data.d_ff if kind.needs_hidden else None))
+        data.zheld = None  # the curve holds what the held-out rows had to say
+        if per_block is None and data.zfit is not None:
+            per_block = data.zfit.cxx.numel() * 8 * 1.2
+        if per_block is None or per_block * n_blocks < KEEP_STATS_MEMORY_SHARE * _available_bytes():
+            kept_data[i] = data
+        return None
+
+    walker.walk(on_layer, hidden=kind.needs_hidden, spike_factor=m.spike_factor, compute_dtype=compute_dtype,
+                desc="calibrate")
+    timings["measure_s"] = time.perf_counter() - t0
+
+    def evaluate(desc: str) -> Perplexity:
         return perplexity(model, eval_tokens, seq_len=ev.seq_len, stride=ev.stride, batch_size=ev.batch_size, desc=desc)
 
     t0 = time.perf_counter()
-    baseline = ppl("baseline perplexity")
+    baseline = evaluate("baseline perplexity")
     limit = budget_limit(baseline.ppl, pol.ppl_budget, pol.budget_mode)
     logger.info("baseline perplexity %.4f over %d tokens; budget ≤ %.4f", baseline.ppl, baseline.tokens, limit)
     timings["baseline_s"] = time.perf_counter() - t0
 
     decisions = [
-        BlockDecision(
-            index=p.index, r2_lin=p.r2_lin, r2_bulk=p.r2_bulk, outlier_sst_share=p.outlier_sst_share,
-            outlier_dominated=p.outlier_dominated, ffn_params=p.ffn_params,
-            replacement=recipe.replacement.kind, replacement_params=p.affine_params,
-            rank=replacements[p.index].rank if isinstance(replacements[p.index], LowRankFit) else None,
-        )
+        BlockDecision(index=p.index, module=modules[p.index], r2_lin=p.r2_lin, r2_bulk=p.r2_bulk,
+                      outlier_sst_share=p.outlier_sst_share, outlier_dominated=p.outlier_dominated,
+                      ffn_params=p.ffn_params, kind=rc.kind)
         for p in profiles
     ]
-
-    def held_r2(f: AffineFit | LowRankFit, st: BlockStats) -> float:
-        return score(st.heldout_total(), f.W, f.b).r2
-
-    for d in decisions:
-        d.r2_replacement = held_r2(replacements[d.index], stats[d.index])
-
-    # Optional single-swap sweep: every block alone (the paper's Figure 2).
-    swap_delta: dict[int, float] | None = None
-    t0 = time.perf_counter()
-    if m.swap_sweep or pol.order == "swap_ppl":
-        swap_delta = {}
-        sweep = range(n_blocks) if m.swap_sweep else candidates(profiles, pol.model_copy(update={"order": "index"}))[0]
-        for k, i in enumerate(sweep):
-            s = swap(model, i, build_module(replacements[i], model.get_submodule(modules[i])))
-            try:
-                r = ppl(f"single-swap sweep ({k + 1}/{len(sweep)})")
-            finally:
-                s.undo()
-            decisions[i].swap_ppl = r.ppl
-            swap_delta[i] = r.ppl - baseline.ppl
-            logger.info("block %d alone: perplexity %.4f (Δ %+.4f)", i, r.ppl, swap_delta[i])
-    timings["sweep_s"] = time.perf_counter() - t0
-
-    order, reasons = candidates(profiles, pol, swap_delta)
-    for i, why in reasons.items():
-        decisions[i].reason = why
-    for i in order:
-        decisions[i].decision = "not tried"
-    logger.info("%d candidate block(s) in order %s", len(order), order)
-
     params_before = count_params(model)
-    params_now = params_before
-    current = baseline
-    accepted: list[int] = []
-    # Smallest block index kept since the last refit: only blocks after it see
-    # different inputs, so only those are refitted.
-    stale_from: int | None = None
-    stats = dict(stats)  # refit replaces entries; never mutate the caller's dict
     t0 = time.perf_counter()
-
-    rejected_in_a_row = 0
-
-    def stop_reason() -> str | None:
-        if pol.max_blocks is not None and len(accepted) >= pol.max_blocks:
-            return f"policy.max_blocks={pol.max_blocks} reached"
-        if pol.target_ratio is not None and params_now <= pol.target_ratio * params_before:
-            return f"policy.target_ratio={pol.target_ratio} reached"
-        if pol.patience is not None and rejected_in_a_row >= pol.patience:
-            return f"policy.patience={pol.patience}: stopped after {rejected_in_a_row} rejections in a row"
-        return None
-
-    if pol.gate:
-        for k, i in enumerate(order):
-            d = decisions[i]
-            why = stop_reason()
-            if why:
-                d.reason = why
-                continue
-            if d.swap_ppl is not None and d.swap_ppl > limit:
-                # Alone it already breaks the budget; on top of kept blocks it
-                # would too, so the evaluation is skipped.
-                d.decision = "rejected"
-                d.reason = f"single-swap perplexity {d.swap_ppl:.4f} alone exceeds the budget {limit:.4f}"
-                rejected_in_a_row += 1
-                continue
-            fit_i = replacements[i]
-            if pol.refit and stale_from is not None:
-                remaining = [j for j in order[k:] if decisions[j].decision == "not tried" and j > stale_from]
-                if remaining:
-                    logger.info("refitting blocks %s on the compressed model's activations", sorted(remaining))
-                    fresh = collect(
-                        model, calibration.fit, calibration.heldout, blocks=remaining,
-                        batch_size=recipe.calibration.batch_size, spike_factor=m.spike_factor,
-                        precision=m.precision, output_rank=m.output_rank,
-                    )
-                    for j in remaining:
-                        stats[j] = fresh[j]
-                        replacements[j] = make_fit(
-                            solve_affine(fresh[j].fit), fresh[j].fit, recipe.replacement, profiles[j].ffn_params
-                        )
-                        decisions[j].refit = True
-                        decisions[j].r2_replacement = held_r2(replacements[j], fresh[j])
-                stale_from = None
-                fit_i = replacements[i]
-            s = swap(model, i, build_module(fit_i, model.get_submodule(modules[i])))
-            r = ppl(f"gate: block {i} ({k + 1}/{len(order)})")
-            d.ppl_when_tried = r.ppl
-            if r.ppl <= limit:
-                d.decision, d.delta_ppl = "kept", r.ppl - current.ppl
-                d.reason = f"perplexity {r.ppl:.4f} ≤ budget {limit:.4f}"
-                params_now = count_params(model)
-                current = r
-                accepted.append(i)
-                stale_from = i if stale_from is None else min(stale_from, i)
-                rejected_in_a_row = 0
-                logger.info("block %d kept: perplexity %.4f (budget %.4f)", i, r.ppl, limit)
-            else:
-                s.undo()
-                d.decision = "rejected"
-                d.reason = f"perplexity {r.ppl:.4f} > budget {limit:.4f}: rolled back"
-                rejected_in_a_row += 1
-                logger.info("block %d rejected: perplexity %.4f > %.4f", i, r.ppl, limit)
-        final = current
+    attempts: list[dict] = []
+    if strategy == "greedy":
+        for d in decisions:
+            f = fitted[d.index]
+            d.size, d.replacement_params, d.r2_replacement = f.config.get("units", f.config.get("rank")), f.params, f.heldout_r2
+        final, accepted = greedy_gate(model, fitted, profiles, decisions, pol, baseline, limit, evaluate,
+                                      sweep_all=m.swap_sweep)
     else:
-        for i in order:
-            why = stop_reason()
-            if why:
-                decisions[i].reason = why
-                continue
-            swap(model, i, build_module(replacements[i], model.get_submodule(modules[i])))
-            params_now = count_params(model)
-            accepted.append(i)
-            decisions[i].decision = "kept"
-            decisions[i].reason = "R²_lin threshold rule (no per-block gate)"
-        final = ppl("final perplexity") if accepted else baseline
+        final, accepted, attempts = _allocate_and_gate(
+            model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
+            baseline, limit, evaluate, compute_dtype, m.spike_factor)
     timings["gate_s"] = time.perf_counter() - t0
 
     within = final.ppl <= limit
     if len(accepted) < pol.min_blocks:
         passed, msg = False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"
-    elif not within:
+    elif pol.gate and not within:
         passed, msg = False, f"final perplexity {final.ppl:.4f} exceeds the budget {limit:.4f}"
+    elif not pol.gate and not within:
+        passed, msg = False, f"final perplexity {final.ppl:.4f} exceeds the budget {limit:.4f} (gate off)"
     else:
         passed, msg = True, f"{len(accepted)} block(s) replaced; perplexity {final.ppl:.4f} ≤ budget {limit:.4f}"
     return CompressionResult(
         model=model, profiles=profiles, decisions=decisions, baseline=baseline, final=final, budget_ppl=limit,
         params_before=params_before, params_after=count_params(model), gate_passed=passed, gate_message=msg,
-        timings=timings, modules=modules,
+        strategy=strategy, timings=timings, fitted={i: fitted[i] for i in accepted}, attempts=attempts,
     )
+
+
+def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
+                       baseline, limit, evaluate, compute_dtype, spike_factor):
+    """Allocate a global FFN target, validate, bisect the target until the gate holds."""
+    excluded = set(pol.exclude)
+    if pol.skip_outlier_dominated:
+        excluded |= {d.index for d in decisions if d.outlier_dominated}
+    for d in decisions:
+        if d.index in excluded:
+            d.decision = "not a candidate"
+            d.reason = "excluded by policy.exclude" if d.index in pol.exclude else (
+                "outlier-dominated; set policy.skip_outlier_dominated: false to allow it")
+    active = [c for c in curves if c.index not in excluded]
+    ffn_total = sum(c.ffn_params for c in active)
+    originals = {i: model.get_submodule(modules[i]) for i in range(len(decisions))}
+
+    def restore() -> None:
+        for i, mod in originals.items():
+            model.set_submodule(modules[i], mod)
+
+    def install(keep: float) -> tuple[dict[int, Level | None], dict[int, Fitted]]:
+        restore()
+        choice = allocate(active, int(keep * ffn_total), pol.allocation)
+        fits: dict[int, Fitted] = {}
+        if rc.target == "none" and all(i in kept_data for i, lv in choice.items() if lv is not None):
+            for i, lv in choice.items():
+                if lv is not None:
+                    fits[i] = kind.fit(kept_data[i], rc, lv.size)
+                    model.set_submodule(modules[i], fits[i].build(originals[i]))
+        else:
+            def on_layer(i: int, st: LayerStats):
+                lv = choice.get(i)
+                if lv is None:
+                    return None
+                fits[i] = kind.fit(block_data(i, st), rc, lv.size)
+                return fits[i].build(originals[i])
+            walker.walk(on_layer, hidden=kind.needs_hidden, target=rc.target, spike_factor=spike_factor,
+                        compute_dtype=compute_dtype, layers=[i for i, lv in choice.items() if lv is not None],
+                        desc="fit")
+        return choice, fits
+
+    attempts: list[dict] = []
+
+    def attempt(keep: float):
+        choice, fits = install(keep)
+        r = evaluate(f"gate: keep {keep:.1%} of FFN parameters")
+        kept_params = sum(c.ffn_params if choice[c.index] is None else choice[c.index].params for c in active)
+        ok = r.ppl <= limit
+        attempts.append({"ffn_keep_target": keep, "ffn_params_kept": kept_params, "ffn_params_total": ffn_total,
+                         "blocks_replaced": sum(lv is not None for lv in choice.values()),
+                         "ppl": r.ppl, "passed": ok})
+        logger.info("keep %.1f%% of FFN parameters (%d blocks replaced): perplexity %.4f %s budget %.4f",
+                    100 * kept_params / ffn_total, attempts[-1]["blocks_replaced"], r.ppl, "≤" if ok else ">", limit)
+        return r, ok, choice, fits
+
+    # Bisection on the kept fraction: `failed` is the largest known failing
+    # target (or the floor), `passed` the smallest known passing one (1.0:
+    # the original model passes trivially).
+    best = None
+    failed, passed = MIN_FFN_KEEP, 1.0
+    if pol.ffn_keep is not None:
+        r, ok, choice, fits = attempt(pol.ffn_keep)
+        if ok or not pol.gate:
+            best = (pol.ffn_keep, r, choice, fits)
+        else:
+            failed = pol.ffn_keep
+    if pol.gate and best is None:
+        for _ in range(pol.max_backoff):
+            mid = (failed + passed) / 2
+            r, ok, choice, fits = attempt(mid)
+            if ok:
+                best, passed = (mid, r, choice, fits), mid
+            else:
+                failed = mid
+    if best is None:
+        restore()
+        for d in decisions:
+            if d.decision != "not a candidate":
+                d.decision, d.reason = "rejected", "no allocated target tried passed the gate"
+        return baseline, [], attempts
+    keep, r, choice, fits = best
+    if attempts[-1]["ffn_keep_target"] != keep:
+        choice, fits = install(keep)  # deterministic: the same fits as when it was measured
+    fitted.clear()
+    fitted.update(fits)
+    curve_of = {c.index: c for c in active}
+    for d in decisions:
+        if d.decision == "not a candidate":
+            continue
+        lv = choice.get(d.index)
+        if lv is None:
+            d.decision, d.reason = "not replaced", f"allocation kept the original at ffn_keep {keep:.3f}"
+            continue
+        f = fits[d.index]
+        d.decision = "kept"
+        d.reason = f"allocated {lv.size} units at ffn_keep {keep:.3f}; model perplexity {r.ppl:.4f} ≤ {limit:.4f}"
+        d.size, d.replacement_params = lv.size, f.params
+        d.r2_replacement = f.heldout_r2 if f.heldout_r2 == f.heldout_r2 else 1.0 - lv.heldout_rel_error
+        d.predicted_cost = curve_of[d.index].weight * lv.heldout_rel_error
+    return r, sorted(fits), attempts

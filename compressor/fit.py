@@ -224,3 +224,12 @@ def effective_rank(values: torch.Tensor) -> float:
         return 0.0
     p = v[v > 0] / total
     return math.exp(float(-(p * p.log()).sum()))
+
+
+def subset(m: Moments, cols: torch.Tensor) -> Moments:
+    """The statistics of the regression restricted to input columns ``cols``."""
+    cols = torch.as_tensor(cols, dtype=torch.long)
+    return Moments(
+        d_in=int(cols.numel()), d_out=m.d_out, full_cyy=m.full_cyy, n=m.n, mx=m.mx[cols], my=m.my,
+        cxx=m.cxx[cols][:, cols], cxy=m.cxy[cols], cyy_diag=m.cyy_diag, cyy=m.cyy,
+    )

@@ -50,6 +50,12 @@ class BlockStats:
             total.merge_(self.heldout[part])
         return total
 
+    def to(self, device) -> "BlockStats":
+        """Move the sums to ``device`` in place (the solves run on the CPU)."""
+        self.fit = self.fit.to(device)
+        self.heldout = {p: m.to(device) for p, m in self.heldout.items()}
+        return self
+
     def merge_(self, other: "BlockStats") -> "BlockStats":
         self.fit.merge_(other.fit)
         for part in PARTS:
@@ -79,6 +85,34 @@ class BlockStats:
             out_norms_fit=LogHistogram.from_state_dict(sd, f"{p}.out_norms_fit"),
             spike_threshold=float(sd[f"{p}.spike_threshold"][0]),
         )
+
+
+def set_spike_threshold(st: BlockStats, spike_factor: float) -> None:
+    """Fix the spike threshold from the fit rows' output norms (call before held-out rows)."""
+    median = st.out_norms_fit.quantile(0.5)
+    st.spike_threshold = spike_factor * median if median == median else float("inf")
+
+
+@torch.no_grad()
+def accumulate(st: BlockStats, x: torch.Tensor, y: torch.Tensor, split: str, compute_dtype=torch.float32) -> None:
+    """Fold one batch of FFN inputs ``x`` [B, T, d] and outputs ``y`` into ``st``.
+
+    Held-out rows go to the sink (position 0), spike or bulk partition."""
+    T = x.shape[-2] if x.dim() == 3 else 1
+    x2 = x.reshape(-1, x.shape[-1])
+    y2 = y.reshape(-1, y.shape[-1])
+    st.in_norms.update(x2.float().norm(dim=1))
+    if split == "fit":
+        st.fit.update(x2, y2, compute_dtype)
+        st.out_norms_fit.update(y2.float().norm(dim=1))
+        return
+    pos = torch.arange(x2.shape[0], device=x2.device) % T
+    sink = pos == 0
+    spike = ~sink & (y2.float().norm(dim=1) > st.spike_threshold)
+    bulk = ~(sink | spike)
+    for part, mask in (("sink", sink), ("spike", spike), ("bulk", bulk)):
+        if bool(mask.any()):
+            st.heldout[part].update(x2[mask], y2[mask], compute_dtype)
 
 
 class _StopForward(Exception):
@@ -172,26 +206,11 @@ class StatsCollector:
 
         return hook
 
-    @torch.no_grad()
     def _accumulate(self, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        T = x.shape[-2] if x.dim() == 3 else 1
-        x2 = x.reshape(-1, x.shape[-1])
-        y2 = y.reshape(-1, y.shape[-1])
         st = self.stats.get(i)
         if st is None:
-            st = self.stats[i] = BlockStats.empty(i, x2.shape[1], y2.shape[1], self.output_rank)
-        st.in_norms.update(x2.float().norm(dim=1))
-        if self.split == "fit":
-            st.fit.update(x2, y2, self.compute_dtype)
-            st.out_norms_fit.update(y2.float().norm(dim=1))
-            return
-        pos = torch.arange(x2.shape[0], device=x2.device) % T
-        sink = pos == 0
-        spike = ~sink & (y2.float().norm(dim=1) > st.spike_threshold)
-        bulk = ~(sink | spike)
-        for part, mask in (("sink", sink), ("spike", spike), ("bulk", bulk)):
-            if bool(mask.any()):
-                st.heldout[part].update(x2[mask], y2[mask], self.compute_dtype)
+            st = self.stats[i] = BlockStats.empty(i, x.shape[-1], y.shape[-1], self.output_rank)
+        accumulate(st, x, y, self.split, self.compute_dtype)
 
     # -- driving ----------------------------------------------------------
     def _set_split(self, split: str) -> None:
@@ -199,8 +218,7 @@ class StatsCollector:
             raise ValueError(f"split must be 'fit' or 'heldout', got {split!r}")
         if split == "heldout":
             for st in self.stats.values():
-                median = st.out_norms_fit.quantile(0.5)
-                st.spike_threshold = self.spike_factor * median if median == median else float("inf")
+                set_spike_threshold(st, self.spike_factor)
         self.split = split
 
     @torch.no_grad()
@@ -250,6 +268,8 @@ def collect(
             c.run(heldout_windows, "heldout", batch_size)
     finally:
         model.train(was_training)
+    for st in c.stats.values():
+        st.to("cpu")
     missing = [i for i in c.indices if i not in c.stats]
     if missing:
         raise RuntimeError(f"blocks {missing} were never called during the forward pass; is the model complete?")

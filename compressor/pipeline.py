@@ -173,11 +173,10 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
     cal = calibration_set(tokenizer, _source_text(c), seq_len=c.seq_len, max_tokens=c.max_tokens,
                           heldout_fraction=c.heldout_fraction, seed=c.seed)
     ev_tokens = evaluation_tokens(tokenizer, _source_text(e), _source_text(c), max_tokens=e.max_tokens)
-    t0 = time.perf_counter()
-    stats, cache_info = _stats(model, cal, recipe.measure, c.batch_size, use_cache)
-    measure_s = time.perf_counter() - t0  # the calibration pass, or the cache read
-    result = compress_model(model, recipe, cal, ev_tokens, stats=stats)
-    result.timings = {"measure_s": measure_s, **result.timings}
+    # The layer-sequential engine measures as it goes; the statistics cache
+    # serves `profile` only.
+    cache_info = {"enabled": False, "hit": False, "key": None}
+    result = compress_model(model, recipe, cal, ev_tokens)
 
     out = Path(recipe.output.path).expanduser().resolve()
     report = _report(recipe, src, model_type, result, cal, cache_info, out)
@@ -256,6 +255,8 @@ def _report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal: Cal
         },
         "params": {"before": r.params_before, "after": r.params_after, "removed": r.params_before - r.params_after,
                    "ratio": r.params_after / r.params_before},
+        "strategy": r.strategy,
+        "allocation_attempts": r.attempts,
         "blocks": r.decisions_json(),
         "profile": [p.to_json() for p in r.profiles],
         "timings": dict(r.timings),

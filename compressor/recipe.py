@@ -11,7 +11,7 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -83,13 +83,22 @@ class PolicyConfig(_Section):
     budget_mode: Literal["relative", "absolute"] = Field("relative", description="relative: ppl ≤ base·(1+budget); absolute: ppl ≤ base+budget")
     gate: bool = Field(True, description="validate each candidate and roll it back if over budget; false = bare threshold rule")
     order: Literal["r2", "swap_ppl", "index"] = Field("swap_ppl", description="order candidates are tried in; swap_ppl measures each candidate alone first (one extra evaluation per candidate)")
-    refit: bool = Field(False, description="refit later blocks on the inputs of the already-compressed model")
+    refit: bool = Field(False, description="removed in 0.2 (it refitted toward the compressed model's own outputs and measured no gain); use replacement.target")
+    strategy: Literal["auto", "greedy", "allocate"] = Field(
+        "auto", description="greedy: try whole-block swaps one at a time, roll back over budget; allocate: split one global target across blocks from their error curves, back off until the gate holds; auto: allocate for prune/hybrid, greedy otherwise")
+    ffn_keep: float | None = Field(None, gt=0, le=1, description="allocate: fraction of the FFN parameters to keep (null: the largest cut within the budget, by bisection)")
+    allocation: Literal["sensitivity", "uniform"] = Field(
+        "sensitivity", description="allocate: weight each block's error curve by its sensitivity (its output error relative to the residual stream), or the same keep fraction everywhere")
+    max_backoff: int = Field(6, ge=0, le=30, description="allocate: gate evaluations spent backing off (bisection) before giving up")
     skip_outlier_dominated: bool = Field(True, description="never try blocks flagged outlier-dominated")
     min_blocks: int = Field(1, ge=0, description="fewer accepted blocks than this fails the gate (exit 3)")
     patience: int | None = Field(None, ge=1, description="stop trying candidates after this many consecutive rejections")
 
     @model_validator(mode="after")
     def _lists(self):
+        if self.refit:
+            raise ValueError("policy.refit was removed: it refitted toward the compressed model's own outputs and "
+                             "measured no gain. Use replacement.target: teacher_output or teacher_residual")
         both = sorted(set(self.include) & set(self.exclude))
         if both:
             raise ValueError(f"blocks {both} are in both include and exclude")
@@ -99,21 +108,45 @@ class PolicyConfig(_Section):
         return self
 
 
-class ReplacementConfig(_Section):
-    kind: Literal["affine", "low_rank"] = Field("affine", description="affine: full d×d map; low_rank: two factors d×r, r×d")
-    rank: int | None = Field(None, ge=1, description="low_rank: fixed rank")
-    rank_fraction: float | None = Field(None, gt=0, le=1, description="low_rank: smallest rank keeping this fraction of full-rank R² (fit rows)")
-    max_params_fraction: float | None = Field(None, gt=0, le=1, description="low_rank: largest rank whose parameters ≤ this fraction of the original FFN's")
+class AffineReplacement(_Section):
+    kind: Literal["affine"] = Field("affine", description="affine: the whole FFN becomes one d×d map + bias")
+
+
+class LowRankReplacement(_Section):
+    kind: Literal["low_rank"] = Field("low_rank", description="low_rank: two factors d×r, r×d + bias")
+    rank: int | None = Field(None, ge=1, description="fixed rank")
+    rank_fraction: float | None = Field(None, gt=0, le=1, description="smallest rank keeping this fraction of full-rank R² (fit rows)")
+    max_params_fraction: float | None = Field(None, gt=0, le=1, description="largest rank whose parameters ≤ this fraction of the original FFN's")
 
     @model_validator(mode="after")
     def _rank_rule(self):
         rules = [n for n in ("rank", "rank_fraction", "max_params_fraction") if getattr(self, n) is not None]
-        if self.kind == "affine" and rules:
-            raise ValueError(f"{rules} only apply to kind: low_rank")
-        if self.kind == "low_rank" and len(rules) != 1:
+        if len(rules) != 1:
             raise ValueError("kind: low_rank needs exactly one of rank, rank_fraction, max_params_fraction"
                              + (f" (got {rules})" if rules else ""))
         return self
+
+
+class _HiddenUnitReplacement(_Section):
+    keep: float | None = Field(None, gt=0, le=1, description="fraction of hidden units kept in every replaced block (greedy strategy); null: the allocate strategy sets it per block")
+    step_units: int | None = Field(None, ge=1, description="hidden units removed per step of the OBS path (1 = exact greedy; null: d_ff/128)")
+    target: Literal["none", "teacher_output", "teacher_residual"] = Field(
+        "none", description="fit target: none (block's own output, original inputs); teacher_output / teacher_residual (compressed model's inputs, toward the original model)")
+
+
+class PruneReplacement(_HiddenUnitReplacement):
+    kind: Literal["prune"] = Field("prune", description="prune: keep k hidden units, re-solve the down projection (no bypass)")
+
+
+class HybridReplacement(_HiddenUnitReplacement):
+    kind: Literal["hybrid"] = Field("hybrid", description="hybrid: keep k hidden units plus an affine bypass, solved jointly")
+
+
+REPLACEMENT_CONFIGS = {c.model_fields["kind"].default: c for c in
+                       (AffineReplacement, LowRankReplacement, PruneReplacement, HybridReplacement)}
+ReplacementConfig = Annotated[
+    Union[AffineReplacement, LowRankReplacement, PruneReplacement, HybridReplacement], Field(discriminator="kind")
+]
 
 
 class OutputConfig(_Section):
@@ -128,7 +161,7 @@ class Recipe(_Section):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    replacement: ReplacementConfig = Field(default_factory=ReplacementConfig)
+    replacement: ReplacementConfig = Field(default_factory=AffineReplacement)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict:
@@ -150,7 +183,12 @@ def _format_errors(err: ValidationError, data: Any) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
             parent = Recipe
-            for part in e["loc"][:-1]:
+            parts = list(e["loc"][:-1])
+            if parts[:1] == ["replacement"] and len(parts) > 1 and parts[1] in REPLACEMENT_CONFIGS:
+                # the discriminated union puts the kind tag in the path
+                parent, parts = REPLACEMENT_CONFIGS[parts[1]], []
+                loc = f"replacement.{e['loc'][-1]} (kind {e['loc'][1]})"
+            for part in parts:
                 field = parent.model_fields.get(str(part))
                 parent = field.annotation if field is not None else None
                 if not (isinstance(parent, type) and issubclass(parent, BaseModel)):

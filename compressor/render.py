@@ -87,7 +87,9 @@ def decisions_table(decisions: list[dict]) -> str:
     for d in decisions:
         rep = "—"
         if d["decision"] in ("kept", "rejected"):
-            rep = d["replacement"] + (f" (rank {d['rank']})" if d.get("rank") else "")
+            size = d.get("size")
+            unit = "rank" if d.get("kind") == "low_rank" else "units"
+            rep = (d.get("kind") or "?") + (f" ({unit} {size})" if size is not None and d.get("kind") != "affine" else "")
         params = f"{d['ffn_params']:,} → {d['replacement_params']:,}" if d["decision"] == "kept" else "—"
         rows.append(
             f"| {d['index']} | {_f(d['r2_lin'])} | {_f(d['r2_bulk'], '.3f')} | {d['decision']} | {rep} | {params} "
@@ -101,14 +103,14 @@ def model_card(report: dict) -> str:
     kept = [d for d in r["blocks"] if d["decision"] == "kept"]
     return f"""---
 library_name: transformers
-tags: [compressor, affine-ffn, compressed]
+tags: [compressor, ffn-compression, compressed]
 base_model: {r['model']['source']}
 ---
 
 # {Path(r['output'] or 'model').name}
 
 `{r['model']['source']}` with {len(kept)} of {len(r['blocks'])} FFN blocks replaced by closed-form
-affine maps by [compressor](https://pypi.org/project/compressor/) {r['tool_version']}.
+fitted layers (kind `{r['recipe']['replacement']['kind']}`) by [compressor](https://pypi.org/project/compressor/) {r['tool_version']}.
 
 | | parameters | perplexity |
 |---|---:|---:|

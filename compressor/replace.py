@@ -1,4 +1,4 @@
-"""Replace: swap FFN blocks for closed-form affine modules, and back.
+"""Replace: swap FFN blocks for their closed-form replacements, and back.
 
 Names are resolved first, then the parent is found with ``get_submodule`` and
 the child replaced with ``setattr`` (via ``set_submodule``); the replacement
@@ -14,7 +14,6 @@ from torch import nn
 
 from .archs import arch_for, find_blocks
 from .fit import AffineFit, LowRankFit
-from .hf_modeling import AffineFFN, LowRankAffineFFN
 
 
 def ffn_path(model: nn.Module, index: int) -> str:
@@ -32,19 +31,17 @@ def ffn_path(model: nn.Module, index: int) -> str:
 
 
 def build_module(fit: AffineFit | LowRankFit, like: nn.Module) -> nn.Module:
-    """A replacement module holding ``fit``, on ``like``'s device and dtype."""
-    ref = next(like.parameters())
-    with torch.no_grad():
-        if isinstance(fit, LowRankFit):
-            mod = LowRankAffineFFN(fit.A.shape[0], fit.B.shape[1], fit.rank).to(device=ref.device, dtype=ref.dtype)
-            mod.down.weight.copy_(fit.A.T)
-            mod.up.weight.copy_(fit.B.T)
-            mod.up.bias.copy_(fit.b)
-        else:
-            mod = AffineFFN(fit.d_in, fit.d_out).to(device=ref.device, dtype=ref.dtype)
-            mod.proj.weight.copy_(fit.W.T)
-            mod.proj.bias.copy_(fit.b)
-    return mod
+    """A replacement module holding an affine or reduced-rank ``fit``, on ``like``'s device and dtype."""
+    from .kinds import Fitted
+
+    if isinstance(fit, LowRankFit):
+        d_in, d_out = fit.A.shape[0], fit.B.shape[1]
+        f = Fitted("low_rank", -1, {"in_features": d_in, "out_features": d_out, "rank": fit.rank},
+                   {"down.weight": fit.A.T, "up.weight": fit.B.T, "up.bias": fit.b}, 0, float("nan"))
+    else:
+        f = Fitted("affine", -1, {"in_features": fit.d_in, "out_features": fit.d_out},
+                   {"proj.weight": fit.W.T, "proj.bias": fit.b}, 0, float("nan"))
+    return f.build(like)
 
 
 @dataclass

@@ -69,15 +69,11 @@ class Moments:
         my_b = y.mean(0)
         xc = x - mx_b
         yc = y - my_b
-        chunk = Moments(self.d_in, self.d_out, self.full_cyy)
-        chunk.n = n_b
-        chunk.mx = mx_b.to(_F64).cpu()
-        chunk.my = my_b.to(_F64).cpu()
-        chunk.cxx = (xc.T @ xc).to(_F64).cpu()
-        chunk.cxy = (xc.T @ yc).to(_F64).cpu()
-        chunk.cyy_diag = (yc * yc).sum(0).to(_F64).cpu()
-        if self.full_cyy:
-            chunk.cyy = (yc.T @ yc).to(_F64).cpu()
+        # The sums stay on the device of the data (a GPU accumulates in place,
+        # without a host round trip per chunk); .to("cpu") before solving.
+        chunk = Moments(self.d_in, self.d_out, self.full_cyy, n=n_b, mx=mx_b.to(_F64), my=my_b.to(_F64),
+                        cxx=(xc.T @ xc).to(_F64), cxy=(xc.T @ yc).to(_F64), cyy_diag=(yc * yc).sum(0).to(_F64),
+                        cyy=(yc.T @ yc).to(_F64) if self.full_cyy else None)
         self.merge_(chunk)
 
     def merge_(self, other: "Moments") -> "Moments":
@@ -89,6 +85,8 @@ class Moments:
             )
         if other.n == 0:
             return self
+        if self.n and other.mx.device != self.mx.device:
+            other = other.to(self.mx.device)
         if self.n == 0:
             self.n = other.n
             self.mx, self.my = other.mx.clone(), other.my.clone()
@@ -113,6 +111,14 @@ class Moments:
         self.my += dy * (n_b / n)
         self.n = n
         return self
+
+    def to(self, device) -> "Moments":
+        """A copy with every sum on ``device`` (self if already there)."""
+        if self.mx.device == torch.device(device):
+            return self
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Moments(self.d_in, self.d_out, self.full_cyy, n=self.n, mx=mv(self.mx), my=mv(self.my),
+                       cxx=mv(self.cxx), cxy=mv(self.cxy), cyy_diag=mv(self.cyy_diag), cyy=mv(self.cyy))
 
     def __add__(self, other: "Moments") -> "Moments":
         out = Moments(self.d_in, self.d_out, self.full_cyy and other.full_cyy)

@@ -1,0 +1,143 @@
+"""What every replacement kind provides, and the registry that names them.
+
+A kind turns one block's streamed statistics into a closed-form replacement
+module. It offers a ladder of *levels* (kept hidden units, rank, or just one
+level for the affine map), each with its parameter count and held-out
+relative error, so that a policy can allocate one global budget across blocks
+(:mod:`compressor.allocate`); and it fits the replacement at a chosen level.
+
+Adding a kind is one module under ``compressor/kinds/`` with a class
+registered by :func:`register`, its recipe config (a pydantic model
+discriminated by ``kind``), and its module class in
+:mod:`compressor.hf_modeling` (so checkpoints reload without compressor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..archs import ArchSpec
+from ..stats import Moments
+
+
+@dataclass
+class BlockData:
+    """Everything a kind may fit from, for one block.
+
+    ``fit``/``heldout`` are statistics of ``x → y`` (FFN input → output).
+    ``zfit``/``zheld`` are statistics of ``z = [x, h] → y`` where ``h`` is
+    what the down projection receives; present only when a kind needs them.
+    ``y`` may be a teacher target instead of the block's own output.
+    """
+
+    index: int
+    ffn: nn.Module
+    """The original FFN module (its weights are read, never modified)."""
+    spec: ArchSpec
+    act: str | None
+    fit: Moments
+    heldout: Moments
+    zfit: Moments | None = None
+    zheld: Moments | None = None
+    cache: dict = field(default_factory=dict)
+    """Per-block results a kind reuses (e.g. the OBS path)."""
+
+    @property
+    def d(self) -> int:
+        return self.fit.d_in
+
+    @property
+    def d_out(self) -> int:
+        return self.fit.d_out
+
+    @property
+    def d_ff(self) -> int:
+        if self.zfit is None:
+            raise ValueError("hidden-unit statistics were not collected for this block")
+        return self.zfit.d_in - self.fit.d_in
+
+
+@dataclass(frozen=True)
+class Level:
+    """One rung of a kind's ladder for one block."""
+
+    size: int
+    """Kept hidden units (prune, hybrid), rank (low_rank), or 0 (affine)."""
+    params: int
+    heldout_rel_error: float
+    """Held-out SSE / SST of the replacement's output (1 − R²)."""
+
+
+@dataclass
+class Fitted:
+    """A fitted replacement: its tensors, how to build it, what it costs."""
+
+    kind: str
+    index: int
+    config: dict
+    """Shape arguments for :func:`compressor.hf_modeling.build_replacement`."""
+    tensors: dict[str, torch.Tensor]
+    """Parameter name (relative to the module) → float64 value."""
+    params: int
+    heldout_r2: float
+    warnings: list[str] = field(default_factory=list)
+
+    def entry(self, module_path: str) -> dict:
+        """The checkpoint's ``compression.blocks`` entry (versioned per kind)."""
+        return {"index": self.index, "module": module_path, "kind": self.kind,
+                "format": KINDS[self.kind].format, "config": dict(self.config), "params": self.params,
+                "heldout_r2": self.heldout_r2}
+
+    def build(self, like: nn.Module) -> nn.Module:
+        """The replacement module with the fitted weights, on ``like``'s device and dtype."""
+        from ..hf_modeling import build_replacement
+
+        ref = next(like.parameters())
+        mod = build_replacement({"kind": self.kind, "config": self.config})
+        mod = mod.to(device=ref.device, dtype=ref.dtype)
+        state = mod.state_dict()
+        missing = set(state) ^ set(self.tensors)
+        if missing:
+            raise RuntimeError(f"{self.kind} replacement tensors do not match its module: {sorted(missing)}")
+        with torch.no_grad():
+            for name, value in self.tensors.items():
+                state[name].copy_(value.to(state[name].dtype))
+        return mod
+
+
+class Kind:
+    """Base class of a replacement kind (see the module docstring)."""
+
+    name: ClassVar[str]
+    format: ClassVar[str]
+    needs_hidden: ClassVar[bool] = False
+
+    def levels(self, data: BlockData, cfg) -> list[Level]:
+        """The ladder, from most to least parameters."""
+        raise NotImplementedError
+
+    def default_level(self, data: BlockData, cfg) -> int:
+        """The level size the config asks for when nothing is allocated."""
+        raise NotImplementedError
+
+    def fit(self, data: BlockData, cfg, size: int) -> Fitted:
+        raise NotImplementedError
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register(cls: type[Kind]) -> type[Kind]:
+    KINDS[cls.name] = cls()
+    return cls
+
+
+def get_kind(name: str) -> Kind:
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown replacement kind {name!r}; known kinds: {sorted(KINDS)}") from None

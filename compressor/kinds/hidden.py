@@ -1,0 +1,95 @@
+"""Shared machinery of the hidden-unit kinds (``prune`` and ``hybrid``).
+
+Both keep a subset ``K`` of the FFN's hidden units exactly as they are (their
+gate/up rows) and re-solve the output map in closed form from the streamed
+statistics of ``z = [x, h]``: ``prune`` on ``h_K`` alone (FLAP-like structured
+pruning with closed-form compensation), ``hybrid`` on ``[h_K, x]`` (kept units
+plus an affine bypass). ``K`` comes from the OBS path (:mod:`compressor.obs`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..fit import score, solve_affine, subset
+from ..obs import ObsPath, obs_path
+from .base import BlockData, Fitted, Kind, Level
+
+
+def linear_params(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(W [out, in], bias)`` of an ``nn.Linear`` or a GPT-2 ``Conv1D`` (weight stored [in, out])."""
+    w = mod.weight
+    if type(mod).__name__ == "Conv1D":
+        w = w.T
+    return w.detach(), None if getattr(mod, "bias", None) is None else mod.bias.detach()
+
+
+class HiddenUnitKind(Kind):
+    needs_hidden = True
+    bypass: bool
+
+    # -- the path ---------------------------------------------------------
+    def _moments(self, data: BlockData):
+        """(fit, held-out) statistics over this kind's regressors; x first when bypassed."""
+        if self.bypass:
+            return data.zfit, data.zheld
+        cols = torch.arange(data.d, data.d + data.d_ff)
+        return subset(data.zfit, cols), subset(data.zheld, cols) if data.zheld is not None else None
+
+    def path(self, data: BlockData, cfg) -> ObsPath:
+        step = cfg.step_units or max(1, math.ceil(data.d_ff / 128))
+        key = (self.name, step)
+        if data.cache.get("obs_key") != key:
+            zfit, zheld = self._moments(data)
+            data.cache["obs"] = obs_path(zfit, zheld, data.d if self.bypass else 0, step=step)
+            data.cache["obs_key"] = key
+        return data.cache["obs"]
+
+    def unit_params(self, data: BlockData) -> int:
+        gated = len(data.spec.ffn_up) == 2
+        up_bias = linear_params(data.ffn.get_submodule(data.spec.ffn_up[0]))[1] is not None
+        return (2 if gated else 1) * (data.d + int(up_bias)) + data.d_out
+
+    def params_at(self, data: BlockData, units: int) -> int:
+        bypass = data.d * data.d_out if self.bypass else 0
+        return bypass + data.d_out + units * self.unit_params(data)
+
+    def levels(self, data: BlockData, cfg) -> list[Level]:
+        p = self.path(data, cfg)
+        return [Level(k, self.params_at(data, k), e) for k, e in zip(p.sizes, p.heldout_rel_error)]
+
+    def default_level(self, data: BlockData, cfg) -> int:
+        if cfg.keep is None:
+            raise ValueError(f"replacement.keep is required for kind {self.name} unless the policy allocates units")
+        return int(round(cfg.keep * data.d_ff))
+
+    # -- the fit ----------------------------------------------------------
+    def fit(self, data: BlockData, cfg, size: int) -> Fitted:
+        spec, ffn = data.spec, data.ffn
+        if not spec.ffn_up or not spec.ffn_down:
+            raise ValueError(f"kind {self.name} needs the FFN's hidden units; this architecture has no ffn_up/ffn_down row")
+        kept = self.path(data, cfg).kept(size)
+        # Regressor columns in the module's order: [h_K, x] (x only with the bypass).
+        cols = kept + data.d
+        if self.bypass:
+            cols = torch.cat([cols, torch.arange(data.d)])
+        f = solve_affine(subset(data.zfit, cols))
+        held = subset(data.zheld, cols) if data.zheld is not None else data.heldout
+        r2 = score(held, f.W, f.b).r2 if data.zheld is not None else float("nan")
+        ups = [linear_params(ffn.get_submodule(name)) for name in spec.ffn_up]
+        up_w = torch.cat([w[kept] for w, _ in ups]).to(torch.float64)
+        tensors = {"out.weight": f.W.T, "out.bias": f.b}
+        up_bias = ups[0][1] is not None
+        if size:
+            tensors["up.weight"] = up_w
+            if up_bias:
+                tensors["up.bias"] = torch.cat([b[kept] for _, b in ups]).to(torch.float64)
+        config = {
+            "in_features": data.d, "out_features": data.d_out, "units": int(size), "act": data.act,
+            "gated": len(spec.ffn_up) == 2, "up_bias": up_bias, "bypass": self.bypass,
+        }
+        return Fitted(kind=self.name, index=data.index, config=config, tensors=tensors,
+                      params=self.params_at(data, size), heldout_r2=r2, warnings=list(f.warnings))
