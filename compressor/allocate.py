@@ -9,10 +9,13 @@ on the Lagrange multiplier (each block then picks the rung minimising
 convex hull). ``uniform`` instead gives every block the same kept fraction:
 the baseline that allocation must beat.
 
-The default sensitivity is the block's output error energy relative to the
-energy of the residual stream it is added to: ``SST/n ÷ E‖r‖²``, so a rung's
-cost is the relative perturbation of the residual stream. It needs no extra
-forward passes (both come from the calibration statistics).
+Sensitivity weights (computed by the caller, :mod:`compressor.compress`):
+
+* ``fisher``: ``Σ_o M_oo Var(y_o)`` with ``M`` the loss-gradient second moment
+  at the block output (:mod:`compressor.sensitivity`), so a rung's cost
+  approximates the loss increase it causes;
+* ``residual``: the block's output energy relative to the residual stream it
+  is added to, ``SST/n ÷ E‖r‖²`` (no extra pass).
 """
 
 from __future__ import annotations
@@ -45,15 +48,15 @@ def _total(curves: list[BlockCurve], choice: dict[int, Level | None]) -> int:
     return sum(c.ffn_params if choice[c.index] is None else choice[c.index].params for c in curves)
 
 
-def allocate(curves: list[BlockCurve], budget_params: int, mode: str = "sensitivity") -> dict[int, Level | None]:
+def allocate(curves: list[BlockCurve], budget_params: int, mode: str = "fisher") -> dict[int, Level | None]:
     """Per block: the chosen rung, or None to keep the original FFN.
 
     The total of the chosen parameters is ≤ ``budget_params`` when any
     choice reaches it (otherwise the smallest rung of every block)."""
     if mode == "uniform":
         return _uniform(curves, budget_params)
-    if mode != "sensitivity":
-        raise ValueError(f"allocation must be 'sensitivity' or 'uniform', got {mode!r}")
+    if mode not in ("fisher", "residual"):
+        raise ValueError(f"allocation must be 'fisher', 'residual' or 'uniform', got {mode!r}")
     floor = {c.index: min(c.levels, key=lambda lv: lv.params) if c.levels else None for c in curves}
     if _total(curves, floor) > budget_params:
         return floor

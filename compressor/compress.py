@@ -26,6 +26,7 @@ from .kinds import BlockData, Fitted, Level, get_kind
 from .profiling import BlockProfile, block_profile
 from .recipe import Recipe
 from .replace import count_params, ffn_path
+from .sensitivity import output_grad_moments
 from .validate import Perplexity, perplexity
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 # (so a back-off step re-solves instead of re-running calibration) while they
 # take less than this share of the available memory.
 KEEP_STATS_MEMORY_SHARE = 0.3
+# Calibration windows that feed the loss-gradient statistics (a diagonal
+# second moment settles long before the fit statistics do).
+FISHER_MAX_WINDOWS = 128
 # allocate without policy.ffn_keep: the bisection searches kept fractions above this.
 MIN_FFN_KEEP = 0.3
 
@@ -120,6 +124,19 @@ def _activation(model: nn.Module, spec) -> str | None:
     return None
 
 
+def block_weight(mode: str, st: LayerStats, grad_moment: torch.Tensor | None) -> float:
+    """The block's sensitivity: cost per unit of held-out relative output error (see compressor.allocate)."""
+    if mode == "fisher":
+        if grad_moment is None:
+            raise ValueError("fisher allocation needs the loss-gradient statistics")
+        return float((grad_moment * st.xy.fit.cyy_diag).sum()) / max(st.xy.fit.n, 1)
+    if mode == "residual":
+        bulk = st.xy.heldout["bulk"]
+        energy = float(bulk.cyy_diag.sum()) / max(bulk.n, 1)
+        return energy / st.resid_energy if st.resid_energy > 0 else 1.0
+    return 1.0
+
+
 def _available_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
@@ -153,9 +170,17 @@ def compress_model(
     kept_data: dict[int, BlockData] = {}
     per_block = None  # bytes of one block's kept statistics, known after layer 0
 
+    grad_moments: dict[int, torch.Tensor] = {}
+    needs_grad = strategy == "allocate" and pol.allocation == "fisher" or getattr(rc, "selection", "obs") == "loss"
+    if needs_grad:
+        t1 = time.perf_counter()
+        grad_moments = output_grad_moments(model, calibration.fit[:FISHER_MAX_WINDOWS], modules,
+                                           batch_size=recipe.calibration.batch_size)
+        timings["sensitivity_s"] = time.perf_counter() - t1
+
     def block_data(i: int, st: LayerStats) -> BlockData:
         return BlockData(i, model.get_submodule(modules[i]), spec, act, st.xy.fit, st.xy.heldout_total(),
-                         st.zfit, st.zheld)
+                         st.zfit, st.zheld, output_weight=grad_moments.get(i))
 
     def on_layer(i: int, st: LayerStats):
         nonlocal per_block
@@ -167,9 +192,7 @@ def compress_model(
             fitted[i] = kind.fit(data, rc, kind.default_level(data, rc))
             return None
         levels = kind.levels(data, rc)
-        bulk = st.xy.heldout["bulk"]
-        energy = float(bulk.cyy_diag.sum()) / max(bulk.n, 1)
-        weight = energy / st.resid_energy if pol.allocation == "sensitivity" and st.resid_energy > 0 else 1.0
+        weight = block_weight(pol.allocation, st, grad_moments.get(i))
         curves.append(BlockCurve(i, ffn_params[i], levels, weight, data.d_ff if kind.needs_hidden else None))
         data.zheld = None  # the curve holds what the held-out rows had to say
         if per_block is None and data.zfit is not None:
@@ -247,11 +270,11 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         for i, mod in originals.items():
             model.set_submodule(modules[i], mod)
 
-    def install(keep: float) -> tuple[dict[int, Level | None], dict[int, Fitted]]:
+    def install(keep: float, target: str) -> tuple[dict[int, Level | None], dict[int, Fitted]]:
         restore()
         choice = allocate(active, int(keep * ffn_total), pol.allocation)
         fits: dict[int, Fitted] = {}
-        if rc.target == "none" and all(i in kept_data for i, lv in choice.items() if lv is not None):
+        if target == "none" and all(i in kept_data for i, lv in choice.items() if lv is not None):
             for i, lv in choice.items():
                 if lv is not None:
                     fits[i] = kind.fit(kept_data[i], rc, lv.size)
@@ -263,20 +286,20 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
                     return None
                 fits[i] = kind.fit(block_data(i, st), rc, lv.size)
                 return fits[i].build(originals[i])
-            walker.walk(on_layer, hidden=kind.needs_hidden, target=rc.target, spike_factor=spike_factor,
+            walker.walk(on_layer, hidden=kind.needs_hidden, target=target, spike_factor=spike_factor,
                         compute_dtype=compute_dtype, layers=[i for i, lv in choice.items() if lv is not None],
-                        desc="fit")
+                        desc=f"fit ({target})")
         return choice, fits
 
     attempts: list[dict] = []
 
-    def attempt(keep: float):
-        choice, fits = install(keep)
+    def attempt(keep: float, target: str = "none"):
+        choice, fits = install(keep, target)
         r = evaluate(f"gate: keep {keep:.1%} of FFN parameters")
         kept_params = sum(c.ffn_params if choice[c.index] is None else choice[c.index].params for c in active)
         ok = r.ppl <= limit
-        attempts.append({"ffn_keep_target": keep, "ffn_params_kept": kept_params, "ffn_params_total": ffn_total,
-                         "blocks_replaced": sum(lv is not None for lv in choice.values()),
+        attempts.append({"ffn_keep_target": keep, "target": target, "ffn_params_kept": kept_params,
+                         "ffn_params_total": ffn_total, "blocks_replaced": sum(lv is not None for lv in choice.values()),
                          "ppl": r.ppl, "passed": ok})
         logger.info("keep %.1f%% of FFN parameters (%d blocks replaced): perplexity %.4f %s budget %.4f",
                     100 * kept_params / ffn_total, attempts[-1]["blocks_replaced"], r.ppl, "≤" if ok else ">", limit)
@@ -304,17 +327,29 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
     if best is None:
         restore()
         for d in decisions:
-            if d.decision != "not a candidate":
+            if d.index not in excluded:
                 d.decision, d.reason = "rejected", "no allocated target tried passed the gate"
         return baseline, [], attempts
     keep, r, choice, fits = best
-    if attempts[-1]["ffn_keep_target"] != keep:
-        choice, fits = install(keep)  # deterministic: the same fits as when it was measured
+    target = "none"
+    if rc.target != "none":
+        # The search ran on independent fits (each step a re-solve, no
+        # calibration pass); the teacher-target fit, one more pass over the
+        # calibration data, is tried at the level found and kept if it passes.
+        r_t, ok, choice_t, fits_t = attempt(keep, rc.target)
+        if ok or not pol.gate:
+            r, choice, fits, target = r_t, choice_t, fits_t, rc.target
+        else:
+            logger.warning("target %s at ffn_keep %.3f failed the gate (%.4f > %.4f); keeping the independent fits",
+                           rc.target, keep, r_t.ppl, limit)
+    last = attempts[-1]
+    if (last["ffn_keep_target"], last["target"]) != (keep, target):
+        choice, fits = install(keep, target)  # deterministic: the same fits as when it was measured
     fitted.clear()
     fitted.update(fits)
     curve_of = {c.index: c for c in active}
     for d in decisions:
-        if d.decision == "not a candidate":
+        if d.index in excluded:
             continue
         lv = choice.get(d.index)
         if lv is None:
@@ -322,7 +357,8 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
             continue
         f = fits[d.index]
         d.decision = "kept"
-        d.reason = f"allocated {lv.size} units at ffn_keep {keep:.3f}; model perplexity {r.ppl:.4f} ≤ {limit:.4f}"
+        d.reason = (f"allocated {lv.size} units at ffn_keep {keep:.3f} (target {target}); "
+                    f"model perplexity {r.ppl:.4f} ≤ {limit:.4f}")
         d.size, d.replacement_params = lv.size, f.params
         d.r2_replacement = f.heldout_r2 if f.heldout_r2 == f.heldout_r2 else 1.0 - lv.heldout_rel_error
         d.predicted_cost = curve_of[d.index].weight * lv.heldout_rel_error

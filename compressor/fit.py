@@ -60,8 +60,18 @@ class AffineFit:
         return self.W.shape[1]
 
 
-def solve_affine(m: Moments) -> AffineFit:
-    """Exact least squares from fit-row statistics (Cholesky, damped only if needed)."""
+def solve_affine(m: Moments, device: torch.device | str | None = None) -> AffineFit:
+    """Exact least squares from fit-row statistics (Cholesky, damped only if needed).
+
+    The factorisations run on ``device`` (default: where the sums are); the
+    result is on the CPU."""
+    if device is not None and m.cxx.device != torch.device(device):
+        fit = solve_affine(m.to(device))
+        return AffineFit(
+            W=fit.W.cpu(), b=fit.b.cpu(), n_fit=fit.n_fit, damping=fit.damping, dead_inputs=fit.dead_inputs,
+            truncated=fit.truncated, warnings=fit.warnings, explained_eigvals=fit.explained_eigvals.cpu(),
+            explained_eigvecs=fit.explained_eigvecs.cpu(), fit_sse=fit.fit_sse, fit_sst=fit.fit_sst,
+        )
     if m.n == 0:
         raise ValueError("no calibration rows were collected for this block; give more calibration data")
     warnings: list[str] = []
@@ -107,7 +117,7 @@ def solve_affine(m: Moments) -> AffineFit:
     else:
         for step in DAMPING_STEPS:
             lam = step * mean_diag
-            a = c_live + lam * torch.eye(c_live.shape[0], dtype=_F64) if lam else c_live
+            a = c_live + lam * torch.eye(c_live.shape[0], dtype=_F64, device=c_live.device) if lam else c_live
             chol, info = torch.linalg.cholesky_ex(a)
             if int(info) == 0:
                 damping = step
@@ -120,7 +130,7 @@ def solve_affine(m: Moments) -> AffineFit:
         if damping:
             warnings.append(f"input covariance singular: damped by {damping:g} × mean diagonal")
         solved = torch.cholesky_solve(rhs, chol)
-    W = torch.zeros(m.d_in, m.d_out, dtype=_F64)
+    W = torch.zeros(m.d_in, m.d_out, dtype=_F64, device=m.cxx.device)
     W[live] = solved
     b = m.my - W.T @ m.mx
     if not (torch.isfinite(W).all() and torch.isfinite(b).all()):

@@ -74,13 +74,17 @@ def obs_path(
     *,
     step: int = 1,
     output_weight: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
 ) -> ObsPath:
     """Greedy removal path over regressors ``n_fixed..p-1`` of ``zfit``.
 
     ``step`` regressors are removed per update (1 = exact greedy).
-    ``output_weight`` (d_out, diagonal of a PSD weight) makes the choice
-    loss-aware: cost_j = Σ_o w_o B_jo² / [S⁻¹]_jj; the coefficients do not
-    depend on it.
+    ``output_weight`` (d_out, the diagonal of a PSD output weight such as the
+    loss-gradient second moment) makes the choice loss-aware:
+    cost_j = Σ_o w_o B_jo² / [S⁻¹]_jj; the coefficients do not depend on it,
+    and the reported errors are then weighted the same way. The matrices
+    shrink as regressors leave, and run on ``device`` (e.g. the GPU the
+    layer lives on).
 
     >>> path = obs_path(zfit, zheld, n_fixed=d, step=16)      # doctest: +SKIP
     >>> path.kept(512)                                         # doctest: +SKIP
@@ -89,76 +93,78 @@ def obs_path(
         raise ValueError("no calibration rows for the hidden-unit path")
     if step < 1:
         raise ValueError(f"step must be ≥ 1, got {step}")
+    dev = torch.device(device) if device is not None else zfit.cxx.device
     p = zfit.d_in
     n_rem = p - n_fixed
-    s, live, r = _standardize(zfit)
-    r = r + PATH_DAMPING * torch.eye(p, dtype=_F64)
+    s, live, r = (t.to(dev) for t in _standardize(zfit))
+    r = r + PATH_DAMPING * torch.eye(p, dtype=_F64, device=dev)
     chol, info = torch.linalg.cholesky_ex(r)
     if int(info) != 0:
         raise FloatingPointError("hidden-unit covariance is not positive definite even with damping")
     rinv = torch.cholesky_inverse(chol)
-    cy = zfit.cxy / zfit.n / s[:, None]
+    del r, chol
+    cy = zfit.cxy.to(dev) / zfit.n / s[:, None]
     b = rinv @ cy
     b[~live] = 0
-    sst_fit = float(zfit.cyy_diag.sum()) / zfit.n
-    sse_fit = max(sst_fit - float((b * cy).sum()), 0.0)
-    w = None if output_weight is None else output_weight.to(_F64)
+    w = torch.ones(zfit.d_out, dtype=_F64, device=dev) if output_weight is None else output_weight.to(dev, _F64)
+    sst_fit = float((zfit.cyy_diag.to(dev) * w).sum()) / zfit.n
+    sse_fit = max(sst_fit - float((b * cy * w).sum()), 0.0)
 
     held = zheld is not None and zheld.n > 0
     if held:
-        ch = zheld.cxx / zheld.n / s[:, None] / s[None, :]
-        cyh = zheld.cxy / zheld.n / s[:, None]
+        ch = zheld.cxx.to(dev) / zheld.n / s[:, None] / s[None, :]
+        cyh = zheld.cxy.to(dev) / zheld.n / s[:, None]
         g = ch @ b
-        dmu = (zheld.mx - zfit.mx) / s
-        dmy = zheld.my - zfit.my
-        sst_h = float(zheld.cyy_diag.sum()) / zheld.n
+        dmu = (zheld.mx.to(dev) - zfit.mx.to(dev)) / s
+        dmy = zheld.my.to(dev) - zfit.my.to(dev)
+        sst_h = float((zheld.cyy_diag.to(dev) * w).sum()) / zheld.n
 
-        def held_rel() -> float:
-            mean_res = dmy - b.T @ dmu
-            sse = sst_h - 2 * float((b * cyh).sum()) + float((b * g).sum()) + float((mean_res**2).sum())
-            return max(sse, 0.0) / sst_h if sst_h > 0 else float("nan")
-    else:
-        def held_rel() -> float:
+    def held_rel() -> float:
+        if not held:
             return float("nan")
+        mean_res = dmy - b.T @ dmu
+        sse = sst_h - 2 * float((b * cyh * w).sum()) + float((b * g * w).sum()) + float((mean_res**2 * w).sum())
+        return max(sse, 0.0) / sst_h if sst_h > 0 else float("nan")
 
-    removable = torch.ones(p, dtype=torch.bool)
-    removable[:n_fixed] = False
+    # `ids[k]` is the original index of row k of the (shrinking) matrices.
+    ids = torch.arange(p, device=dev)
     order: list[int] = []
     sizes = [n_rem]
     fit_err = [sse_fit / sst_fit if sst_fit > 0 else float("nan")]
     held_err = [held_rel()]
-    # Dead regressors go first, at no cost.
-    dead = torch.nonzero(~live & removable).flatten()
-    if dead.numel():
-        removable[dead] = False
-        order.extend(int(j) for j in dead)
-        rinv[dead] = 0
-        rinv[:, dead] = 0
+
+    def drop(local: torch.Tensor) -> None:
+        nonlocal rinv, b, cy, ids, g, ch, cyh, dmu
+        keep = torch.ones(ids.numel(), dtype=torch.bool, device=dev)
+        keep[local] = False
+        order.extend(int(j) for j in ids[local])
+        rinv = rinv[keep][:, keep]
+        b, cy, ids = b[keep], cy[keep], ids[keep]
+        if held:
+            g, cyh, dmu = g[keep], cyh[keep], dmu[keep]
+            ch = ch[keep][:, keep]
         sizes.append(n_rem - len(order))
-        fit_err.append(fit_err[-1])
-        held_err.append(held_err[-1])
+        fit_err.append(sse_fit / sst_fit if sst_fit > 0 else float("nan"))
+        held_err.append(held_rel())
+
+    # Dead regressors go first, at no cost (their coefficients are zero).
+    dead = torch.nonzero(~live[ids] & (ids >= n_fixed)).flatten()
+    if dead.numel():
+        drop(dead)
     while len(order) < n_rem:
-        idx = torch.nonzero(removable).flatten()
-        bj = b[idx]
-        num = (bj * bj * w).sum(1) if w is not None else (bj * bj).sum(1)
-        cost = num / torch.diagonal(rinv)[idx].clamp_min(1e-300)
-        take = idx[torch.argsort(cost, stable=True)[: min(step, idx.numel())]]
+        cand = torch.nonzero(ids >= n_fixed).flatten()
+        bj = b[cand]
+        cost = (bj * bj * w).sum(1) / torch.diagonal(rinv)[cand].clamp_min(1e-300)
+        take = cand[torch.argsort(cost, stable=True)[: min(step, cand.numel())]]
         u = rinv[:, take]
         rjj = u[take]
         rjj_inv = torch.linalg.inv((rjj + rjj.T) / 2)
         v = rjj_inv @ b[take]
-        sse_fit += float((b[take] * v).sum())
+        sse_fit += float((b[take] * v * w).sum())
         b -= u @ v
         if held:
             g -= (ch @ u) @ v
         rinv -= u @ (rjj_inv @ u.T)
-        rinv[take] = 0
-        rinv[:, take] = 0
-        b[take] = 0
-        removable[take] = False
-        order.extend(int(j) for j in take)
-        sizes.append(n_rem - len(order))
-        fit_err.append(sse_fit / sst_fit if sst_fit > 0 else float("nan"))
-        held_err.append(held_rel())
+        drop(take)
     order_t = torch.tensor(order, dtype=torch.long) - n_fixed
     return ObsPath(order=order_t, sizes=sizes, fit_rel_error=fit_err, heldout_rel_error=held_err)

@@ -87,8 +87,8 @@ class PolicyConfig(_Section):
     strategy: Literal["auto", "greedy", "allocate"] = Field(
         "auto", description="greedy: try whole-block swaps one at a time, roll back over budget; allocate: split one global target across blocks from their error curves, back off until the gate holds; auto: allocate for prune/hybrid, greedy otherwise")
     ffn_keep: float | None = Field(None, gt=0, le=1, description="allocate: fraction of the FFN parameters to keep (null: the largest cut within the budget, by bisection)")
-    allocation: Literal["sensitivity", "uniform"] = Field(
-        "sensitivity", description="allocate: weight each block's error curve by its sensitivity (its output error relative to the residual stream), or the same keep fraction everywhere")
+    allocation: Literal["fisher", "residual", "uniform"] = Field(
+        "fisher", description="allocate: weight each block's error curve by its sensitivity — fisher: loss-gradient second moment × output variance (one backward pass over the calibration data); residual: output energy relative to the residual stream — or uniform: the same keep fraction everywhere")
     max_backoff: int = Field(6, ge=0, le=30, description="allocate: gate evaluations spent backing off (bisection) before giving up")
     skip_outlier_dominated: bool = Field(True, description="never try blocks flagged outlier-dominated")
     min_blocks: int = Field(1, ge=0, description="fewer accepted blocks than this fails the gate (exit 3)")
@@ -130,6 +130,8 @@ class LowRankReplacement(_Section):
 class _HiddenUnitReplacement(_Section):
     keep: float | None = Field(None, gt=0, le=1, description="fraction of hidden units kept in every replaced block (greedy strategy); null: the allocate strategy sets it per block")
     step_units: int | None = Field(None, ge=1, description="hidden units removed per step of the OBS path (1 = exact greedy; null: d_ff/128)")
+    selection: Literal["obs", "loss"] = Field(
+        "obs", description="which units to keep: obs (greedy OBS on the output error) or loss (OBS weighted by the loss-gradient second moment of each output; one backward pass over the calibration data)")
     target: Literal["none", "teacher_output", "teacher_residual"] = Field(
         "none", description="fit target: none (block's own output, original inputs); teacher_output / teacher_residual (compressed model's inputs, toward the original model)")
 

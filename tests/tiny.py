@@ -119,3 +119,28 @@ def ffn_reference_modules(model: torch.nn.Module, model_type: str, index: int):
     else:
         block = model.model.layers[index]
     return block.mlp, block.mlp
+
+
+def ffn_down_reference(model: torch.nn.Module, model_type: str, index: int) -> torch.nn.Module:
+    """Block ``index``'s down projection (its input is the hidden units), resolved independently of compressor.archs."""
+    mlp, _ = ffn_reference_modules(model, model_type, index)
+    name = {"gpt2": "c_proj", "gpt_neox": "dense_4h_to_h"}.get(model_type, "down_proj")
+    return getattr(mlp, name)
+
+
+def block_reference(model: torch.nn.Module, model_type: str, index: int) -> torch.nn.Module:
+    """Decoder layer ``index`` (whose output is the residual stream after it)."""
+    if model_type == "gpt2":
+        return model.transformer.h[index]
+    if model_type == "gpt_neox":
+        return model.gpt_neox.layers[index]
+    return model.model.layers[index]
+
+
+def activation_name(model: torch.nn.Module) -> str:
+    """The FFN activation the model's config names (the attribute differs per architecture)."""
+    for attr in ("hidden_activation", "hidden_act", "activation_function"):
+        value = getattr(model.config, attr, None)
+        if isinstance(value, str):
+            return value
+    raise KeyError(f"{model.config.model_type} config names no activation")

@@ -43,6 +43,8 @@ class BlockData:
     heldout: Moments
     zfit: Moments | None = None
     zheld: Moments | None = None
+    output_weight: torch.Tensor | None = None
+    """Diagonal loss-gradient second moment at the block output (loss-aware selection)."""
     cache: dict = field(default_factory=dict)
     """Per-block results a kind reuses (e.g. the OBS path)."""
 

@@ -27,6 +27,11 @@ def linear_params(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return w.detach(), None if getattr(mod, "bias", None) is None else mod.bias.detach()
 
 
+def _device(data: BlockData) -> torch.device:
+    """Solve where the block's weights live (a GPU factorises 2k×2k float64 matrices in milliseconds)."""
+    return next(data.ffn.parameters()).device
+
+
 class HiddenUnitKind(Kind):
     needs_hidden = True
     bypass: bool
@@ -41,10 +46,14 @@ class HiddenUnitKind(Kind):
 
     def path(self, data: BlockData, cfg) -> ObsPath:
         step = cfg.step_units or max(1, math.ceil(data.d_ff / 128))
-        key = (self.name, step)
+        weight = data.output_weight if cfg.selection == "loss" else None
+        if cfg.selection == "loss" and weight is None:
+            raise ValueError("replacement.selection: loss needs the loss-gradient statistics of the block output")
+        key = (self.name, step, cfg.selection)
         if data.cache.get("obs_key") != key:
             zfit, zheld = self._moments(data)
-            data.cache["obs"] = obs_path(zfit, zheld, data.d if self.bypass else 0, step=step)
+            data.cache["obs"] = obs_path(zfit, zheld, data.d if self.bypass else 0, step=step,
+                                         output_weight=weight, device=_device(data))
             data.cache["obs_key"] = key
         return data.cache["obs"]
 
@@ -76,12 +85,15 @@ class HiddenUnitKind(Kind):
         cols = kept + data.d
         if self.bypass:
             cols = torch.cat([cols, torch.arange(data.d)])
-        f = solve_affine(subset(data.zfit, cols))
-        held = subset(data.zheld, cols) if data.zheld is not None else data.heldout
-        r2 = score(held, f.W, f.b).r2 if data.zheld is not None else float("nan")
+        if cols.numel():
+            f = solve_affine(subset(data.zfit, cols), device=_device(data))
+            W, b, warnings = f.W, f.b, list(f.warnings)
+        else:  # no units, no bypass: the best constant is the mean output
+            W, b, warnings = torch.zeros(0, data.d_out, dtype=torch.float64), data.zfit.my.cpu(), []
+        r2 = score(subset(data.zheld, cols), W, b).r2 if data.zheld is not None else float("nan")
         ups = [linear_params(ffn.get_submodule(name)) for name in spec.ffn_up]
         up_w = torch.cat([w[kept] for w, _ in ups]).to(torch.float64)
-        tensors = {"out.weight": f.W.T, "out.bias": f.b}
+        tensors = {"out.weight": W.T, "out.bias": b}
         up_bias = ups[0][1] is not None
         if size:
             tensors["up.weight"] = up_w
@@ -92,4 +104,4 @@ class HiddenUnitKind(Kind):
             "gated": len(spec.ffn_up) == 2, "up_bias": up_bias, "bypass": self.bypass,
         }
         return Fitted(kind=self.name, index=data.index, config=config, tensors=tensors,
-                      params=self.params_at(data, size), heldout_r2=r2, warnings=list(f.warnings))
+                      params=self.params_at(data, size), heldout_r2=r2, warnings=warnings)
