@@ -366,9 +366,16 @@ def test_refuses_non_empty_output_unless_overwrite(tmp_path):
     assert (out / "old.txt").read_text() == "precious"
     assert [p.name for p in out.iterdir()] == ["old.txt"]
 
+    # --overwrite replaces an earlier compressor output, never a folder of other files
+    with pytest.raises(compressor.RecipeError, match="not an earlier compressor output"):
+        compressor.run(make_recipe(src, out, output={"overwrite": True}))
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    (out / "old.txt").unlink()
+    assert compressor.run(make_recipe(src, out)).exit_code == 0
+    (out / "stale.txt").write_text("from the earlier run")
     res = compressor.run(make_recipe(src, out, output={"overwrite": True}))
     assert res.exit_code == 0
-    assert not (out / "old.txt").exists()
+    assert not (out / "stale.txt").exists()
     assert (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # old folder removed, no temp left
 
