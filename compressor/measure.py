@@ -18,6 +18,7 @@ from torch import nn
 from ._progress import progress
 
 from .archs import ArchSpec, arch_for, find_blocks
+from .checks import check_activations_finite
 from .stats import LogHistogram, Moments
 
 logger = logging.getLogger(__name__)
@@ -174,6 +175,8 @@ class StatsCollector:
 
     @torch.no_grad()
     def _accumulate(self, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        check_activations_finite(i, "FFN input", x, x.dtype)
+        check_activations_finite(i, "FFN output", y, y.dtype)
         T = x.shape[-2] if x.dim() == 3 else 1
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, y.shape[-1])

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -16,18 +17,22 @@ import torch
 from torch import nn
 
 from . import __version__
-from .archs import UnsupportedModelError, arch_for
+from .archs import UnsupportedModelError, arch_for, find_blocks
 from .cache import load_stats, model_fingerprint, save_stats, stats_key
+from .checks import check_weights_finite
 from .compress import CompressionResult, compress_model
 from .data import CalibrationSet, TextSource, calibration_set, evaluation_tokens
 from .hf_modeling import COMPRESSION_FORMAT
 from .load import load_model, resolve_source
 from .measure import BlockStats, collect
 from .profiling import Profile, block_profile
-from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs
+from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs, run_reads
 from .render import model_card, profile_markdown, profile_plot
 from .replace import count_params
-from .save import load_compressed, max_logit_diff, register_auto_classes, save_compressed
+from .save import (
+    OUTPUT_DTYPES, RELOAD_TOLERANCE, folder_weight_bytes, load_compressed, max_logit_diff, register_auto_classes,
+    save_compressed,
+)
 from .validate import perplexity
 
 logger = logging.getLogger(__name__)
@@ -43,6 +48,22 @@ EXIT_GATE = 3  # perplexity gate failed: nothing written
 
 class InputError(ValueError):
     """Bad input discovered after loading (e.g. unsupported architecture)."""
+
+
+class _DataInput:
+    """Turn a data problem found while reading/tokenizing text (too few tokens,
+    missing column…) into an :class:`InputError` naming the recipe field."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if typ is not None and issubclass(typ, ValueError) and not issubclass(typ, InputError):
+            raise InputError(f"{self.field}: {exc}") from exc
+        return False
 
 
 def _source_text(cfg) -> TextSource:
@@ -100,7 +121,8 @@ def profile(
     name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", type(model).__name__)
     if isinstance(model, str):
         model, tokenizer, _ = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    model_type, _ = arch_for(model)
+        check_weights_finite(model)
+    model_type, spec = arch_for(model)
     if isinstance(data, CalibrationSet):
         cal, data_name = data, "given windows"
     else:
@@ -111,6 +133,12 @@ def profile(
         data_name = src.dataset
     stats, _ = _stats(model, cal, measure, batch_size, use_cache, blocks)
     profiles = [block_profile(stats[i], outlier_share_flag=measure.outlier_share_flag)[0] for i in sorted(stats)]
+    _, block_list = find_blocks(model, spec)
+    for p in profiles:
+        block = block_list[p.index]
+        ffn = {id(m): m for m in (block.get_submodule(spec.ffn_in), block.get_submodule(spec.ffn_out))}
+        p.ffn_params = sum(count_params(m) for m in ffn.values())
+        p.affine_params = p.d_in * p.d_out + p.d_out
     return Profile(
         model=str(name), model_type=model_type, blocks=profiles, tool_version=__version__,
         settings={
@@ -161,6 +189,7 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         mc.source, gguf_file=mc.gguf_file, dtype=mc.dtype, device=mc.device,
         trust_remote_code=mc.trust_remote_code, revision=mc.revision,
     )
+    check_weights_finite(model)
     try:
         model_type, spec = arch_for(model)
     except UnsupportedModelError as e:
@@ -170,9 +199,11 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
             f"{model_type} models are profile-only ({spec.note}); `compress` refuses them. Use `compressor profile`."
         )
     c, e = recipe.calibration, recipe.evaluation
-    cal = calibration_set(tokenizer, _source_text(c), seq_len=c.seq_len, max_tokens=c.max_tokens,
-                          heldout_fraction=c.heldout_fraction, seed=c.seed)
-    ev_tokens = evaluation_tokens(tokenizer, _source_text(e), _source_text(c), max_tokens=e.max_tokens)
+    with _DataInput("calibration.dataset"):
+        cal = calibration_set(tokenizer, _source_text(c), seq_len=c.seq_len, max_tokens=c.max_tokens,
+                              heldout_fraction=c.heldout_fraction, seed=c.seed)
+    with _DataInput("evaluation.dataset"):
+        ev_tokens = evaluation_tokens(tokenizer, _source_text(e), _source_text(c), max_tokens=e.max_tokens)
     t0 = time.perf_counter()
     stats, cache_info = _stats(model, cal, recipe.measure, c.batch_size, use_cache)
     measure_s = time.perf_counter() - t0  # the calibration pass, or the cache read
@@ -181,6 +212,9 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
 
     out = Path(recipe.output.path).expanduser().resolve()
     report = _report(recipe, src, model_type, result, cal, cache_info, out)
+    out_dtype = _output_dtype(recipe.output.dtype, src)
+    report["size"] = {"source_bytes": _source_bytes(src), "output_bytes": None,
+                      "output_dtype": str(out_dtype).removeprefix("torch.")}
     if not result.gate_passed:
         report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
         logger.error("perplexity gate failed: %s; nothing was written", result.gate_message)
@@ -202,22 +236,30 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
     def verify(folder: Path) -> None:
         """Reload the folder and compare with the in-memory model before it is published."""
         register_auto_classes([model_type])
-        reloaded = load_compressed(folder, dtype=model.dtype)
+        # Compare like with like: the saved (cast) weights against the in-memory model cast the same way.
+        check_dtype = out_dtype if out_dtype != model.dtype else model.dtype
+        reference = model if check_dtype == model.dtype else copy.deepcopy(model).to(check_dtype)
+        reloaded = load_compressed(folder, dtype=check_dtype)
         reloaded.eval()
         n = min(2, max(1, ev_tokens.numel() // e.seq_len))
         probe = ev_tokens[: n * min(e.seq_len, ev_tokens.numel() // n)].view(n, -1)
-        diff = max_logit_diff(model, reloaded, probe)
+        diff = max_logit_diff(reference, reloaded, probe)
+        del reference
         again = perplexity(reloaded, ev_tokens, seq_len=e.seq_len, stride=e.stride, batch_size=e.batch_size,
                            desc="reload check")
         rel = abs(again.ppl - result.final.ppl) / result.final.ppl
-        tol = 1e-5 if model.dtype == torch.float32 else 1e-2
-        report["reload_check"] = {"max_abs_logit_diff": diff, "perplexity": again.ppl, "relative_ppl_diff": rel,
-                                  "params": count_params(reloaded), "passed": diff <= tol and rel <= 1e-4}
+        tol, ppl_tol = RELOAD_TOLERANCE.get(check_dtype, (1e-2, 1e-2))
+        report["reload_check"] = {"dtype": str(check_dtype).removeprefix("torch."), "max_abs_logit_diff": diff,
+                                  "perplexity": again.ppl, "relative_ppl_diff": rel, "params": count_params(reloaded),
+                                  "logit_tolerance": tol, "relative_ppl_tolerance": ppl_tol,
+                                  "passed": diff <= tol and rel <= ppl_tol}
         if not report["reload_check"]["passed"]:
             raise RuntimeError(
                 f"reload check failed: max |Δlogit| {diff:.3g} (tolerance {tol:g}), perplexity {again.ppl:.5f} vs "
-                f"{result.final.ppl:.5f}; the folder was not published"
+                f"{result.final.ppl:.5f} (relative tolerance {ppl_tol:g}, saved as {check_dtype}); "
+                "the folder was not published"
             )
+        report["size"]["output_bytes"] = folder_weight_bytes(folder)
         report["timings"]["total_s"] = time.perf_counter() - t_start
         (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
@@ -227,9 +269,46 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         overwrite=recipe.output.overwrite,
         source_dir=Path(src.path) if src.is_local else None,
         verify=verify,
+        reads=run_reads(recipe),
+        dtype=out_dtype,
     )
     logger.info("%s", result.gate_message)
     return RunResult(EXIT_OK, report, out, result)
+
+
+def _output_dtype(choice: str, src) -> torch.dtype:
+    """``output.dtype``: explicit, or the source checkpoint's own dtype (GGUF → bfloat16)."""
+    if choice != "source":
+        return OUTPUT_DTYPES[choice]
+    if src.gguf_file:
+        return torch.bfloat16
+    name = None
+    if src.is_local:
+        try:
+            cfg = json.loads((Path(src.path) / "config.json").read_text(encoding="utf-8"))
+            name = cfg.get("dtype") or cfg.get("torch_dtype")
+        except (OSError, ValueError):
+            pass
+    else:
+        try:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(src.path)
+            name = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "").removeprefix("torch.")
+        except Exception:  # noqa: BLE001 - unknown dtype falls back to float32 below
+            name = None
+    if name in OUTPUT_DTYPES:
+        return OUTPUT_DTYPES[name]
+    logger.info("source dtype %r not one of %s; saving float32", name, sorted(OUTPUT_DTYPES))
+    return torch.float32
+
+
+def _source_bytes(src) -> int | None:
+    if not src.is_local:
+        return None
+    if src.gguf_file:
+        return (Path(src.path) / src.gguf_file).stat().st_size
+    return folder_weight_bytes(Path(src.path))
 
 
 def _report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal: CalibrationSet, cache_info: dict, out: Path) -> dict:
