@@ -13,7 +13,8 @@ classes (so a saved checkpoint loads with a plain
 ``AutoModelForCausalLM.from_pretrained(folder)``) at the first of:
 
 * ``import compressor`` when transformers is already imported;
-* the first access of any public name (``compressor.run``, ``compressor.load_compressed``…);
+* the first access of a public name (``compressor.run``, ``compressor.load_compressed``…)
+  once transformers is imported (``compressor.recipe_from_dict`` alone imports neither);
 * :func:`compressor.register_auto_classes` / :func:`compressor.load_compressed`,
   and every save/reload this tool does.
 
@@ -63,7 +64,8 @@ def __getattr__(name: str):
         # submodules (compressor.measure …) resolve through the import system
         raise AttributeError(f"module 'compressor' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
-    register_compressed_types()
+    if "transformers" in sys.modules:  # free now; a recipe-only user never pays for it
+        register_compressed_types()
     globals()[name] = value
     return value
 
