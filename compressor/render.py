@@ -159,8 +159,8 @@ Perplexity: {r['perplexity']['final']['tokens']} scored tokens of `{r['perplexit
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("path/to/this/folder", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder", trust_remote_code=True)
-# or, with compressor installed: `import compressor` and drop trust_remote_code
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder", trust_remote_code=False)  # no custom code needed
+# or, with compressor installed: `import compressor` after transformers and drop both flags
 ```
 
 ## Blocks
