@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -30,8 +29,8 @@ from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs, run_reads
 from .render import model_card, profile_markdown, profile_plot
 from .replace import count_params
 from .save import (
-    OUTPUT_DTYPES, RELOAD_TOLERANCE, folder_weight_bytes, load_compressed, max_logit_diff, register_auto_classes,
-    save_compressed,
+    LOGIT_TOLERANCE, OUTPUT_DTYPES, PPL_TOLERANCE, folder_weight_bytes, load_compressed, max_logit_diff,
+    register_auto_classes, rounded_copy, save_compressed,
 )
 from .validate import perplexity
 
@@ -236,10 +235,10 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
     def verify(folder: Path) -> None:
         """Reload the folder and compare with the in-memory model before it is published."""
         register_auto_classes([model_type])
-        # Compare like with like: the saved (cast) weights against the in-memory model cast the same way.
-        check_dtype = out_dtype if out_dtype != model.dtype else model.dtype
-        reference = model if check_dtype == model.dtype else copy.deepcopy(model).to(check_dtype)
-        reloaded = load_compressed(folder, dtype=check_dtype)
+        # Compare like with like: reloaded in the compute dtype against the in-memory
+        # model with its weights rounded the way they were saved (see save.LOGIT_TOLERANCE).
+        reference = model if out_dtype == model.dtype else rounded_copy(model, out_dtype)
+        reloaded = load_compressed(folder, dtype=model.dtype)
         reloaded.eval()
         n = min(2, max(1, ev_tokens.numel() // e.seq_len))
         probe = ev_tokens[: n * min(e.seq_len, ev_tokens.numel() // n)].view(n, -1)
@@ -248,15 +247,16 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         again = perplexity(reloaded, ev_tokens, seq_len=e.seq_len, stride=e.stride, batch_size=e.batch_size,
                            desc="reload check")
         rel = abs(again.ppl - result.final.ppl) / result.final.ppl
-        tol, ppl_tol = RELOAD_TOLERANCE.get(check_dtype, (1e-2, 1e-2))
-        report["reload_check"] = {"dtype": str(check_dtype).removeprefix("torch."), "max_abs_logit_diff": diff,
-                                  "perplexity": again.ppl, "relative_ppl_diff": rel, "params": count_params(reloaded),
-                                  "logit_tolerance": tol, "relative_ppl_tolerance": ppl_tol,
-                                  "passed": diff <= tol and rel <= ppl_tol}
+        tol = LOGIT_TOLERANCE.get(model.dtype, 1e-2)
+        ppl_tol = PPL_TOLERANCE[out_dtype]
+        report["reload_check"] = {"saved_dtype": str(out_dtype).removeprefix("torch."),
+                                  "max_abs_logit_diff": diff, "perplexity": again.ppl, "relative_ppl_diff": rel,
+                                  "params": count_params(reloaded), "logit_tolerance": tol,
+                                  "relative_ppl_tolerance": ppl_tol, "passed": diff <= tol and rel <= ppl_tol}
         if not report["reload_check"]["passed"]:
             raise RuntimeError(
                 f"reload check failed: max |Δlogit| {diff:.3g} (tolerance {tol:g}), perplexity {again.ppl:.5f} vs "
-                f"{result.final.ppl:.5f} (relative tolerance {ppl_tol:g}, saved as {check_dtype}); "
+                f"{result.final.ppl:.5f} (relative tolerance {ppl_tol:g}, weights saved as {out_dtype}); "
                 "the folder was not published"
             )
         report["size"]["output_bytes"] = folder_weight_bytes(folder)

@@ -76,16 +76,17 @@ def check_output(out: Path, overwrite: bool, source_dir: Path | None = None, rea
     return check_output_folder(out, overwrite=overwrite, reads=reads, model_dir=source_dir)
 
 
-# Reload-check tolerances per saved dtype: (max |Δlogit| between the reloaded
-# model and the in-memory model cast to the same dtype, relative perplexity
-# difference between the reloaded model and the in-memory float model).
-# Same weights and the same compute give ~0 logit difference; the perplexity
-# tolerance absorbs the rounding of the weights to a smaller dtype.
-RELOAD_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
-    torch.float32: (1e-5, 1e-4),
-    torch.bfloat16: (5e-2, 5e-2),
-    torch.float16: (1e-2, 1e-2),
-}
+# Reload check: the folder is reloaded in the compute dtype (``model.dtype``;
+# up-casting saved bfloat16/float16 weights is exact) and compared with the
+# in-memory model whose weights are rounded through the saved dtype
+# (:func:`rounded_copy`): same weights, same compute, so the logits must agree
+# to the compute dtype's tolerance. The perplexity is compared with the
+# in-memory model's *unrounded* perplexity; its relative tolerance absorbs the
+# rounding of the weights to the saved dtype. Measured on SmolLM2-135M
+# (1,023 embedded tokens): bfloat16 weights move perplexity by 0.3 %; tiny
+# test models by < 1e-4.
+LOGIT_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+PPL_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,6 +104,19 @@ def cast_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Ten
             done[key] = t.detach().to(dtype)
         out[name] = done[key]
     return out
+
+
+def rounded_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` whose saved tensors are rounded through ``dtype`` but
+    kept in their own dtype: what reloading a folder saved in ``dtype`` gives."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for t in ref.state_dict().values():
+            if t.is_floating_point() and t.dtype != dtype:
+                t.copy_(t.to(dtype))
+    return ref
 
 
 def folder_weight_bytes(folder: Path) -> int | None:
