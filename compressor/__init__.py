@@ -25,6 +25,7 @@ either order, as long as both come before ``from_pretrained``) works as before.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 __version__ = "0.1.0"
@@ -61,7 +62,8 @@ def register_compressed_types() -> None:
 def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is None:
-        # submodules (compressor.measure …) resolve through the import system
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f".{name}", __name__)  # compressor.measure, compressor.fit, …
         raise AttributeError(f"module 'compressor' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     if "transformers" in sys.modules:  # free now; a recipe-only user never pays for it

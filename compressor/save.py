@@ -82,11 +82,12 @@ def check_output(out: Path, overwrite: bool, source_dir: Path | None = None, rea
 # (:func:`rounded_copy`): same weights, same compute, so the logits must agree
 # to the compute dtype's tolerance. The perplexity is compared with the
 # in-memory model's *unrounded* perplexity; its relative tolerance absorbs the
-# rounding of the weights to the saved dtype. Measured on SmolLM2-135M
-# (1,023 embedded tokens): bfloat16 weights move perplexity by 0.3 %; tiny
-# test models by < 1e-4.
+# rounding of the weights to the saved dtype. Measured on SmolLM2-135M (float32
+# compute, 1,023 embedded tokens): logits vs the rounded model 0.0 for both;
+# perplexity moved by 5.0e-4 (bfloat16 weights) and 2.0e-5 (float16); on the
+# tiny test models by < 5e-5. The tolerances leave a 10× / 50× margin.
 LOGIT_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-PPL_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+PPL_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 5e-3, torch.float16: 1e-3}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -60,6 +60,15 @@ def _model_file(name: str, content: bytes):
     return _edit(fn)
 
 
+def _parquet(tmp, d):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["hello", "world"]}), str(tmp / "cal.parquet"))
+    d["calibration"]["dataset"] = str(tmp / "cal.parquet")
+    return write_recipe(tmp / "recipe.yaml", d)
+
+
 def _policy(**values):
     return _edit(lambda tmp, d: d["policy"].update(values))
 
@@ -85,6 +94,8 @@ BAD = [
      ["calibration.dataset", "no text column 'text'", "content", "text_column"]),
     ("csv-without-text-column", _data("evaluation", "ev.csv", b"id,body\n1,hello\n"), 2,
      ["evaluation.dataset", "no text column 'text'", "body"]),
+    ("parquet-without-text-column", lambda tmp, d: _parquet(tmp, d), 2,
+     ["calibration.dataset", "no text column 'text'", "body"]),
     ("unsupported-data-suffix", _data("calibration", "cal.docx", b"PK\3\4"), 2, ["calibration.dataset", ".docx", ".txt"]),
     ("threshold-true", _policy(threshold=True), 2, ["policy.threshold", "valid number", "True"]),
     ("gate-yes", _policy(gate="yes"), 2, ["policy.gate", "valid boolean", "'yes'"]),

@@ -190,9 +190,11 @@ def test_import_compressor_is_lazy():
         "print('TORCH', 'torch' in sys.modules)\n"
         "r = compressor.recipe_from_dict({})\n"
         "print('VERSION', compressor.__version__, type(r).__name__)\n"
+        "print('STAGE', compressor.fit.solve_affine.__name__)\n"  # stages stay reachable as attributes
     )
     assert proc.returncode == 0, proc.stderr
     assert "TORCH False" in proc.stdout and "VERSION 0.1.0 Recipe" in proc.stdout
+    assert "STAGE solve_affine" in proc.stdout
 
 
 def test_run_help_lists_exit_codes(capsys):
