@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -84,77 +83,19 @@ def test_cast_state_dict_keeps_tied_weights_shared(tiny_model):
 
 
 # --------------------------------------------------------------------------------------------------
-# The tokenizer loads where compressor is not installed
+# The tokenizer (loading where compressor is not installed: tests/test_pipeline.py)
 # --------------------------------------------------------------------------------------------------
-
-_BLOCKED = textwrap.dedent(
-    """
-    import sys
-
-    class BlockCompressor:
-        def find_spec(self, name, path=None, target=None):
-            if name == "compressor" or name.startswith("compressor."):
-                raise ImportError(f"compressor is not installed here (blocked {name})")
-            return None
-
-    sys.meta_path.insert(0, BlockCompressor())
-    """
-)
-
-
-def run_without_compressor(code: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh python where ``import compressor`` fails; stdin is closed,
-    so an interactive prompt would fail the run."""
-    script = tmp_path / "blocked.py"
-    script.write_text(_BLOCKED + textwrap.dedent(code))
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HOME=str(tmp_path / "hf_home"),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
-    env.pop("PYTHONPATH", None)
-    return subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_tokenizer_loads_without_remote_code(tmp_path):
-    src = save_tiny_checkpoint(tmp_path / "in", "llama")
-    res = compressor.run(compressor.recipe_from_dict(recipe_dict(src, tmp_path / "out")))
-    assert res.exit_code == 0
-    tok_cfg = json.loads((res.output / "tokenizer_config.json").read_text())
-    assert tok_cfg["tokenizer_class"]
-    proc = run_without_compressor(
-        """
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=False)
-        print("IDS", tok("hello world")["input_ids"])
-        """,
-        tmp_path, str(res.output),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
-    from transformers import AutoTokenizer
-
-    expected = AutoTokenizer.from_pretrained(str(src))("hello world")["input_ids"]
-    assert f"IDS {expected}" in proc.stdout
 
 
 def test_tokenizer_and_model_load_with_no_flags_once_compressor_is_imported(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     src = save_tiny_checkpoint(tmp_path / "in", "llama")
     res = compressor.run(compressor.recipe_from_dict(recipe_dict(src, tmp_path / "out")))
-    script = tmp_path / "plain.py"
-    script.write_text(textwrap.dedent(
-        """
-        import sys
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        import compressor  # transformers already imported: registers the compressed types
-        AutoTokenizer.from_pretrained(sys.argv[1])
-        m = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-        print("CLASS", type(m).__name__)
-        """
-    ))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(script), str(res.output)], env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CLASS CompressedLlamaForCausalLM" in proc.stdout
+    assert json.loads((res.output / "tokenizer_config.json").read_text())["tokenizer_class"]
+    tok = AutoTokenizer.from_pretrained(str(res.output))
+    assert tok("hello world")["input_ids"] == AutoTokenizer.from_pretrained(str(src))("hello world")["input_ids"]
+    assert type(AutoModelForCausalLM.from_pretrained(str(res.output))).__name__ == "CompressedLlamaForCausalLM"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -191,10 +132,25 @@ def test_import_compressor_is_lazy():
         "r = compressor.recipe_from_dict({})\n"
         "print('VERSION', compressor.__version__, type(r).__name__)\n"
         "print('STAGE', compressor.fit.solve_affine.__name__)\n"  # stages stay reachable as attributes
+        "import transformers\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        "compressor.load_compressed\n"  # first public access with transformers loaded: registers
+        "print('REGISTERED', 'compressed_llama' in CONFIG_MAPPING)\n"
     )
     assert proc.returncode == 0, proc.stderr
     assert "TORCH False" in proc.stdout and "VERSION 0.1.0 Recipe" in proc.stdout
-    assert "STAGE solve_affine" in proc.stdout
+    assert "STAGE solve_affine" in proc.stdout and "REGISTERED True" in proc.stdout
+
+
+def test_import_after_transformers_registers_at_once():
+    proc = _python(
+        "import transformers\n"
+        "import compressor\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        "print('REGISTERED', 'compressed_qwen2' in CONFIG_MAPPING)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "REGISTERED True" in proc.stdout
 
 
 def test_run_help_lists_exit_codes(capsys):

@@ -237,6 +237,10 @@ _NO_COMPRESSOR_SCRIPT = textwrap.dedent(
     with torch.no_grad():
         result["logits"] = model(input_ids=torch.tensor(ids)).logits.tolist()
     result["class"] = type(model).__module__ + "." + type(model).__name__
+    # The tokenizer needs no custom code: no prompt (stdin is closed), no remote code.
+    from transformers import AutoTokenizer
+
+    result["tokens"] = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)("hello world")["input_ids"]
     result["compressor_imported"] = sorted(m for m in sys.modules if m == "compressor" or m.startswith("compressor."))
     with open(result_file, "w") as f:
         json.dump(result, f)
@@ -271,6 +275,10 @@ def test_loads_without_compressor_installed(tmp_path):
     assert result["class"].endswith("modeling_compressor.CompressedLlamaForCausalLM"), result["class"]
     assert result["without_trust"] is not None, "loaded custom code without trust_remote_code"
     assert "trust_remote_code" in result["without_trust"]
+    from transformers import AutoTokenizer
+
+    # trust_remote_code=False never prompts (the model load above, without the flag, does)
+    assert result["tokens"] == AutoTokenizer.from_pretrained(str(src))("hello world")["input_ids"]
     torch.testing.assert_close(torch.tensor(result["logits"]), expected, atol=1e-5, rtol=0)
     assert (tmp_path / "hf_modules").is_dir()  # transformers' dynamic-module cache stayed in tmp_path
 
