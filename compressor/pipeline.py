@@ -29,8 +29,8 @@ from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs, run_reads
 from .render import model_card, profile_markdown, profile_plot
 from .replace import count_params
 from .save import (
-    LOGIT_TOLERANCE, OUTPUT_DTYPES, PPL_TOLERANCE, folder_weight_bytes, load_compressed, max_logit_diff,
-    register_auto_classes, rounded_copy, save_compressed,
+    LOGIT_TOLERANCE, PPL_TOLERANCE, folder_weight_bytes, load_compressed, max_logit_diff, output_dtype,
+    register_auto_classes, rounded_copy, save_compressed, source_weight_bytes,
 )
 from .validate import perplexity
 
@@ -211,8 +211,8 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
 
     out = Path(recipe.output.path).expanduser().resolve()
     report = _report(recipe, src, model_type, result, cal, cache_info, out)
-    out_dtype = _output_dtype(recipe.output.dtype, src)
-    report["size"] = {"source_bytes": _source_bytes(src), "output_bytes": None,
+    out_dtype = output_dtype(recipe.output.dtype, src, revision=mc.revision)
+    report["size"] = {"source_bytes": source_weight_bytes(src), "output_bytes": None,
                       "output_dtype": str(out_dtype).removeprefix("torch.")}
     if not result.gate_passed:
         report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
@@ -274,41 +274,6 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
     )
     logger.info("%s", result.gate_message)
     return RunResult(EXIT_OK, report, out, result)
-
-
-def _output_dtype(choice: str, src) -> torch.dtype:
-    """``output.dtype``: explicit, or the source checkpoint's own dtype (GGUF → bfloat16)."""
-    if choice != "source":
-        return OUTPUT_DTYPES[choice]
-    if src.gguf_file:
-        return torch.bfloat16
-    name = None
-    if src.is_local:
-        try:
-            cfg = json.loads((Path(src.path) / "config.json").read_text(encoding="utf-8"))
-            name = cfg.get("dtype") or cfg.get("torch_dtype")
-        except (OSError, ValueError):
-            pass
-    else:
-        try:
-            from transformers import AutoConfig
-
-            cfg = AutoConfig.from_pretrained(src.path)
-            name = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "").removeprefix("torch.")
-        except Exception:  # noqa: BLE001 - unknown dtype falls back to float32 below
-            name = None
-    if name in OUTPUT_DTYPES:
-        return OUTPUT_DTYPES[name]
-    logger.info("source dtype %r not one of %s; saving float32", name, sorted(OUTPUT_DTYPES))
-    return torch.float32
-
-
-def _source_bytes(src) -> int | None:
-    if not src.is_local:
-        return None
-    if src.gguf_file:
-        return (Path(src.path) / src.gguf_file).stat().st_size
-    return folder_weight_bytes(Path(src.path))
 
 
 def _report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal: CalibrationSet, cache_info: dict, out: Path) -> dict:

@@ -120,6 +120,42 @@ def rounded_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return ref
 
 
+def output_dtype(choice: str, src, *, revision: str | None = None) -> torch.dtype:
+    """The dtype to save in for ``output.dtype`` = ``choice``: explicit, or
+    ``source`` = the source checkpoint's recorded ``dtype``/``torch_dtype``
+    (bfloat16 for a GGUF source, whose tensors are quantized; float32 when unknown).
+    ``src`` is a :class:`compressor.load.ResolvedSource`."""
+    if choice != "source":
+        return OUTPUT_DTYPES[choice]
+    if src.gguf_file:
+        return torch.bfloat16
+    name = None
+    try:
+        if src.is_local:
+            cfg = json.loads((Path(src.path) / "config.json").read_text(encoding="utf-8"))
+            name = cfg.get("dtype") or cfg.get("torch_dtype")
+        else:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(src.path, revision=revision, trust_remote_code=False)
+            name = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "").removeprefix("torch.")
+    except Exception as e:  # noqa: BLE001 - an unknown source dtype falls back to float32
+        logger.debug("source dtype unknown: %s", e)
+    if name in OUTPUT_DTYPES:
+        return OUTPUT_DTYPES[name]
+    logger.info("source dtype %r is not one of %s; saving float32", name, sorted(OUTPUT_DTYPES))
+    return torch.float32
+
+
+def source_weight_bytes(src) -> int | None:
+    """Bytes of the source's weight files when it is local (the GGUF file itself for GGUF)."""
+    if not src.is_local:
+        return None
+    if src.gguf_file:
+        return (Path(src.path) / src.gguf_file).stat().st_size
+    return folder_weight_bytes(Path(src.path))
+
+
 def folder_weight_bytes(folder: Path) -> int | None:
     """Total size of the weight files in a local checkpoint folder (None if there are none)."""
     files = [p for p in Path(folder).iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".pt")]

@@ -67,10 +67,11 @@ def test_output_dtype_source_follows_the_source_checkpoint(tmp_path):
 
 def test_gguf_source_defaults_to_bfloat16():
     from compressor.load import ResolvedSource
-    from compressor.pipeline import _output_dtype
+    from compressor.save import output_dtype
 
-    assert _output_dtype("source", ResolvedSource("/x", "m.gguf", True)) == torch.bfloat16
-    assert _output_dtype("float32", ResolvedSource("/x", "m.gguf", True)) == torch.float32
+    assert output_dtype("source", ResolvedSource("/x", "m.gguf", True)) == torch.bfloat16
+    assert output_dtype("float32", ResolvedSource("/x", "m.gguf", True)) == torch.float32
+    assert output_dtype("source", ResolvedSource("/nonexistent", None, True)) == torch.float32
 
 
 def test_cast_state_dict_keeps_tied_weights_shared(tiny_model):
