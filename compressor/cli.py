@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_option(p, "--ppl-budget", PolicyConfig, "ppl_budget", type=float, default=None)
     _recipe_option(p, "--kind", ReplacementConfig, "kind", default=None)
     _recipe_option(p, "--rank", ReplacementConfig, "rank", type=int, default=None)
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier compressor output in the output folder (other non-empty folders are refused)")
     p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
     p.add_argument("--report", default=None, help="also write report.json here")
     _add_overrides(p)
@@ -129,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="YAML recipe, e.g. recipes/smollm2-135m.yaml")
     p.add_argument("--output", "-o", default=None, help="output folder (overrides output.path)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier compressor output in the output folder (other non-empty folders are refused)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved plan; load nothing")
     p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
     p.add_argument("--report", default=None, help="also write report.json here (also written when the gate fails)")
