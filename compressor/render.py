@@ -68,7 +68,7 @@ def profile_figure(profile: Profile, threshold: float | None = None):
         return v if v is not None and v == v else 0.0
 
     fig, (ax, ax2) = plt.subplots(
-        2, 1, sharex=True, figsize=(max(6, 0.28 * len(idx) + 2), 5.5), dpi=120, gridspec_kw={"height_ratios": [3, 1.3]}
+        2, 1, sharex=True, figsize=(max(6, 0.28 * len(idx) + 2) + 2, 5.5), dpi=120, gridspec_kw={"height_ratios": [3, 1.3]}
     )
     colors = ["#d62728" if b.outlier_dominated else "#1f77b4" for b in blocks]
     ax.bar(idx, [max(val(b.r2_lin), BULK_FLOOR) for b in blocks], color=colors, label="R²_lin (held-out)")
@@ -88,7 +88,7 @@ def profile_figure(profile: Profile, threshold: float | None = None):
     ax.set_ylim(BULK_FLOOR - 0.08, 1.12)
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_title(f"{profile.model}: per-block linearity (red = outlier-dominated)", fontsize=9)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside: no data hidden
 
     ax2.bar(idx, [val(b.outlier_sst_share) for b in blocks], color=colors)
     ax2.axhline(flag, color="#ff7f0e", ls="--", lw=1, label=f"flag at {flag:g}")
@@ -97,7 +97,7 @@ def profile_figure(profile: Profile, threshold: float | None = None):
     ax2.set_xlabel("block")
     ax2.set_xticks(idx)
     ax2.tick_params(axis="x", labelsize=7)
-    ax2.legend(fontsize=7, loc="upper right")
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     return fig
 
