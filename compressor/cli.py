@@ -2,6 +2,8 @@
 
 Logs go to stderr; stdout gets a short summary. Exit codes: 0 success,
 1 runtime error, 2 invalid recipe or input, 3 perplexity gate failed.
+Nothing heavy (torch, transformers) is imported until a command needs it, so
+``compressor --help`` is instant.
 """
 
 from __future__ import annotations
@@ -16,12 +18,24 @@ from pathlib import Path
 
 logger = logging.getLogger("compressor")
 
+EXIT_CODES_EPILOG = """exit codes:
+  0  success: the model and report.json are written
+  1  runtime error (message on stderr; --verbose for the traceback); also when the
+     model was published but --report could not be written afterwards
+  2  invalid recipe or input (unknown key, wrong type, missing/empty/non-UTF-8 data
+     file, corrupt checkpoint, unsafe or non-empty output, unwritable --report…):
+     detected before anything is written
+  3  perplexity gate failed: nothing is written (the --report file still is)
+"""
 
-def _setup_logging(quiet: bool, verbose: bool) -> None:
+
+def _setup_logging(quiet: bool, verbose: bool, heavy: bool = True) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s", force=True)
     if quiet:
         os.environ["TQDM_DISABLE"] = "1"
+    if not heavy:  # e.g. `compressor cache info`: no need to import transformers
+        return
     try:
         import transformers
 
@@ -94,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="do not read or write the statistics cache")
     _add_common(p)
 
-    p = sub.add_parser("compress", help="profile, select, replace, validate and save (recipe fields from flags)")
+    p = sub.add_parser("compress", help="profile, select, replace, validate and save (recipe fields from flags)",
+                       epilog=EXIT_CODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE")
     p.add_argument("--output", "-o", required=True, help="output folder for the compressed model")
     p.add_argument("--data", default="embedded", help="calibration data (see `profile --data`)")
@@ -105,16 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=list(REPLACEMENT_CONFIGS), default=None,
                    help="replacement kind: affine, low_rank, prune, hybrid (default: affine)")
     _recipe_option(p, "--rank", LowRankReplacement, "rank", type=int, default=None)
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier compressor output in the output folder (other non-empty folders are refused)")
     p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
     p.add_argument("--report", default=None, help="also write report.json here")
     _add_overrides(p)
     _add_common(p)
 
-    p = sub.add_parser("run", help="run a YAML recipe")
+    p = sub.add_parser("run", help="run a YAML recipe", epilog=EXIT_CODES_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="YAML recipe, e.g. recipes/smollm2-135m.yaml")
     p.add_argument("--output", "-o", default=None, help="output folder (overrides output.path)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier compressor output in the output folder (other non-empty folders are refused)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved plan; load nothing")
     p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
     p.add_argument("--report", default=None, help="also write report.json here (also written when the gate fails)")
@@ -126,7 +144,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default=None, help="output folder to check (overrides output.path)")
     _add_overrides(p)
     _add_common(p)
+
+    p = sub.add_parser("cache", help="the statistics cache: where it is, how big, clear it",
+                       description="Measured statistics are cached (~0.6 GB per model/data/setting for SmolLM2) in "
+                       "$COMPRESSOR_CACHE, else $COMPRESSOR_CACHE_DIR, else $XDG_CACHE_HOME/compressor, else "
+                       "~/.cache/compressor; least recently used entries are evicted above $COMPRESSOR_CACHE_MAX_GB "
+                       "(default 4).")
+    p.add_argument("action", choices=["info", "clear"], help="info: location, entries, size, cap; clear: delete all entries")
+    _add_common(p)
     return parser
+
+
+def _cache(args) -> int:
+    from . import cache
+
+    if args.action == "clear":
+        where = cache.cache_dir()
+        n = cache.clear()
+        print(f"removed {n} cache entr{'y' if n == 1 else 'ies'} from {where}")
+        return 0
+    i = cache.info()
+    print(f"location: {i['location']}")
+    print(f"entries:  {i['entries']}")
+    print(f"size:     {cache.human_bytes(i['total_bytes'])}")
+    print(f"cap:      {cache.human_bytes(i['max_bytes'])} (COMPRESSOR_CACHE_MAX_GB)")
+    return 0
 
 
 def _profile(args) -> int:
@@ -178,10 +220,18 @@ def _recipe_from_args(args):
 
 
 def _run(args) -> int:
-    from .pipeline import run
-    from .recipe import check_inputs
+    from .recipe import check_inputs, run_reads
 
     recipe = _recipe_from_args(args)
+    report_path = None
+    if getattr(args, "report", None):
+        from .recipe import RecipeError
+        from .safety import OutputError, check_report_path
+
+        try:  # before anything is loaded: a bad --report must not cost a whole run
+            report_path = check_report_path(args.report, reads=run_reads(recipe))
+        except OutputError as e:
+            raise RecipeError(str(e)) from None
     if args.command == "validate" or getattr(args, "dry_run", False):
         check_inputs(recipe, need_output=args.command != "validate" or recipe.output.path is not None)
         if args.command == "validate":
@@ -189,9 +239,23 @@ def _run(args) -> int:
         else:
             print(recipe.to_yaml(), end="")
         return 0
+    from .pipeline import run
+
     result = run(recipe, use_cache=False if args.no_cache else None)
-    if args.report:
-        Path(args.report).write_text(json.dumps(result.report, indent=2) + "\n")
+    _print_summary(result)
+    if report_path is not None:
+        try:
+            report_path.write_text(json.dumps(result.report, indent=2) + "\n")
+        except OSError as e:
+            published = f"the model was published at {result.output}, but " if result.output is not None else ""
+            print(f"error: {published}the report could not be written to {report_path}: {e}", file=sys.stderr)
+            return 1
+    return result.exit_code
+
+
+def _print_summary(result) -> None:
+    from .cache import human_bytes
+
     r = result.report
     ppl = r["perplexity"]
     kept = [d["index"] for d in r["blocks"] if d["decision"] == "kept"]
@@ -199,17 +263,23 @@ def _run(args) -> int:
     print(f"perplexity: {ppl['baseline']['ppl']:.4f} → {ppl['final']['ppl']:.4f} (budget {ppl['budget']:.4f}, "
           f"{ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']}, stride {ppl['final']['stride']})")
     print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
+    size = r.get("size") or {}
+    if result.output is not None and size:
+        print(f"size: {human_bytes(size.get('source_bytes'))} → {human_bytes(size.get('output_bytes'))} "
+              f"(weights saved as {size.get('output_dtype')})")
     if result.output is not None:
         print(f"model:  {result.output}")
         print(f"report: {result.output / 'report.json'}")
-    return result.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.quiet, args.verbose)
+    _setup_logging(args.quiet, args.verbose, heavy=args.command != "cache")
+    if args.command == "cache":
+        return _cache(args)
     from .archs import UnsupportedModelError
+    from .checks import DataFileError, NonFiniteActivationError, NonFiniteWeightsError
     from .pipeline import EXIT_ERROR, EXIT_INVALID, InputError
     from .recipe import RecipeError
 
@@ -217,9 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "profile":
             return _profile(args)
         return _run(args)
-    except (RecipeError, InputError, UnsupportedModelError, FileExistsError, FileNotFoundError) as e:
+    except (RecipeError, InputError, UnsupportedModelError, DataFileError, NonFiniteWeightsError,
+            FileExistsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
+    except NonFiniteActivationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

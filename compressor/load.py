@@ -58,8 +58,17 @@ def resolve_source(source: str, gguf_file: str | None = None) -> ResolvedSource:
     p = Path(source).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
-            raise FileNotFoundError(f"GGUF file {source!r} does not exist")
+            raise FileNotFoundError(f"GGUF file {source!r} does not exist" if not p.exists() else
+                                    f"{source!r} is a folder, not a GGUF file; give the .gguf file itself")
+        _check_gguf_magic(p, source)
         return ResolvedSource(str(p.parent.resolve()), p.name, True)
+    if p.is_file():
+        kind = "a GGUF file without the .gguf suffix" if _is_gguf(p) else "a file"
+        raise FileNotFoundError(
+            f"model source {source!r} is {kind}, not a model; expected a save_pretrained folder (with config.json), "
+            "a .gguf file, pkg:PACKAGE or a hub id such as openai-community/gpt2"
+            + (" (rename it to *.gguf)" if _is_gguf(p) else "")
+        )
     if p.is_dir():
         if gguf_file is None and not (p / "config.json").is_file():
             ggufs = sorted(x.name for x in p.glob("*.gguf"))
@@ -71,6 +80,22 @@ def resolve_source(source: str, gguf_file: str | None = None) -> ResolvedSource:
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise FileNotFoundError(f"model path {source!r} does not exist")
     return ResolvedSource(source, gguf_file, False)
+
+
+def _is_gguf(p: Path) -> bool:
+    try:
+        with p.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _check_gguf_magic(p: Path, source: str) -> None:
+    if not _is_gguf(p):
+        raise FileNotFoundError(
+            f"{source!r} is named .gguf but is not a GGUF file (it does not start with the GGUF magic bytes); "
+            "give a GGUF model file, e.g. one exported by llama.cpp"
+        )
 
 
 def load_model(

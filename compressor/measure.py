@@ -18,6 +18,7 @@ from torch import nn
 from ._progress import progress
 
 from .archs import ArchSpec, arch_for, find_blocks
+from .checks import check_activations_finite
 from .stats import LogHistogram, Moments
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,8 @@ class StatsCollector:
         return hook
 
     def _accumulate(self, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        check_activations_finite(i, "FFN input", x, x.dtype)
+        check_activations_finite(i, "FFN output", y, y.dtype)
         st = self.stats.get(i)
         if st is None:
             st = self.stats[i] = BlockStats.empty(i, x.shape[-1], y.shape[-1], self.output_rank)

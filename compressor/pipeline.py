@@ -16,18 +16,22 @@ import torch
 from torch import nn
 
 from . import __version__
-from .archs import UnsupportedModelError, arch_for
+from .archs import UnsupportedModelError, arch_for, find_blocks
 from .cache import load_stats, model_fingerprint, save_stats, stats_key
+from .checks import check_weights_finite
 from .compress import CompressionResult, compress_model
 from .data import CalibrationSet, TextSource, calibration_set, evaluation_tokens
 from .hf_modeling import COMPRESSION_FORMAT
 from .load import load_model, resolve_source
 from .measure import BlockStats, collect
 from .profiling import Profile, block_profile
-from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs
+from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs, run_reads
 from .render import model_card, profile_markdown, profile_plot
 from .replace import count_params
-from .save import load_compressed, max_logit_diff, register_auto_classes, save_compressed
+from .save import (
+    LOGIT_TOLERANCE, PPL_TOLERANCE, folder_weight_bytes, load_compressed, max_logit_diff, output_dtype,
+    register_auto_classes, rounded_copy, save_compressed, source_weight_bytes,
+)
 from .validate import perplexity
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,22 @@ EXIT_GATE = 3  # perplexity gate failed: nothing written
 
 class InputError(ValueError):
     """Bad input discovered after loading (e.g. unsupported architecture)."""
+
+
+class _DataInput:
+    """Turn a data problem found while reading/tokenizing text (too few tokens,
+    missing column…) into an :class:`InputError` naming the recipe field."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if typ is not None and issubclass(typ, ValueError) and not issubclass(typ, InputError):
+            raise InputError(f"{self.field}: {exc}") from exc
+        return False
 
 
 def _source_text(cfg) -> TextSource:
@@ -100,7 +120,8 @@ def profile(
     name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", type(model).__name__)
     if isinstance(model, str):
         model, tokenizer, _ = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    model_type, _ = arch_for(model)
+        check_weights_finite(model)
+    model_type, spec = arch_for(model)
     if isinstance(data, CalibrationSet):
         cal, data_name = data, "given windows"
     else:
@@ -111,6 +132,12 @@ def profile(
         data_name = src.dataset
     stats, _ = _stats(model, cal, measure, batch_size, use_cache, blocks)
     profiles = [block_profile(stats[i], outlier_share_flag=measure.outlier_share_flag)[0] for i in sorted(stats)]
+    _, block_list = find_blocks(model, spec)
+    for p in profiles:
+        block = block_list[p.index]
+        ffn = {id(m): m for m in (block.get_submodule(spec.ffn_in), block.get_submodule(spec.ffn_out))}
+        p.ffn_params = sum(count_params(m) for m in ffn.values())
+        p.affine_params = p.d_in * p.d_out + p.d_out
     return Profile(
         model=str(name), model_type=model_type, blocks=profiles, tool_version=__version__,
         settings={
@@ -161,6 +188,7 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         mc.source, gguf_file=mc.gguf_file, dtype=mc.dtype, device=mc.device,
         trust_remote_code=mc.trust_remote_code, revision=mc.revision,
     )
+    check_weights_finite(model)
     try:
         model_type, spec = arch_for(model)
     except UnsupportedModelError as e:
@@ -170,9 +198,11 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
             f"{model_type} models are profile-only ({spec.note}); `compress` refuses them. Use `compressor profile`."
         )
     c, e = recipe.calibration, recipe.evaluation
-    cal = calibration_set(tokenizer, _source_text(c), seq_len=c.seq_len, max_tokens=c.max_tokens,
-                          heldout_fraction=c.heldout_fraction, seed=c.seed)
-    ev_tokens = evaluation_tokens(tokenizer, _source_text(e), _source_text(c), max_tokens=e.max_tokens)
+    with _DataInput("calibration.dataset"):
+        cal = calibration_set(tokenizer, _source_text(c), seq_len=c.seq_len, max_tokens=c.max_tokens,
+                              heldout_fraction=c.heldout_fraction, seed=c.seed)
+    with _DataInput("evaluation.dataset"):
+        ev_tokens = evaluation_tokens(tokenizer, _source_text(e), _source_text(c), max_tokens=e.max_tokens)
     # The layer-sequential engine measures as it goes; the statistics cache
     # serves `profile` only.
     cache_info = {"enabled": False, "hit": False, "key": None}
@@ -180,6 +210,9 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
 
     out = Path(recipe.output.path).expanduser().resolve()
     report = _report(recipe, src, model_type, result, cal, cache_info, out)
+    out_dtype = output_dtype(recipe.output.dtype, src, revision=mc.revision)
+    report["size"] = {"source_bytes": source_weight_bytes(src), "output_bytes": None,
+                      "output_dtype": str(out_dtype).removeprefix("torch.")}
     if not result.gate_passed:
         report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
         logger.error("perplexity gate failed: %s; nothing was written", result.gate_message)
@@ -201,22 +234,31 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
     def verify(folder: Path) -> None:
         """Reload the folder and compare with the in-memory model before it is published."""
         register_auto_classes([model_type])
+        # Compare like with like: reloaded in the compute dtype against the in-memory
+        # model with its weights rounded the way they were saved (see save.LOGIT_TOLERANCE).
+        reference = model if out_dtype == model.dtype else rounded_copy(model, out_dtype)
         reloaded = load_compressed(folder, dtype=model.dtype)
         reloaded.eval()
         n = min(2, max(1, ev_tokens.numel() // e.seq_len))
         probe = ev_tokens[: n * min(e.seq_len, ev_tokens.numel() // n)].view(n, -1)
-        diff = max_logit_diff(model, reloaded, probe)
+        diff = max_logit_diff(reference, reloaded, probe)
+        del reference
         again = perplexity(reloaded, ev_tokens, seq_len=e.seq_len, stride=e.stride, batch_size=e.batch_size,
                            desc="reload check")
         rel = abs(again.ppl - result.final.ppl) / result.final.ppl
-        tol = 1e-5 if model.dtype == torch.float32 else 1e-2
-        report["reload_check"] = {"max_abs_logit_diff": diff, "perplexity": again.ppl, "relative_ppl_diff": rel,
-                                  "params": count_params(reloaded), "passed": diff <= tol and rel <= 1e-4}
+        tol = LOGIT_TOLERANCE.get(model.dtype, 1e-2)
+        ppl_tol = PPL_TOLERANCE[out_dtype]
+        report["reload_check"] = {"saved_dtype": str(out_dtype).removeprefix("torch."),
+                                  "max_abs_logit_diff": diff, "perplexity": again.ppl, "relative_ppl_diff": rel,
+                                  "params": count_params(reloaded), "logit_tolerance": tol,
+                                  "relative_ppl_tolerance": ppl_tol, "passed": diff <= tol and rel <= ppl_tol}
         if not report["reload_check"]["passed"]:
             raise RuntimeError(
                 f"reload check failed: max |Δlogit| {diff:.3g} (tolerance {tol:g}), perplexity {again.ppl:.5f} vs "
-                f"{result.final.ppl:.5f}; the folder was not published"
+                f"{result.final.ppl:.5f} (relative tolerance {ppl_tol:g}, weights saved as {out_dtype}); "
+                "the folder was not published"
             )
+        report["size"]["output_bytes"] = folder_weight_bytes(folder)
         report["timings"]["total_s"] = time.perf_counter() - t_start
         (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
@@ -226,6 +268,8 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         overwrite=recipe.output.overwrite,
         source_dir=Path(src.path) if src.is_local else None,
         verify=verify,
+        reads=run_reads(recipe),
+        dtype=out_dtype,
     )
     logger.info("%s", result.gate_message)
     return RunResult(EXIT_OK, report, out, result)

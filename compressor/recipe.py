@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 RECIPE_VERSION = 1
 
@@ -24,7 +24,12 @@ class RecipeError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: a recipe's `gate: "yes"` or `threshold: true` is an error, not a
+    # silent coercion; pydantic's strict mode still takes an int for a float.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    # The file a recipe was read from (set by load_recipe on the top-level
+    # Recipe), so output checks can refuse to overwrite it.
+    _source_file: Path | None = PrivateAttr(None)
 
 
 class ModelConfig(_Section):
@@ -153,7 +158,10 @@ ReplacementConfig = Annotated[
 
 class OutputConfig(_Section):
     path: str | None = Field(None, description="output folder (required for run; --output overrides)")
-    overwrite: bool = Field(False, description="replace a non-empty output folder")
+    overwrite: bool = Field(False, description="replace an earlier compressor output in that folder")
+    dtype: Literal["source", "float32", "bfloat16", "float16"] = Field(
+        "source", description="dtype of the saved weights; source = the source checkpoint's dtype (bfloat16 for GGUF)"
+    )
 
 
 class Recipe(_Section):
@@ -241,23 +249,77 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a YAML recipe. Raises :class:`RecipeError`."""
-    p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} does not exist")
+    p = Path(path).expanduser()
+    text = _read_recipe_text(p, str(path))
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe {str(path)!r} is not valid YAML: {e}") from None
     if data is not None and not isinstance(data, dict):
-        raise RecipeError(f"invalid recipe: the top level must be a mapping of sections, got {type(data).__name__}")
-    return recipe_from_dict(apply_overrides(data or {}, overrides or []))
+        raise RecipeError(
+            f"invalid recipe {str(path)!r}: the top level must be a mapping of sections (model:, calibration:, …), "
+            f"got {type(data).__name__}"
+        )
+    recipe = recipe_from_dict(apply_overrides(data or {}, overrides or []))
+    recipe._source_file = p.resolve()
+    return recipe
+
+
+def _read_recipe_text(p: Path, shown: str) -> str:
+    if p.is_dir():
+        raise RecipeError(
+            f"recipe {shown!r} is a folder; expected a YAML recipe file, e.g. recipes/smollm2-135m.yaml"
+        )
+    if not p.exists():
+        raise RecipeError(f"recipe file {shown!r} does not exist; expected a YAML recipe file, e.g. recipes/smollm2-135m.yaml")
+    if not p.is_file():
+        raise RecipeError(f"recipe {shown!r} is not a regular file; expected a YAML recipe file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise RecipeError(f"recipe {shown!r} cannot be read: {e.strerror}; check its permissions") from None
+    if b"\0" in raw[:8192]:
+        raise RecipeError(
+            f"recipe {shown!r} is a binary file, not a YAML recipe; give the path of a .yaml recipe "
+            "(see recipes/ for examples)"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(
+            f"recipe {shown!r} is not UTF-8 text (bad byte at offset {e.start}); a recipe is a YAML file in UTF-8. "
+            "Re-save it as UTF-8"
+        ) from None
+
+
+def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
+    """``(description, path)`` of every local file or folder a run reads: the
+    output must never be, contain or replace any of them."""
+    from .cache import cache_dir
+    from .data import EMBEDDED
+
+    reads: list[tuple[str, Path]] = []
+    if recipe._source_file is not None:
+        reads.append(("the recipe", recipe._source_file))
+    for section in ("calibration", "evaluation"):
+        ds = getattr(recipe, section).dataset
+        if ds != EMBEDDED and Path(ds).expanduser().exists():
+            reads.append((f"{section}.dataset", Path(ds).expanduser()))
+    src = Path(recipe.model.source).expanduser()
+    if not recipe.model.source.startswith("pkg:") and src.exists():
+        reads.append(("model.source", src))
+    if recipe.measure.cache:
+        reads.append(("the statistics cache", cache_dir()))
+    return reads
 
 
 def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
-    """Checks that need the file system but no model: sources exist, output is writable.
+    """Checks that need the file system but no model: sources exist and are
+    readable, data files are usable, the output is safe to write.
 
     Raises :class:`RecipeError` naming the field.
     """
+    from .checks import DataFileError, check_data_source
     from .data import TextSource
     from .load import resolve_source
 
@@ -268,16 +330,17 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
     for section in ("calibration", "evaluation"):
         cfg = getattr(recipe, section)
         try:
-            TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column).kind()
-        except FileNotFoundError as e:
+            check_data_source(TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column))
+        except (FileNotFoundError, DataFileError) as e:
             raise RecipeError(f"{section}.dataset: {e}") from None
     if not need_output:
         return
     if recipe.output.path is None:
         raise RecipeError("output.path: required; set it in the recipe or pass --output DIR")
-    from .save import check_output
+    from .safety import OutputError, check_output_folder
 
     try:
-        check_output(Path(recipe.output.path), recipe.output.overwrite, Path(src.path) if src.is_local else None)
-    except FileExistsError as e:
+        check_output_folder(recipe.output.path, overwrite=recipe.output.overwrite, reads=run_reads(recipe),
+                            model_dir=src.path if src.is_local else None)
+    except OutputError as e:
         raise RecipeError(f"output.path: {e}") from None

@@ -237,6 +237,10 @@ _NO_COMPRESSOR_SCRIPT = textwrap.dedent(
     with torch.no_grad():
         result["logits"] = model(input_ids=torch.tensor(ids)).logits.tolist()
     result["class"] = type(model).__module__ + "." + type(model).__name__
+    # The tokenizer needs no custom code: no prompt (stdin is closed), no remote code.
+    from transformers import AutoTokenizer
+
+    result["tokens"] = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)("hello world")["input_ids"]
     result["compressor_imported"] = sorted(m for m in sys.modules if m == "compressor" or m.startswith("compressor."))
     with open(result_file, "w") as f:
         json.dump(result, f)
@@ -271,6 +275,10 @@ def test_loads_without_compressor_installed(tmp_path):
     assert result["class"].endswith("modeling_compressor.CompressedLlamaForCausalLM"), result["class"]
     assert result["without_trust"] is not None, "loaded custom code without trust_remote_code"
     assert "trust_remote_code" in result["without_trust"]
+    from transformers import AutoTokenizer
+
+    # trust_remote_code=False never prompts (the model load above, without the flag, does)
+    assert result["tokens"] == AutoTokenizer.from_pretrained(str(src))("hello world")["input_ids"]
     torch.testing.assert_close(torch.tensor(result["logits"]), expected, atol=1e-5, rtol=0)
     assert (tmp_path / "hf_modules").is_dir()  # transformers' dynamic-module cache stayed in tmp_path
 
@@ -366,9 +374,16 @@ def test_refuses_non_empty_output_unless_overwrite(tmp_path):
     assert (out / "old.txt").read_text() == "precious"
     assert [p.name for p in out.iterdir()] == ["old.txt"]
 
+    # --overwrite replaces an earlier compressor output, never a folder of other files
+    with pytest.raises(compressor.RecipeError, match="not an earlier compressor output"):
+        compressor.run(make_recipe(src, out, output={"overwrite": True}))
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    (out / "old.txt").unlink()
+    assert compressor.run(make_recipe(src, out)).exit_code == 0
+    (out / "stale.txt").write_text("from the earlier run")
     res = compressor.run(make_recipe(src, out, output={"overwrite": True}))
     assert res.exit_code == 0
-    assert not (out / "old.txt").exists()
+    assert not (out / "stale.txt").exists()
     assert (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # old folder removed, no temp left
 

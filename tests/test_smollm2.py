@@ -102,9 +102,15 @@ def test_gated_compress_saves_loadable_checkpoint(tmp_path, monkeypatch):
 
     from transformers import AutoModelForCausalLM
 
-    reloaded = AutoModelForCausalLM.from_pretrained(str(res.output)).eval()
+    from compressor.save import rounded_copy
+
+    # A GGUF source is saved as bfloat16 (output.dtype: source): about half the float32 size.
+    assert res.report["size"]["output_dtype"] == "bfloat16"
+    assert res.report["size"]["output_bytes"] < 0.6 * 4 * res.report["params"]["after"]
+    reloaded = AutoModelForCausalLM.from_pretrained(str(res.output), dtype=torch.float32).eval()
     assert type(reloaded.model.layers[27].mlp).__name__ == "AffineFFN"
     ids = torch.arange(100, 164)[None]
+    reference = rounded_copy(res.result.model, torch.bfloat16)
     with torch.no_grad():
-        diff = (reloaded(ids).logits - res.result.model(ids).logits).abs().max()
+        diff = (reloaded(ids).logits - reference(ids).logits).abs().max()
     assert float(diff) <= 1e-5

@@ -1,0 +1,220 @@
+"""Every bad input gets a clean exit code and a message that says what was
+wrong, what was expected and how to fix it (the README's "Bad input" table).
+
+Runs ``compressor.cli.main`` in-process on tiny checkpoints; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from checkpoints import save_tiny_checkpoint
+from test_cli import isolated, recipe_dict, write_recipe  # noqa: F401  (isolated is an autouse fixture)
+
+from compressor.cli import main
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+def _recipe_bytes(raw: bytes):
+    def make(tmp, d):
+        p = tmp / "recipe.yaml"
+        p.write_bytes(raw)
+        return p
+    return make
+
+
+def _recipe_folder(tmp, d):
+    p = tmp / "recipes-folder"
+    p.mkdir()
+    return p
+
+
+def _edit(fn):
+    def make(tmp, d):
+        fn(tmp, d)
+        return write_recipe(tmp / "recipe.yaml", d)
+    return make
+
+
+def _data(section: str, name: str, content: bytes):
+    def fn(tmp, d):
+        (tmp / name).write_bytes(content)
+        d[section]["dataset"] = str(tmp / name)
+    return _edit(fn)
+
+
+def _model_file(name: str, content: bytes):
+    def fn(tmp, d):
+        (tmp / name).write_bytes(content)
+        d["model"]["source"] = str(tmp / name)
+    return _edit(fn)
+
+
+def _parquet(tmp, d):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["hello", "world"]}), str(tmp / "cal.parquet"))
+    d["calibration"]["dataset"] = str(tmp / "cal.parquet")
+    return write_recipe(tmp / "recipe.yaml", d)
+
+
+def _policy(**values):
+    return _edit(lambda tmp, d: d["policy"].update(values))
+
+
+BAD = [
+    # id, recipe maker, exit code, substrings of stderr
+    ("recipe-binary", _recipe_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR"), 2, ["recipe.yaml", "binary file", "YAML"]),
+    ("recipe-not-utf8", _recipe_bytes("model:\n  source: café\n".encode("latin-1")), 2,
+     ["recipe.yaml", "not UTF-8", "offset"]),
+    ("recipe-is-folder", _recipe_folder, 2, ["is a folder", "expected a YAML recipe file"]),
+    ("model-source-binary-file", _model_file("weights.bin", b"\0\1\2" * 100), 2,
+     ["model.source", "is a file, not a model", "save_pretrained folder"]),
+    ("model-source-fake-gguf", _model_file("model.gguf", b"not really"), 2, ["model.source", "not a GGUF file"]),
+    ("empty-calibration-file", _data("calibration", "cal.txt", b""), 2, ["calibration.dataset", "cal.txt", "empty"]),
+    ("empty-evaluation-file", _data("evaluation", "ev.jsonl", b""), 2, ["evaluation.dataset", "ev.jsonl", "empty"]),
+    ("whitespace-calibration-file", _data("calibration", "cal.txt", b"\n \n\t\n"), 2,
+     ["calibration.dataset", "only whitespace"]),
+    ("non-utf8-calibration-file", _data("calibration", "cal.txt", "café ".encode("latin-1") * 50), 2,
+     ["calibration.dataset", "not UTF-8", "iconv"]),
+    ("binary-evaluation-file", _data("evaluation", "ev.txt", b"\0\xff\xfe" * 100), 2,
+     ["evaluation.dataset", "not UTF-8", "binary"]),
+    ("jsonl-without-text-column", _data("calibration", "cal.jsonl", b'{"content": "hello"}\n'), 2,
+     ["calibration.dataset", "no text column 'text'", "content", "text_column"]),
+    ("csv-without-text-column", _data("evaluation", "ev.csv", b"id,body\n1,hello\n"), 2,
+     ["evaluation.dataset", "no text column 'text'", "body"]),
+    ("parquet-without-text-column", lambda tmp, d: _parquet(tmp, d), 2,
+     ["calibration.dataset", "no text column 'text'", "body"]),
+    ("unsupported-data-suffix", _data("calibration", "cal.docx", b"PK\3\4"), 2, ["calibration.dataset", ".docx", ".txt"]),
+    ("threshold-true", _policy(threshold=True), 2, ["policy.threshold", "valid number", "True"]),
+    ("gate-yes", _policy(gate="yes"), 2, ["policy.gate", "valid boolean", "'yes'"]),
+    ("min-blocks-float", _policy(min_blocks=1.0), 2, ["policy.min_blocks", "valid integer"]),
+]
+
+
+@pytest.mark.parametrize("make, code, expected", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_input_before_loading(tmp_path, capsys, monkeypatch, make, code, expected):
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("compressor.pipeline.load_model", boom)
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    d = recipe_dict(src, tmp_path / "out")
+    path = make(tmp_path, d)
+    before = _tree(tmp_path)
+    rc = main(["run", str(path)])
+    err = capsys.readouterr().err
+    assert rc == code, err
+    for s in expected:
+        assert s in err, f"{s!r} not in stderr:\n{err}"
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert _tree(tmp_path) == before
+
+
+def test_int_for_float_and_set_bool_still_work(tmp_path, capsys):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    d = recipe_dict(src, tmp_path / "out")
+    d["policy"]["ppl_budget"] = 1  # an int where a float is expected is fine
+    path = write_recipe(tmp_path / "r.yaml", d)
+    assert main(["run", str(path), "--dry-run", "--set", "policy.gate=false", "--set", "measure.cache=true"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["policy"]["gate"] is False and resolved["policy"]["ppl_budget"] == 1.0
+    assert main(["run", str(path), "--dry-run", "--set", "policy.gate=yes-please"]) == 2
+    assert "policy.gate" in capsys.readouterr().err
+
+
+def test_ten_token_calibration_file_is_exit_2(tmp_path, capsys):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    d = recipe_dict(src, tmp_path / "out")
+    (tmp_path / "cal.txt").write_text("one two three four five six seven eight nine ten\n")
+    d["calibration"]["dataset"] = str(tmp_path / "cal.txt")
+    rc = main(["run", str(write_recipe(tmp_path / "r.yaml", d))])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "calibration.dataset" in err and "calibration tokens" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_weight_names_the_parameter(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    sd = load_file(str(src / "model.safetensors"))
+    sd["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    sd["model.layers.1.mlp.up_proj.weight"][4, 5] = float("inf")
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    rc = main(["run", str(write_recipe(tmp_path / "r.yaml", recipe_dict(src, tmp_path / "out")))])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "model.layers.1.mlp.up_proj.weight (block 1) has 1 NaN and 1 Inf value(s)" in err
+    assert "checkpoint is corrupt" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert torch.isnan(load_file(str(src / "model.safetensors"))["model.layers.1.mlp.up_proj.weight"]).sum() == 1
+
+
+def test_profile_also_refuses_nan_weights(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    sd = load_file(str(src / "model.safetensors"))
+    sd["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["profile", str(src), "--seq-len", "32", "--max-tokens", "512"]) == 2
+    assert "model.layers.0.mlp.down_proj.weight (block 0)" in capsys.readouterr().err
+
+
+def test_activation_overflow_names_block_and_dtype():
+    import torch
+
+    from compressor.checks import NonFiniteActivationError, check_activations_finite
+
+    check_activations_finite(0, "FFN input", torch.ones(2, 3), torch.float32)  # finite: no error
+    t = torch.tensor([[1.0, float("inf")], [float("nan"), 0.0]], dtype=torch.float16)
+    with pytest.raises(NonFiniteActivationError) as e:
+        check_activations_finite(7, "FFN output", t, torch.float16)
+    msg = str(e.value)
+    assert isinstance(e.value, FloatingPointError)
+    assert "block 7" in msg and "FFN output" in msg and "1 NaN and 1 Inf" in msg
+    assert "overflowed float16" in msg and "model.dtype: float32" in msg
+    with pytest.raises(NonFiniteActivationError, match="weights or inputs are not finite"):
+        check_activations_finite(2, "FFN input", t.float(), torch.float32)
+
+
+def test_activation_check_runs_during_measurement(tiny_model):
+    import torch
+
+    from compressor.checks import NonFiniteActivationError
+    from compressor.measure import collect
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("inf")
+    ids = torch.randint(2, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NonFiniteActivationError, match="block 1: FFN output"):
+        collect(model, ids[:2], ids[2:])
+
+
+def test_report_json_has_sizes(tmp_path):
+    import compressor
+
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    d = recipe_dict(src, tmp_path / "out")
+    res = compressor.run(compressor.recipe_from_dict(d))
+    size = json.loads((res.output / "report.json").read_text())["size"]
+    assert size["source_bytes"] == (src / "model.safetensors").stat().st_size
+    assert size["output_bytes"] == (res.output / "model.safetensors").stat().st_size
+    assert size["output_bytes"] < size["source_bytes"]
+    assert size["output_dtype"] == "float32"
