@@ -174,6 +174,18 @@ class Recipe(_Section):
     replacement: ReplacementConfig = Field(default_factory=AffineReplacement)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
+    @model_validator(mode="after")
+    def _allocate_needs_a_target(self):
+        allocate = self.policy.strategy == "allocate" or (
+            self.policy.strategy == "auto" and self.replacement.kind in ("prune", "hybrid"))
+        if allocate and not self.policy.gate and self.policy.ffn_keep is None:
+            raise ValueError("policy.ffn_keep: required when the allocate strategy runs without the gate "
+                             "(policy.gate: false); set a fraction of FFN parameters to keep, or turn the gate on")
+        if self.policy.strategy == "greedy" and self.replacement.kind in ("prune", "hybrid") and self.replacement.keep is None:
+            raise ValueError(f"replacement.keep: required for kind {self.replacement.kind} with policy.strategy: greedy "
+                             "(the fraction of hidden units each replaced block keeps)")
+        return self
+
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 

@@ -426,3 +426,30 @@ def test_prune_zero_units_fits_the_mean(model_type):
     with torch.no_grad():
         out = module(torch.zeros(3, data.d)).double().numpy()
     np.testing.assert_allclose(out, np.broadcast_to(y.mean(0), out.shape), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("target", ["teacher_output", "teacher_residual"])
+def test_allocate_finishes_with_the_teacher_target(tmp_path, target):
+    """The search runs on independent fits; the teacher-target fit is tried at the level found."""
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    recipe = _recipe(src, tmp_path / "out", "prune")
+    recipe = compressor.recipe_from_dict({**recipe.to_dict(), "replacement": {"kind": "prune", "target": target}})
+    res = compressor.run(recipe)
+    assert res.exit_code == compressor.EXIT_OK, res.report["message"]
+    attempts = res.report["allocation_attempts"]
+    assert [a["target"] for a in attempts] == ["none", target]
+    assert attempts[0]["ffn_keep_target"] == attempts[1]["ffn_keep_target"] == 0.5
+    kept = [d for d in res.report["blocks"] if d["decision"] == "kept"]
+    assert kept and all(f"target {target}" in d["reason"] for d in kept)
+    ids = _probe_ids()
+    torch.testing.assert_close(_logits(compressor.load_compressed(res.output), ids), _logits(res.result.model, ids),
+                               atol=1e-5, rtol=0)
+
+
+def test_allocate_recipe_rules():
+    with pytest.raises(compressor.RecipeError, match="policy.ffn_keep: required"):
+        compressor.recipe_from_dict({"replacement": {"kind": "prune"}, "policy": {"gate": False}})
+    with pytest.raises(compressor.RecipeError, match="replacement.keep: required"):
+        compressor.recipe_from_dict({"replacement": {"kind": "hybrid"}, "policy": {"strategy": "greedy"}})
+    with pytest.raises(compressor.RecipeError, match=r"replacement.rank \(kind prune\): unknown key; allowed keys"):
+        compressor.recipe_from_dict({"replacement": {"kind": "prune", "rank": 3}})

@@ -14,6 +14,7 @@ discriminated by ``kind``), and its module class in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -90,9 +91,10 @@ class Fitted:
 
     def entry(self, module_path: str) -> dict:
         """The checkpoint's ``compression.blocks`` entry (versioned per kind)."""
+        r2 = self.heldout_r2 if math.isfinite(self.heldout_r2) else None  # config.json stays strict JSON
         return {"index": self.index, "module": module_path, "kind": self.kind,
                 "format": KINDS[self.kind].format, "config": dict(self.config), "params": self.params,
-                "heldout_r2": self.heldout_r2}
+                "heldout_r2": r2}
 
     def build(self, like: nn.Module) -> nn.Module:
         """The replacement module with the fitted weights, on ``like``'s device and dtype."""
