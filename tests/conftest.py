@@ -40,3 +40,15 @@ def torch_single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything tries to load a model; returns the failing stand-in."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("compressor.pipeline.load_model", boom)
+    monkeypatch.setattr("compressor.load.load_model", boom)
+    return boom

@@ -34,17 +34,6 @@ def tree_hashes(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def no_loading(monkeypatch):
-    """Fail the test if anything tries to load a model."""
-
-    def boom(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr("compressor.pipeline.load_model", boom)
-    monkeypatch.setattr("compressor.load.load_model", boom)
-
-
-@pytest.fixture
 def project(tmp_path, monkeypatch):
     """A user's project folder (the cwd): recipe, data files, a model, sub/important.txt."""
     proj = tmp_path / "project"
