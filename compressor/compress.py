@@ -23,7 +23,7 @@ from .profiling import BlockProfile, block_profile
 from .recipe import Recipe
 from .replace import build_module, count_params, ffn_path, swap
 from .select import candidates, make_fit, replacement_params
-from .validate import Perplexity, perplexity
+from .evaluate import Perplexity, perplexity
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs
 from .render import model_card, profile_markdown, profile_plot
 from .replace import count_params
 from .save import load_compressed, max_logit_diff, register_auto_classes, save_compressed
-from .validate import perplexity
+from .evaluate import perplexity
 
 logger = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from compressor.profiling import block_profile
     from compressor.recipe import recipe_from_dict
     from compressor.replace import build_module, count_params, swap
-    from compressor.validate import perplexity
+    from compressor.evaluate import perplexity
 
     out: dict = {
         "benchmark": "bench_compress",
