@@ -23,7 +23,7 @@ from .profiling import BlockProfile, block_profile
 from .recipe import Recipe
 from .replace import build_module, count_params, ffn_path, swap
 from .select import candidates, make_fit, replacement_params
-from .evaluate import Perplexity, perplexity
+from .evaluate import DomainEvaluations, Evaluator, Perplexity, gate_check
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +96,15 @@ def compress_model(
     model: nn.Module,
     recipe: Recipe,
     calibration: CalibrationSet,
-    eval_tokens: torch.Tensor,
+    eval_tokens: torch.Tensor | dict[str, torch.Tensor],
     *,
     stats: dict[int, BlockStats] | None = None,
 ) -> CompressionResult:
     """Run measure → fit → select → replace → validate on ``model`` in place.
 
-    ``stats`` (e.g. from the cache) skips the calibration pass.
+    ``stats`` (e.g. from the cache) skips the calibration pass. ``eval_tokens``:
+    one id stream, or ``{domain name: ids}`` for the sections of
+    ``recipe.evaluation_domains()`` (the gate must hold on each).
     """
     model_type, spec = arch_for(model)
     if not spec.compressible:
@@ -111,7 +113,7 @@ def compress_model(
         )
     _, block_list = find_blocks(model, spec)
     n_blocks = len(block_list)
-    m, pol, ev = recipe.measure, recipe.policy, recipe.evaluation
+    m, pol = recipe.measure, recipe.policy
     timings: dict[str, float] = {}
 
     if stats is None:
@@ -135,11 +137,18 @@ def compress_model(
         p.affine_params = replacement_params(replacements[i])
     timings["fit_s"] = time.perf_counter() - t0
 
-    def ppl(desc: str) -> Perplexity:
-        return perplexity(model, eval_tokens, seq_len=ev.seq_len, stride=ev.stride, batch_size=ev.batch_size, desc=desc)
+    def ppl(desc: str) -> DomainEvaluations:
+        return evaluator(model, desc)
 
     t0 = time.perf_counter()
-    baseline = ppl("baseline perplexity")
+    # The teacher pass (original model, before any swap) is the baseline evaluation.
+    cfgs = {c.domain_name(): c for c in recipe.evaluation_domains()}
+    streams = eval_tokens if isinstance(eval_tokens, dict) else {next(iter(cfgs)): eval_tokens}
+    evaluator = Evaluator.build(
+        model, streams, seq_len={n: cfgs[n].seq_len for n in streams}, stride={n: cfgs[n].stride for n in streams},
+        batch_size={n: cfgs[n].batch_size for n in streams}, top_k=min(cfgs[n].kl_top_k for n in streams),
+    )
+    baseline = evaluator.baseline
     limit = budget_limit(baseline.ppl, pol.ppl_budget, pol.budget_mode)
     logger.info("baseline perplexity %.4f over %d tokens; budget ≤ %.4f", baseline.ppl, baseline.tokens, limit)
     timings["baseline_s"] = time.perf_counter() - t0
@@ -162,6 +171,7 @@ def compress_model(
 
     # Optional single-swap sweep: every block alone (the paper's Figure 2).
     swap_delta: dict[int, float] | None = None
+    swap_evals: dict[int, DomainEvaluations] = {}
     t0 = time.perf_counter()
     if m.swap_sweep or pol.order == "swap_ppl":
         swap_delta = {}
@@ -173,6 +183,7 @@ def compress_model(
             finally:
                 s.undo()
             decisions[i].swap_ppl = r.ppl
+            swap_evals[i] = r
             swap_delta[i] = r.ppl - baseline.ppl
             logger.info("block %d alone: perplexity %.4f (Δ %+.4f)", i, r.ppl, swap_delta[i])
     timings["sweep_s"] = time.perf_counter() - t0
@@ -212,11 +223,12 @@ def compress_model(
             if why:
                 d.reason = why
                 continue
-            if d.swap_ppl is not None and d.swap_ppl > limit:
+            alone_ok, alone_why, _ = gate_check(baseline, swap_evals[i], pol) if i in swap_evals else (True, "", {})
+            if not alone_ok:
                 # Alone it already breaks the budget; on top of kept blocks it
                 # would too, so the evaluation is skipped.
                 d.decision = "rejected"
-                d.reason = f"single-swap perplexity {d.swap_ppl:.4f} alone exceeds the budget {limit:.4f}"
+                d.reason = f"single swap alone is {alone_why}"
                 rejected_in_a_row += 1
                 continue
             fit_i = replacements[i]
@@ -241,9 +253,10 @@ def compress_model(
             s = swap(model, i, build_module(fit_i, model.get_submodule(modules[i])))
             r = ppl(f"gate: block {i} ({k + 1}/{len(order)})")
             d.ppl_when_tried = r.ppl
-            if r.ppl <= limit:
+            ok, why, _ = gate_check(baseline, r, pol)
+            if ok:
                 d.decision, d.delta_ppl = "kept", r.ppl - current.ppl
-                d.reason = f"perplexity {r.ppl:.4f} ≤ budget {limit:.4f}"
+                d.reason = why
                 params_now = count_params(model)
                 current = r
                 accepted.append(i)
@@ -253,7 +266,7 @@ def compress_model(
             else:
                 s.undo()
                 d.decision = "rejected"
-                d.reason = f"perplexity {r.ppl:.4f} > budget {limit:.4f}: rolled back"
+                d.reason = f"{why}: rolled back"
                 rejected_in_a_row += 1
                 logger.info("block %d rejected: perplexity %.4f > %.4f", i, r.ppl, limit)
         final = current
@@ -271,13 +284,13 @@ def compress_model(
         final = ppl("final perplexity") if accepted else baseline
     timings["gate_s"] = time.perf_counter() - t0
 
-    within = final.ppl <= limit
+    within, why, _ = gate_check(baseline, final, pol)
     if len(accepted) < pol.min_blocks:
         passed, msg = False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"
     elif not within:
-        passed, msg = False, f"final perplexity {final.ppl:.4f} exceeds the budget {limit:.4f}"
+        passed, msg = False, f"final model {why}"
     else:
-        passed, msg = True, f"{len(accepted)} block(s) replaced; perplexity {final.ppl:.4f} ≤ budget {limit:.4f}"
+        passed, msg = True, f"{len(accepted)} block(s) replaced; {why}"
     return CompressionResult(
         model=model, profiles=profiles, decisions=decisions, baseline=baseline, final=final, budget_ppl=limit,
         params_before=params_before, params_after=count_params(model), gate_passed=passed, gate_message=msg,
