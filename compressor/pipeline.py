@@ -305,7 +305,7 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
 
 
 def _report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal: CalibrationSet, cache_info: dict, out: Path) -> dict:
-    e = recipe.evaluation
+    e = recipe.evaluation_domains()[0]
     return {
         "schema": REPORT_SCHEMA,
         "tool_version": __version__,

@@ -102,47 +102,39 @@ def _save(path: Path, ids: torch.Tensor, meta: dict) -> None:
 def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = SelfCalSettings()) -> torch.Tensor:
     """Sample ``settings.n_tokens`` ids from ``model`` (1-D stream; no cache).
 
-    Each sequence is cut at its first end-of-sequence token (what follows is
-    padding). The global RNG state is left untouched: sampling runs under a
-    forked, seeded RNG, so the same model, settings and seed give the same ids.
+    Each sequence is the prompt plus ``seq_len`` sampled tokens. The global RNG
+    state is left untouched: sampling runs under a forked, seeded RNG, so the
+    same model, settings and seed give the same ids.
     """
     s = settings
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
-    # A tokenizer may know special ids the model has no row for (added tokens); never feed those.
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < vocab else None
-    pad = eos if eos is not None else 0  # fills finished rows; cut off below
     chunks: list[torch.Tensor] = []
     have, rounds = 0, 0
-    est_rounds = -(-s.n_tokens // (s.seq_len * s.batch_size))
     was = model.training
     model.eval()
     t0 = time.perf_counter()
     devices = [device] if device.type == "cuda" else []
+    # Rows never stop early: an end-of-text token stays in the stream as a document
+    # boundary and the model writes on, as after any document end. Every step of every
+    # row is kept, so no batch slot idles waiting for the longest row.
+    no_stop = dict(eos_token_id=None, pad_token_id=0, forced_eos_token_id=None)
     with torch.random.fork_rng(devices=devices), progress(total=s.n_tokens, desc="self-calibration text", unit="tok") as bar:
         torch.manual_seed(s.seed)
         try:
             while have < s.n_tokens:
-                if rounds > 4 * est_rounds + 8:
-                    raise RuntimeError(
-                        f"self-calibration produced only {have} of {s.n_tokens} tokens after {rounds} batches: "
-                        "the model ends its text almost at once; use calibration.dataset: embedded or a file"
-                    )
-                prompt = _prompts(tokenizer, s.batch_size, vocab)
+                rows = min(s.batch_size, -(-(s.n_tokens - have) // (s.seq_len + 2)))  # a smaller last batch
+                prompt = _prompts(tokenizer, rows, vocab)
                 # Rotate openings between batches so a small run still sees several.
                 prompt[:, -1] = prompt[:, -1].roll(rounds)
                 prompt = prompt.to(device)
                 out = model.generate(
                     input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
                     temperature=s.temperature, top_p=s.top_p, top_k=0, max_new_tokens=s.seq_len,
-                    min_new_tokens=1, eos_token_id=eos, pad_token_id=pad, use_cache=True,
+                    use_cache=True, **no_stop,
                 )
                 rounds += 1
                 for row in out.cpu():
-                    if eos is not None and (row[prompt.shape[1]:] == eos).any():
-                        # keep the EOS itself: document boundaries are part of the distribution
-                        end = prompt.shape[1] + int((row[prompt.shape[1]:] == eos).nonzero()[0]) + 1
-                        row = row[:end]
                     take = row[: s.n_tokens - have]
                     chunks.append(take)
                     have += len(take)

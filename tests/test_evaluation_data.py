@@ -109,3 +109,37 @@ def test_too_small_evaluation_set_exits_2_before_the_model_loads(tmp_path, monke
     err = capsys.readouterr().err
     assert "min_tokens=1024" in err and "tiny_eval" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_run_reports_every_domain_and_gates_on_kl(tmp_path, monkeypatch):
+    import compressor
+
+    monkeypatch.setenv("COMPRESSOR_CACHE_DIR", str(tmp_path / "cache"))
+    src = save_tiny_checkpoint(tmp_path / "ckpt", "llama")
+    words = text_file(tmp_path / "words.txt")
+    ev = {"max_tokens": 1024, "seq_len": 64, "stride": 32}
+    recipe = recipe_from_dict({
+        "model": {"source": str(src)},
+        "calibration": {"max_tokens": 2048, "seq_len": 32},
+        "evaluation": [{"dataset": "embedded", **ev}, {"dataset": str(words), "name": "words", **ev}],
+        "policy": {"threshold": -100, "metric": "kl", "kl_budget": 10.0, "order": "index"},
+        "measure": {"cache": False},
+        "output": {"path": str(tmp_path / "out")},
+    })
+    res = compressor.run(recipe)
+    assert res.exit_code == 0, res.report["message"]
+    ev_rep = res.report["evaluation"]
+    assert [d["name"] for d in ev_rep["domains"]] == ["embedded", "words"]
+    for d in ev_rep["domains"]:
+        assert d["passed"] and d["metric"] == "kl" and d["kl"] is not None and d["final"]["ppl_se"] > 0
+        assert d["tokens"] == 1024 and d["overlap"]["leaked_windows"] == 0
+    assert not ev_rep["one_domain"]
+    assert res.report["calibration"]["self_tokens"] == 1024  # mix: half of max_tokens self-generated
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "What the gate measured" in card and "| words |" in card
+
+    # Over a zero KL budget the gate fails and names the domains.
+    strict = recipe.model_copy(update={"policy": recipe.policy.model_copy(update={"kl_budget": 0.0, "gate": False}),
+                                       "output": recipe.output.model_copy(update={"path": str(tmp_path / "out2")})})
+    res = compressor.run(strict)
+    assert res.exit_code == 3 and "over budget on embedded" in res.report["message"] and "words" in res.report["message"]

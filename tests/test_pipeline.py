@@ -334,7 +334,7 @@ def test_gate_failure_writes_nothing(tmp_path, trained_llama):
     assert [p.name for p in tmp_path.iterdir()] == []  # no temporary folder left either
     assert res.report["status"] == "rejected"
     assert res.report["exit_code"] == 3
-    assert "exceeds the budget" in res.report["message"]
+    assert "over budget" in res.report["message"]
     assert all(d["decision"] == "kept" for d in res.report["blocks"])  # bare threshold rule took them all
     assert res.report["perplexity"]["final"]["ppl"] > res.report["perplexity"]["baseline"]["ppl"]
 
@@ -425,7 +425,7 @@ def test_cache_reused_when_only_policy_changes(tmp_path, cache_dir):
     assert first.exit_code == 0
     assert first.report["cache"]["enabled"] is True
     assert first.report["cache"]["hit"] is False
-    files = list(cache_dir.iterdir())
+    files = [p for p in cache_dir.iterdir() if p.is_file()]  # selfcal/ holds the self-generated text
     assert len(files) == 1 and files[0].suffix == ".safetensors"
 
     second = compressor.run(make_recipe(src, tmp_path / "o2", measure={"cache": True}, policy={"ppl_budget": 0.4}))
@@ -434,7 +434,7 @@ def test_cache_reused_when_only_policy_changes(tmp_path, cache_dir):
     assert second.report["cache"]["key"] == first.report["cache"]["key"]
     r2 = lambda res: [p["r2_lin"] for p in res.report["profile"]]  # noqa: E731
     assert r2(second) == r2(first)
-    assert len(list(cache_dir.iterdir())) == 1
+    assert len([p for p in cache_dir.iterdir() if p.is_file()]) == 1
 
     third = compressor.run(make_recipe(src, tmp_path / "o3", measure={"cache": False}, policy={"ppl_budget": 0.4}))
     assert third.exit_code == 0
