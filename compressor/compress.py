@@ -228,7 +228,7 @@ def compress_model(
                 # Alone it already breaks the budget; on top of kept blocks it
                 # would too, so the evaluation is skipped.
                 d.decision = "rejected"
-                d.reason = f"single swap alone is {alone_why}"
+                d.reason = f"single swap alone exceeds the budget ({alone_why})"
                 rejected_in_a_row += 1
                 continue
             fit_i = replacements[i]

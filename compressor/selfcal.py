@@ -45,7 +45,9 @@ class SelfCalSettings:
     n_tokens: int = 8192
     seq_len: int = 128
     """Tokens generated per sequence (prompt excluded)."""
-    batch_size: int = 16
+    batch_size: int = 64
+    """Rows sampled together. On a CPU a decoding step costs about the same at 16 or 64 rows
+    (it is bound by reading the weights), so wide batches are nearly free throughput."""
     temperature: float = 1.0
     top_p: float = 0.95
     seed: int = 0
