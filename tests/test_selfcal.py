@@ -19,9 +19,10 @@ SETTINGS = SelfCalSettings(n_tokens=200, seq_len=16, batch_size=4, seed=0)
 def test_same_seed_same_ids_and_global_rng_untouched():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(123)
-    before = torch.random.get_rng_state()
+    before, threads = torch.random.get_rng_state(), torch.get_num_threads()
     a = generate_tokens(model, tok, SETTINGS)
     assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.get_num_threads() == threads
     b = generate_tokens(model, tok, SETTINGS)
     c = generate_tokens(model, tok, SelfCalSettings(**{**SETTINGS.__dict__, "seed": 1}))
     assert a.dtype == torch.long and a.shape == (200,)
