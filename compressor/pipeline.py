@@ -375,9 +375,11 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
     one_domain = bool(ev_ids) and ev_ids <= cal_ids
     if one_domain:
         what = "the embedded Python reference text" if cal_ids == {"embedded"} else sorted(cal_ids)[0]
+        also = " (which calibration also used)" if cal.dataset == "mix" else ""
         warnings.append(
-            f"calibration and evaluation come from one domain ({what}): the gate's promise holds on this kind of "
-            "text; on other text the compressed model may be much worse. Add evaluation domains like your use."
+            f"calibration and evaluation come from one domain: the gate was measured only on {what}{also}; its "
+            "promise holds on this kind of text, and on other text the compressed model may be much worse. "
+            "Add evaluation domains like your use."
         )
     return {
         "metric": pol.metric, "ppl_budget": pol.ppl_budget, "budget_mode": pol.budget_mode, "kl_budget": pol.kl_budget,

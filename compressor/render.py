@@ -116,7 +116,7 @@ def evaluation_section(ev: dict | None, cal: dict | None) -> str:
     rows = "\n".join(
         f"| {d['name']} | `{d['dataset']}` | {d['scored_tokens']:,} / {d['windows']} | "
         f"{_pm(d['baseline']['ppl'], d['baseline'].get('ppl_se'))} | {_pm(d['final']['ppl'], d['final'].get('ppl_se'))} | "
-        f"{d['relative_delta']:+.2%} | {_pm(d['final'].get('kl'), d['final'].get('kl_se'), '.4f')} | "
+        f"{d['relative_delta']:+.2%} | {_pm(d['final'].get('kl'), d['final'].get('kl_se'), '.3g')} | "
         f"{'✓' if d['passed'] else '✗'} |"
         for d in ev["domains"]
     )
