@@ -27,7 +27,7 @@ from .profiling import BlockProfile, block_profile
 from .recipe import Recipe
 from .replace import count_params, ffn_path
 from .sensitivity import output_grad_moments
-from .validate import Perplexity, perplexity
+from .evaluate import DomainEvaluations, Evaluator, gate_check, ppl_limit
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ class CompressionResult:
     model: nn.Module
     profiles: list[BlockProfile]
     decisions: list[BlockDecision]
-    baseline: Perplexity
-    final: Perplexity
+    baseline: DomainEvaluations
+    final: DomainEvaluations
     budget_ppl: float
     params_before: int
     params_after: int
@@ -102,10 +102,6 @@ class CompressionResult:
 
     def decisions_json(self) -> list[dict]:
         return [asdict(d) for d in self.decisions]
-
-
-def budget_limit(base: float, budget: float, mode: str) -> float:
-    return base * (1.0 + budget) if mode == "relative" else base + budget
 
 
 def _strategy(recipe: Recipe) -> str:
@@ -145,10 +141,13 @@ def _available_bytes() -> int:
 
 
 def compress_model(
-    model: nn.Module, recipe: Recipe, calibration: CalibrationSet, eval_tokens: torch.Tensor,
+    model: nn.Module, recipe: Recipe, calibration: CalibrationSet, eval_tokens: torch.Tensor | dict[str, torch.Tensor],
 ) -> CompressionResult:
-    """Run measure → fit → select → replace → validate on ``model`` in place."""
-    rc, m, pol, ev = recipe.replacement, recipe.measure, recipe.policy, recipe.evaluation
+    """Run measure → fit → select → replace → validate on ``model`` in place.
+
+    ``eval_tokens``: one id stream, or ``{domain name: ids}`` for the
+    recipe's evaluation domains (the gate must hold on each)."""
+    rc, m, pol = recipe.replacement, recipe.measure, recipe.policy
     kind = get_kind(rc.kind)
     strategy = _strategy(recipe)
     timings: dict[str, float] = {}
@@ -205,14 +204,26 @@ def compress_model(
                 desc="calibrate")
     timings["measure_s"] = time.perf_counter() - t0
 
-    def evaluate(desc: str) -> Perplexity:
-        return perplexity(model, eval_tokens, seq_len=ev.seq_len, stride=ev.stride, batch_size=ev.batch_size, desc=desc)
-
     t0 = time.perf_counter()
-    baseline = evaluate("baseline perplexity")
-    limit = budget_limit(baseline.ppl, pol.ppl_budget, pol.budget_mode)
+    # The teacher pass over the evaluation windows (original model: nothing is
+    # installed yet) is the baseline; later evaluations compare with it.
+    cfgs = {c.domain_name(): c for c in recipe.evaluation_domains()}
+    streams = eval_tokens if isinstance(eval_tokens, dict) else {next(iter(cfgs)): eval_tokens}
+    evaluator = Evaluator.build(
+        model, streams, seq_len={n: cfgs[n].seq_len for n in streams}, stride={n: cfgs[n].stride for n in streams},
+        batch_size={n: cfgs[n].batch_size for n in streams}, top_k=min(cfgs[n].kl_top_k for n in streams),
+    )
+    baseline = evaluator.baseline
+    limit = ppl_limit(baseline.ppl, pol.ppl_budget, pol.budget_mode)
     logger.info("baseline perplexity %.4f over %d tokens; budget ≤ %.4f", baseline.ppl, baseline.tokens, limit)
     timings["baseline_s"] = time.perf_counter() - t0
+
+    def evaluate(desc: str) -> DomainEvaluations:
+        return evaluator(model, desc)
+
+    def check(candidate: DomainEvaluations) -> tuple[bool, str]:
+        ok, why, _ = gate_check(baseline, candidate, pol)
+        return ok, why
 
     decisions = [
         BlockDecision(index=p.index, module=modules[p.index], r2_lin=p.r2_lin, r2_bulk=p.r2_bulk,
@@ -227,23 +238,21 @@ def compress_model(
         for d in decisions:
             f = fitted[d.index]
             d.size, d.replacement_params, d.r2_replacement = f.config.get("units", f.config.get("rank")), f.params, f.heldout_r2
-        final, accepted = greedy_gate(model, fitted, profiles, decisions, pol, baseline, limit, evaluate,
+        final, accepted = greedy_gate(model, fitted, profiles, decisions, pol, baseline, evaluate, check,
                                       sweep_all=m.swap_sweep)
     else:
         final, accepted, attempts = _allocate_and_gate(
             model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
-            baseline, limit, evaluate, compute_dtype, m.spike_factor)
+            baseline, evaluate, check, compute_dtype, m.spike_factor)
     timings["gate_s"] = time.perf_counter() - t0
 
-    within = final.ppl <= limit
+    within, why = check(final)
     if len(accepted) < pol.min_blocks:
         passed, msg = False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"
-    elif pol.gate and not within:
-        passed, msg = False, f"final perplexity {final.ppl:.4f} exceeds the budget {limit:.4f}"
-    elif not pol.gate and not within:
-        passed, msg = False, f"final perplexity {final.ppl:.4f} exceeds the budget {limit:.4f} (gate off)"
+    elif not within:
+        passed, msg = False, f"final model {why}" + ("" if pol.gate else " (gate off)")
     else:
-        passed, msg = True, f"{len(accepted)} block(s) replaced; perplexity {final.ppl:.4f} ≤ budget {limit:.4f}"
+        passed, msg = True, f"{len(accepted)} block(s) replaced; {why}"
     return CompressionResult(
         model=model, profiles=profiles, decisions=decisions, baseline=baseline, final=final, budget_ppl=limit,
         params_before=params_before, params_after=count_params(model), gate_passed=passed, gate_message=msg,
@@ -252,7 +261,7 @@ def compress_model(
 
 
 def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
-                       baseline, limit, evaluate, compute_dtype, spike_factor):
+                       baseline, evaluate, check, compute_dtype, spike_factor):
     """Allocate a global FFN target, validate, bisect the target until the gate holds."""
     excluded = set(pol.exclude)
     if pol.skip_outlier_dominated:
@@ -297,12 +306,12 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         choice, fits = install(keep, target)
         r = evaluate(f"gate: keep {keep:.1%} of FFN parameters")
         kept_params = sum(c.ffn_params if choice[c.index] is None else choice[c.index].params for c in active)
-        ok = r.ppl <= limit
+        ok, why = check(r)
         attempts.append({"ffn_keep_target": keep, "target": target, "ffn_params_kept": kept_params,
                          "ffn_params_total": ffn_total, "blocks_replaced": sum(lv is not None for lv in choice.values()),
-                         "ppl": r.ppl, "passed": ok})
-        logger.info("keep %.1f%% of FFN parameters (%d blocks replaced): perplexity %.4f %s budget %.4f",
-                    100 * kept_params / ffn_total, attempts[-1]["blocks_replaced"], r.ppl, "≤" if ok else ">", limit)
+                         "ppl": r.ppl, "passed": ok, "gate": why})
+        logger.info("keep %.1f%% of FFN parameters (%d blocks replaced): %s",
+                    100 * kept_params / ffn_total, attempts[-1]["blocks_replaced"], why)
         return r, ok, choice, fits
 
     # Bisection on the kept fraction: `failed` is the largest known failing
@@ -340,11 +349,12 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         if ok or not pol.gate:
             r, choice, fits, target = r_t, choice_t, fits_t, rc.target
         else:
-            logger.warning("target %s at ffn_keep %.3f failed the gate (%.4f > %.4f); keeping the independent fits",
-                           rc.target, keep, r_t.ppl, limit)
+            logger.warning("target %s at ffn_keep %.3f failed the gate (%s); keeping the independent fits",
+                           rc.target, keep, attempts[-1]["gate"])
     last = attempts[-1]
     if (last["ffn_keep_target"], last["target"]) != (keep, target):
         choice, fits = install(keep, target)  # deterministic: the same fits as when it was measured
+    gate_said = next(a["gate"] for a in reversed(attempts) if (a["ffn_keep_target"], a["target"]) == (keep, target))
     fitted.clear()
     fitted.update(fits)
     curve_of = {c.index: c for c in active}
@@ -357,8 +367,7 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
             continue
         f = fits[d.index]
         d.decision = "kept"
-        d.reason = (f"allocated {lv.size} units at ffn_keep {keep:.3f} (target {target}); "
-                    f"model perplexity {r.ppl:.4f} ≤ {limit:.4f}")
+        d.reason = f"allocated {lv.size} units at ffn_keep {keep:.3f} (target {target}); {gate_said}"
         d.size, d.replacement_params = lv.size, f.params
         d.r2_replacement = f.heldout_r2 if f.heldout_r2 == f.heldout_r2 else 1.0 - lv.heldout_rel_error
         d.predicted_cost = curve_of[d.index].weight * lv.heldout_rel_error

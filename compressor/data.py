@@ -136,15 +136,23 @@ class CalibrationSet:
         return h.hexdigest()
 
 
-def split_windows(stream: torch.Tensor, seq_len: int, heldout_fraction: float, seed: int) -> CalibrationSet:
-    """Cut ``stream`` into whole windows and hold out a seeded random subset of them."""
-    n = stream.numel() // seq_len
+def split_windows(
+    stream: torch.Tensor | list[torch.Tensor], seq_len: int, heldout_fraction: float, seed: int,
+) -> CalibrationSet:
+    """Cut ``stream`` into whole windows and hold out a seeded random subset of them.
+
+    A list of streams (e.g. reference text and self-generated text) is cut one
+    stream at a time, so no window straddles two sources.
+    """
+    streams = stream if isinstance(stream, list) else [stream]
+    parts = [s[: (s.numel() // seq_len) * seq_len].view(-1, seq_len) for s in streams]
+    windows = torch.cat(parts) if parts else torch.empty(0, seq_len, dtype=torch.long)
+    n = windows.shape[0]
     if n < 2:
         raise ValueError(
-            f"only {stream.numel()} calibration tokens: need at least 2 windows of seq_len={seq_len}. "
+            f"only {sum(s.numel() for s in streams)} calibration tokens: need at least 2 windows of seq_len={seq_len}. "
             "Give more text or raise max_tokens."
         )
-    windows = stream[: n * seq_len].view(n, seq_len)
     n_held = min(n - 1, max(1, math.ceil(heldout_fraction * n)))
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n, generator=g)
@@ -153,35 +161,127 @@ def split_windows(stream: torch.Tensor, seq_len: int, heldout_fraction: float, s
     return CalibrationSet(fit=windows[fit].contiguous(), heldout=windows[held].contiguous())
 
 
+def same_source(a: TextSource, b: TextSource) -> bool:
+    """Do ``a`` and ``b`` read the same documents?
+
+    Files compare by resolved path whatever their split names (a file has no
+    splits; ``split`` defaults differ between calibration and evaluation);
+    ``save_to_disk`` folders by resolved path and split; hub datasets by name,
+    config and split; ``embedded`` is always the same source.
+    """
+    ka, kb = a.kind(), b.kind()
+    if ka != kb:
+        return False
+    if ka == "embedded":
+        return True
+    if ka == "file":
+        return Path(a.dataset).expanduser().resolve() == Path(b.dataset).expanduser().resolve()
+    if ka == "disk":
+        return Path(a.dataset).expanduser().resolve() == Path(b.dataset).expanduser().resolve() and a.split == b.split
+    return (a.dataset, a.config, a.split) == (b.dataset, b.config, b.split)
+
+
+def _shares(source: TextSource, others) -> bool:
+    """True when a non-embedded ``source`` is also one of ``others`` (embedded is split by topic already)."""
+    return source.kind() != "embedded" and any(same_source(source, o) for o in others)
+
+
+def calibration_text_tokens(
+    tokenizer, source: TextSource, *, max_tokens: int, evaluation: tuple[TextSource, ...] | list[TextSource] = (),
+) -> torch.Tensor:
+    """Calibration id stream; the even-numbered documents only when an evaluation domain reads the same source."""
+    docs = load_documents(source, "calibration")
+    if _shares(source, evaluation):
+        docs = docs[0::2]
+    return tokenize_stream(tokenizer, docs, max_tokens)
+
+
 def calibration_set(
     tokenizer, source: TextSource, *, seq_len: int = 128, max_tokens: int = 16384,
-    heldout_fraction: float = 0.2, seed: int = 0,
+    heldout_fraction: float = 0.2, seed: int = 0, evaluation: tuple[TextSource, ...] | list[TextSource] = (),
+    extra: torch.Tensor | None = None,
 ) -> CalibrationSet:
-    docs = load_documents(source, "calibration")
-    stream = tokenize_stream(tokenizer, docs, max_tokens)
-    cal = split_windows(stream, seq_len, heldout_fraction, seed)
+    """Calibration windows from ``source`` (≤ ``max_tokens``), plus windows cut from ``extra`` ids if given.
+
+    ``evaluation``: the evaluation sources; when one is ``source`` itself, the
+    calibration takes the even-numbered documents and the evaluation the odd ones.
+    """
+    streams = [calibration_text_tokens(tokenizer, source, max_tokens=max_tokens, evaluation=evaluation)] if max_tokens else []
+    if extra is not None:
+        streams.append(extra.flatten().to(torch.long))
+    cal = split_windows(streams, seq_len, heldout_fraction, seed)
     logger.info(
-        "calibration: %d fit + %d held-out windows of %d tokens from %s",
-        cal.fit.shape[0], cal.heldout.shape[0], seq_len, source.dataset,
+        "calibration: %d fit + %d held-out windows of %d tokens from %s%s",
+        cal.fit.shape[0], cal.heldout.shape[0], seq_len, source.dataset if max_tokens else "",
+        f" + {extra.numel()} self-generated tokens" if extra is not None else "",
     )
     return cal
 
 
-def evaluation_tokens(tokenizer, source: TextSource, calibration: TextSource | None, *, max_tokens: int) -> torch.Tensor:
+def evaluation_tokens(
+    tokenizer, source: TextSource, calibration: TextSource | None, *, max_tokens: int,
+) -> torch.Tensor:
     """Evaluation id stream, disjoint from calibration text.
 
     With the embedded default the halves are disjoint by construction. When the
-    evaluation source *is* the calibration source, documents are split by parity
-    (even → calibration, odd → evaluation) and a warning says so.
+    evaluation source *is* the calibration source (:func:`same_source`),
+    documents are split by parity (even → calibration, odd → evaluation) and a
+    warning says so.
     """
     docs = load_documents(source, "evaluation")
-    if calibration is not None and source == calibration and source.kind() != "embedded":
+    if calibration is not None and _shares(source, [calibration]):
         logger.warning(
-            "evaluation data is the calibration data (%s): evaluating on odd-numbered documents only; "
-            "give a separate evaluation source for a clean split", source.dataset,
+            "evaluation data is the calibration data (%s): calibrating on even-numbered and evaluating on "
+            "odd-numbered documents; give a separate evaluation source for a clean split", source.dataset,
         )
-        docs = docs[1::2] if len(docs) > 1 else docs
+        docs = docs[1::2]
     stream = tokenize_stream(tokenizer, docs, max_tokens)
     if stream.numel() < 2:
         raise ValueError(f"evaluation text from {source.dataset!r} produced {stream.numel()} tokens; need more")
     return stream
+
+
+class OverlapError(ValueError):
+    """An evaluation text contains calibration windows: the gate would be measured on training data."""
+
+
+def _spans(stream: torch.Tensor, n: int) -> set[bytes]:
+    """Every length-``n`` span of a 1-D id stream (all offsets), as bytes for exact set lookup."""
+    if stream.numel() < n:
+        return set()
+    u = stream.to(torch.int64).contiguous().unfold(0, n, 1).contiguous().numpy()
+    return {row.tobytes() for row in u}
+
+
+def check_disjoint(cal: CalibrationSet, evaluation: dict[str, torch.Tensor], *, ngram: int = 32) -> dict[str, dict]:
+    """Raise :class:`OverlapError` if any calibration window occurs verbatim in an evaluation stream.
+
+    Sound and cheap: every calibration window (fit and held-out) is looked up,
+    as exact bytes, in the set of *all* length-``seq_len`` spans of each
+    evaluation stream (every offset, not only aligned chunks), so a leaked
+    window is found wherever it sits; the cost is one set of ≤ ``max_tokens``
+    spans per domain. Shorter shared passages are legitimate in natural text
+    (boilerplate, quotations) and are only measured: the returned
+    ``{domain: {"leaked_windows", "shared_ngram_fraction"}}`` gives the share of
+    each domain's ``ngram``-token spans that also occur in calibration windows.
+    """
+    windows = torch.cat([cal.fit, cal.heldout])
+    cal_ngrams: set[bytes] = set()
+    for w in windows:
+        cal_ngrams |= _spans(w, ngram)
+    out, bad = {}, []
+    for name, stream in evaluation.items():
+        spans = _spans(stream.flatten(), cal.seq_len)
+        leaked = sum(w.to(torch.int64).contiguous().numpy().tobytes() in spans for w in windows)
+        grams = _spans(stream.flatten(), ngram)
+        shared = len(grams & cal_ngrams) / len(grams) if grams else 0.0
+        out[name] = {"leaked_windows": int(leaked), "shared_ngram_fraction": shared, "ngram": ngram}
+        if leaked:
+            bad.append(f"{name!r}: {leaked} of {windows.shape[0]} calibration windows occur verbatim in it")
+    if bad:
+        raise OverlapError(
+            "evaluation overlaps calibration — " + "; ".join(bad)
+            + ". The gate would be measured on text the replacements were fitted on; use disjoint sources "
+            "(the same file for both is split by document automatically)."
+        )
+    return out

@@ -18,7 +18,7 @@ from .profiling import BlockProfile
 from .recipe import PolicyConfig
 from .replace import count_params, swap
 from .select import candidates
-from .validate import Perplexity
+from .evaluate import DomainEvaluations
 
 logger = logging.getLogger(__name__)
 
@@ -29,19 +29,22 @@ def greedy_gate(
     profiles: list[BlockProfile],
     decisions: list,
     policy: PolicyConfig,
-    baseline: Perplexity,
-    limit: float,
-    evaluate: Callable[[str], Perplexity],
+    baseline: DomainEvaluations,
+    evaluate: Callable[[str], DomainEvaluations],
+    check: Callable[[DomainEvaluations], tuple[bool, str]],
     *,
     sweep_all: bool = False,
-) -> tuple[Perplexity, list[int]]:
-    """Apply the greedy policy in place; returns (final perplexity, kept blocks)."""
+) -> tuple[DomainEvaluations, list[int]]:
+    """Apply the greedy policy in place; returns (final evaluation, kept blocks).
+
+    ``check(evaluation) -> (within budget on every domain, why)`` is the gate."""
     modules = {i: d.module for i, d in enumerate(decisions)}
 
     def install(i: int):
         return swap(model, i, fitted[i].build(model.get_submodule(modules[i])))
 
     swap_delta: dict[int, float] | None = None
+    swap_evals: dict[int, DomainEvaluations] = {}
     if sweep_all or policy.order == "swap_ppl":
         swap_delta = {}
         by_index = policy.model_copy(update={"order": "index"})
@@ -53,6 +56,7 @@ def greedy_gate(
             finally:
                 s.undo()
             decisions[i].swap_ppl = r.ppl
+            swap_evals[i] = r
             swap_delta[i] = r.ppl - baseline.ppl
             logger.info("block %d alone: perplexity %.4f (Δ %+.4f)", i, r.ppl, swap_delta[i])
 
@@ -90,29 +94,31 @@ def greedy_gate(
             accepted.append(i)
             d.decision, d.reason = "kept", "R²_lin threshold rule (no per-block gate)"
             continue
-        if d.swap_ppl is not None and d.swap_ppl > limit:
-            # Alone it already breaks the budget; on top of kept blocks it would too.
-            d.decision = "rejected"
-            d.reason = f"single-swap perplexity {d.swap_ppl:.4f} alone exceeds the budget {limit:.4f}"
-            rejected_in_a_row += 1
-            continue
+        if i in swap_evals:
+            alone_ok, alone_why = check(swap_evals[i])
+            if not alone_ok:
+                # Alone it already breaks the budget; on top of kept blocks it would too.
+                d.decision = "rejected"
+                d.reason = f"single swap alone exceeds the budget ({alone_why})"
+                rejected_in_a_row += 1
+                continue
         s = install(i)
         r = evaluate(f"gate: block {i} ({k + 1}/{len(order)})")
         d.ppl_when_tried = r.ppl
-        if r.ppl <= limit:
-            d.decision, d.delta_ppl = "kept", r.ppl - current.ppl
-            d.reason = f"perplexity {r.ppl:.4f} ≤ budget {limit:.4f}"
+        ok, why = check(r)
+        if ok:
+            d.decision, d.delta_ppl, d.reason = "kept", r.ppl - current.ppl, why
             params_now = count_params(model)
             current = r
             accepted.append(i)
             rejected_in_a_row = 0
-            logger.info("block %d kept: perplexity %.4f (budget %.4f)", i, r.ppl, limit)
+            logger.info("block %d kept: %s", i, why)
         else:
             s.undo()
             d.decision = "rejected"
-            d.reason = f"perplexity {r.ppl:.4f} > budget {limit:.4f}: rolled back"
+            d.reason = f"{why}: rolled back"
             rejected_in_a_row += 1
-            logger.info("block %d rejected: perplexity %.4f > %.4f", i, r.ppl, limit)
+            logger.info("block %d rejected: %s", i, why)
     if not policy.gate:
         current = evaluate("final perplexity") if accepted else baseline
     return current, accepted

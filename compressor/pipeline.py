@@ -20,7 +20,8 @@ from .archs import UnsupportedModelError, arch_for, find_blocks
 from .cache import load_stats, model_fingerprint, save_stats, stats_key
 from .checks import check_weights_finite
 from .compress import CompressionResult, compress_model
-from .data import CalibrationSet, TextSource, calibration_set, evaluation_tokens
+from .data import CalibrationSet, OverlapError, TextSource, calibration_set, check_disjoint, evaluation_tokens
+from .evaluate import POOR_RELATIVE_SE, gate_check, perplexity
 from .hf_modeling import COMPRESSION_FORMAT
 from .load import load_model, resolve_source
 from .measure import BlockStats, collect
@@ -32,7 +33,6 @@ from .save import (
     LOGIT_TOLERANCE, PPL_TOLERANCE, folder_weight_bytes, load_compressed, max_logit_diff, output_dtype,
     register_auto_classes, rounded_copy, save_compressed, source_weight_bytes,
 )
-from .validate import perplexity
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,63 @@ class _DataInput:
 
 def _source_text(cfg) -> TextSource:
     return TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column)
+
+
+def _load_tokenizer(recipe: Recipe):
+    """The tokenizer alone (no weights): enough to size the evaluation text before the model loads."""
+    from transformers import AutoTokenizer
+
+    mc = recipe.model
+    src = resolve_source(mc.source, mc.gguf_file)
+    kwargs = dict(trust_remote_code=mc.trust_remote_code, revision=mc.revision)
+    if src.gguf_file:
+        kwargs["gguf_file"] = src.gguf_file
+    return AutoTokenizer.from_pretrained(src.path, **kwargs)
+
+
+def _calibration_text(recipe: Recipe) -> TextSource:
+    """The text part of the calibration: ``mix`` reads the embedded text, ``self`` none."""
+    c = recipe.calibration
+    return TextSource("embedded") if c.dataset in ("mix", "self") else _source_text(c)
+
+
+def evaluation_streams(recipe: Recipe, tokenizer) -> dict[str, torch.Tensor]:
+    """Token ids per evaluation domain, disjoint from calibration text; raises :class:`InputError`
+    when a domain is below ``evaluation.min_tokens`` (needs only the tokenizer)."""
+    cal_src = _calibration_text(recipe) if recipe.calibration.dataset != "self" else None
+    out = {}
+    for e in recipe.evaluation_domains():
+        ids = evaluation_tokens(tokenizer, _source_text(e), cal_src, max_tokens=e.max_tokens)
+        if ids.numel() < e.min_tokens:
+            raise InputError(
+                f"evaluation domain {e.domain_name()!r} ({e.dataset}) has {ids.numel()} tokens, fewer than "
+                f"evaluation.min_tokens={e.min_tokens}: a perplexity on so little text is noise. Give more "
+                "evaluation text (or lower min_tokens knowingly)."
+            )
+        out[e.domain_name()] = ids
+    return out
+
+
+def _calibration(recipe: Recipe, model, tokenizer, use_cache: bool) -> tuple[CalibrationSet, dict]:
+    """Calibration windows for ``calibration.dataset`` (``mix`` / ``self`` generate text with the model)."""
+    from .selfcal import SelfCalSettings, self_calibration_tokens
+
+    c = recipe.calibration
+    info = {"dataset": c.dataset, "self_tokens": 0}
+    extra, text_tokens = None, c.max_tokens
+    if c.dataset in ("mix", "self"):
+        n_self = c.max_tokens if c.dataset == "self" else min(c.self_tokens or c.max_tokens // 2, c.max_tokens)
+        text_tokens = c.max_tokens - n_self
+        t0 = time.perf_counter()
+        extra = self_calibration_tokens(
+            model, tokenizer, SelfCalSettings(n_tokens=n_self, seq_len=c.seq_len, seed=c.seed), use_cache=use_cache,
+        )
+        info.update(self_tokens=int(extra.numel()), self_s=time.perf_counter() - t0)
+    evaluation = [_source_text(e) for e in recipe.evaluation_domains()]
+    cal = calibration_set(tokenizer, _calibration_text(recipe), seq_len=c.seq_len, max_tokens=text_tokens,
+                          heldout_fraction=c.heldout_fraction, seed=c.seed, evaluation=evaluation, extra=extra)
+    info["text_tokens"] = int(cal.fit.numel() + cal.heldout.numel()) - info["self_tokens"]
+    return cal, info
 
 
 def _measure_settings(m: MeasureConfig) -> dict:
@@ -184,6 +241,11 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
     check_inputs(recipe)
     use_cache = recipe.measure.cache if use_cache is None else use_cache
     mc = recipe.model
+    # Size the evaluation text with the tokenizer alone: a too-small set fails before the model loads.
+    try:
+        ev_streams = evaluation_streams(recipe, _load_tokenizer(recipe))
+    except ValueError as err:
+        raise InputError(str(err)) from None
     model, tokenizer, src = load_model(
         mc.source, gguf_file=mc.gguf_file, dtype=mc.dtype, device=mc.device,
         trust_remote_code=mc.trust_remote_code, revision=mc.revision,
@@ -197,19 +259,29 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         raise InputError(
             f"{model_type} models are profile-only ({spec.note}); `compress` refuses them. Use `compressor profile`."
         )
-    c, e = recipe.calibration, recipe.evaluation
+    c = recipe.calibration
+    t0 = time.perf_counter()
     with _DataInput("calibration.dataset"):
-        cal = calibration_set(tokenizer, _source_text(c), seq_len=c.seq_len, max_tokens=c.max_tokens,
-                              heldout_fraction=c.heldout_fraction, seed=c.seed)
-    with _DataInput("evaluation.dataset"):
-        ev_tokens = evaluation_tokens(tokenizer, _source_text(e), _source_text(c), max_tokens=e.max_tokens)
+        cal, cal_info = _calibration(recipe, model, tokenizer, use_cache)
+    cal_info["calibration_s"] = time.perf_counter() - t0
+    try:
+        overlap = check_disjoint(cal, ev_streams)
+    except OverlapError as err:
+        raise InputError(str(err)) from None
+    e = recipe.evaluation_domains()[0]  # the primary domain: reload check, single-domain report fields
+    ev_tokens = ev_streams[e.domain_name()]
     # The layer-sequential engine measures as it goes; the statistics cache
     # serves `profile` only.
     cache_info = {"enabled": False, "hit": False, "key": None}
-    result = compress_model(model, recipe, cal, ev_tokens)
+    result = compress_model(model, recipe, cal, ev_streams)
+    result.timings = {"calibration_s": cal_info.pop("calibration_s"), **result.timings}
 
     out = Path(recipe.output.path).expanduser().resolve()
     report = _report(recipe, src, model_type, result, cal, cache_info, out)
+    report["calibration"].update(cal_info)
+    report["evaluation"] = evaluation_report(recipe, result, ev_streams, overlap)
+    for w in report["evaluation"]["warnings"]:
+        logger.warning("%s", w)
     out_dtype = output_dtype(recipe.output.dtype, src, revision=mc.revision)
     report["size"] = {"source_bytes": source_weight_bytes(src), "output_bytes": None,
                       "output_dtype": str(out_dtype).removeprefix("torch.")}
@@ -276,7 +348,7 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
 
 
 def _report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal: CalibrationSet, cache_info: dict, out: Path) -> dict:
-    e = recipe.evaluation
+    e = recipe.evaluation_domains()[0]
     return {
         "schema": REPORT_SCHEMA,
         "tool_version": __version__,
@@ -304,4 +376,57 @@ def _report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal: Cal
         "blocks": r.decisions_json(),
         "profile": [p.to_json() for p in r.profiles],
         "timings": dict(r.timings),
+    }
+
+
+def _source_id(source: TextSource) -> str:
+    kind = source.kind()
+    if kind in ("file", "disk"):
+        return str(Path(source.dataset).expanduser().resolve())
+    return source.dataset if kind != "hub" else f"{source.dataset}:{source.config}"
+
+
+def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, torch.Tensor], overlap: dict) -> dict:
+    """What the gate was measured on, per domain, and the warnings a reader needs."""
+    pol = recipe.policy
+    passed, message, per = gate_check(r.baseline, r.final, pol)
+    first = recipe.evaluation_domains()[0].domain_name()
+    base_d = getattr(r.baseline, "domains", None) or {first: r.baseline}
+    final_d = getattr(r.final, "domains", None) or {first: r.final}
+    warnings, domains = [], []
+    for cfg in recipe.evaluation_domains():
+        name = cfg.domain_name()
+        b, f = base_d[name], final_d[name]
+        delta_se = getattr(f, "nll_delta_se", None)
+        domains.append({
+            "name": name, "dataset": cfg.dataset, "split": cfg.split, "tokens": int(streams[name].numel()),
+            "scored_tokens": f.tokens, "windows": f.windows, "seq_len": f.seq_len, "stride": f.stride,
+            "baseline": b.to_json(), "final": f.to_json(), **per[name],
+            # paired by window: the noise of the change itself, by the delta method
+            "relative_delta_se": None if delta_se is None else delta_se * f.ppl / b.ppl,
+            "overlap": overlap.get(name),
+        })
+        for label, ev in (("baseline", b), ("final", f)):
+            if ev.relative_se is not None and ev.relative_se > POOR_RELATIVE_SE:
+                warnings.append(
+                    f"evaluation domain {name!r}: the {label} perplexity's relative standard error is "
+                    f"{ev.relative_se:.1%} (> {POOR_RELATIVE_SE:.0%}) over {ev.windows} windows; give more "
+                    "evaluation text for a trustworthy gate"
+                )
+                break
+    cal = recipe.calibration
+    cal_ids = {_source_id(_calibration_text(recipe))} if cal.dataset != "self" else set()
+    ev_ids = {_source_id(_source_text(c)) for c in recipe.evaluation_domains()}
+    one_domain = bool(ev_ids) and ev_ids <= cal_ids
+    if one_domain:
+        what = "the embedded Python reference text" if cal_ids == {"embedded"} else sorted(cal_ids)[0]
+        also = " (which calibration also used)" if cal.dataset == "mix" else ""
+        warnings.append(
+            f"calibration and evaluation come from one domain: the gate was measured only on {what}{also}; its "
+            "promise holds on this kind of text, and on other text the compressed model may be much worse. "
+            "Add evaluation domains like your use."
+        )
+    return {
+        "metric": pol.metric, "ppl_budget": pol.ppl_budget, "budget_mode": pol.budget_mode, "kl_budget": pol.kl_budget,
+        "passed": passed, "message": message, "domains": domains, "one_domain": one_domain, "warnings": warnings,
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -50,6 +51,8 @@ class _Data(_Section):
 
 
 class CalibrationConfig(_Data):
+    dataset: str = Field("mix", description="'mix' (embedded + text the model writes itself, half each), 'self' (self-generated only), 'embedded', a .txt/.jsonl/.json/.parquet/.csv file, a save_to_disk folder, or a hub dataset name")
+    self_tokens: int | None = Field(None, ge=64, description="self-generated tokens in 'mix' (null = half of max_tokens); 'self' generates max_tokens")
     seq_len: int = Field(128, ge=4, le=1_000_000, description="tokens per calibration window (the paper uses 128)")
     max_tokens: int = Field(16384, ge=64, description="cap on calibration tokens (fit + held-out)")
     heldout_fraction: float = Field(0.2, gt=0, lt=1, description="share of whole windows held out for scoring")
@@ -57,16 +60,31 @@ class CalibrationConfig(_Data):
 
 
 class EvaluationConfig(_Data):
+    name: str | None = Field(None, description="domain name in reports (default: derived from dataset)")
     split: str = "test"
     seq_len: int = Field(256, ge=4, le=1_000_000, description="perplexity window length")
     stride: int = Field(128, ge=1, description="window stride; tokens before the last `stride` of a window are context only")
     max_tokens: int = Field(4096, ge=16, description="cap on evaluation tokens")
+    min_tokens: int = Field(1024, ge=2, description="fewer evaluation tokens is an error (exit 2): small sets mislead")
+    kl_top_k: int = Field(64, ge=1, description="teacher log-probs kept per token for the KL metric (exact when ≥ vocab, a lower bound otherwise)")
 
     @model_validator(mode="after")
     def _stride(self):
         if self.stride > self.seq_len:
             raise ValueError(f"stride ({self.stride}) must be ≤ seq_len ({self.seq_len})")
+        if self.dataset in ("mix", "self"):
+            raise ValueError(f"dataset {self.dataset!r} is a calibration source only; evaluate on real text (e.g. embedded or a file)")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be ≤ max_tokens ({self.max_tokens})")
         return self
+
+    def domain_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.dataset == "embedded":
+            return self.dataset
+        p = Path(self.dataset)
+        return p.stem if p.suffix else self.dataset
 
 
 class MeasureConfig(_Section):
@@ -84,7 +102,9 @@ class PolicyConfig(_Section):
     exclude: list[int] = Field(default_factory=list, description="blocks never replaced")
     max_blocks: int | None = Field(None, ge=1, description="replace at most this many blocks")
     target_ratio: float | None = Field(None, gt=0, lt=1, description="stop once parameters ≤ this fraction of the original")
+    metric: Literal["ppl", "kl"] = Field("ppl", description="gate metric on every evaluation domain: ppl (ppl_budget, budget_mode) or kl (kl_budget)")
     ppl_budget: float = Field(0.05, ge=0, description="allowed perplexity increase (see budget_mode)")
+    kl_budget: float = Field(0.05, ge=0, description="metric kl: allowed mean KL(original ‖ compressed), nats per token")
     budget_mode: Literal["relative", "absolute"] = Field("relative", description="relative: ppl ≤ base·(1+budget); absolute: ppl ≤ base+budget")
     gate: bool = Field(True, description="validate each candidate and roll it back if over budget; false = bare threshold rule")
     order: Literal["r2", "swap_ppl", "index"] = Field("swap_ppl", description="order candidates are tried in; swap_ppl measures each candidate alone first (one extra evaluation per candidate)")
@@ -168,7 +188,8 @@ class Recipe(_Section):
     version: Literal[1] = RECIPE_VERSION
     model: ModelConfig = Field(default_factory=ModelConfig)
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
-    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    evaluation: EvaluationConfig | list[EvaluationConfig] = Field(
+        default_factory=EvaluationConfig, description="one evaluation section, or a list of them (domains; the gate must hold on each)")
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     replacement: ReplacementConfig = Field(default_factory=AffineReplacement)
@@ -186,6 +207,21 @@ class Recipe(_Section):
                              "(the fraction of hidden units each replaced block keeps)")
         return self
 
+    @model_validator(mode="after")
+    def _domains(self):
+        if isinstance(self.evaluation, list):
+            if not self.evaluation:
+                raise ValueError("evaluation: give at least one section")
+            names = [e.domain_name() for e in self.evaluation]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"evaluation: domain names must be distinct, {dup} repeat; set `name` on each")
+        return self
+
+    def evaluation_domains(self) -> list[EvaluationConfig]:
+        """The evaluation sections as a list (the single-section form is a list of one)."""
+        return list(self.evaluation) if isinstance(self.evaluation, list) else [self.evaluation]
+
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 
@@ -199,10 +235,38 @@ class Recipe(_Section):
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
+def _section_model(annotation) -> type[BaseModel] | None:
+    """The section model of a field annotation: ``X``, ``X | list[X]`` and ``list[X]`` all give X."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _union_branch(loc: tuple, data: Any) -> tuple | None:
+    """Errors of the ``evaluation: section | list of sections`` union: keep the branch
+    matching what was given and drop the branch tag; None = drop this error."""
+    if len(loc) < 2 or loc[0] != "evaluation" or not isinstance(loc[1], str):
+        return loc
+    if "EvaluationConfig" not in loc[1]:  # pydantic's branch tag, e.g. list[function-after[…, EvaluationConfig]]
+        return loc
+    given = data.get("evaluation") if isinstance(data, dict) else None
+    return (loc[0], *loc[2:]) if loc[1].startswith("list[") == isinstance(given, list) else None
+
+
 def _format_errors(err: ValidationError, data: Any) -> str:
     lines = []
     for e in err.errors():
+        e = dict(e, loc=_union_branch(tuple(e["loc"]), data))
+        if e["loc"] is None:
+            continue
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "model_type" and e["loc"] == ("evaluation",):
+            lines.append(f"evaluation: expected a section (mapping) or a list of sections (got {e.get('input')!r})")
+            continue
         if e["type"] == "extra_forbidden":
             parent = Recipe
             parts = list(e["loc"][:-1])
@@ -211,10 +275,11 @@ def _format_errors(err: ValidationError, data: Any) -> str:
                 parent, parts = REPLACEMENT_CONFIGS[parts[1]], []
                 loc = f"replacement.{e['loc'][-1]} (kind {e['loc'][1]})"
             for part in parts:
+                if isinstance(part, int):
+                    continue  # list index: same section model
                 field = parent.model_fields.get(str(part))
-                parent = field.annotation if field is not None else None
-                if not (isinstance(parent, type) and issubclass(parent, BaseModel)):
-                    parent = None
+                parent = _section_model(field.annotation) if field is not None else None
+                if parent is None:
                     break
             allowed = f"; allowed keys here: {', '.join(parent.model_fields)}" if parent else ""
             lines.append(f"{loc}: unknown key{allowed}")
@@ -339,8 +404,11 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
         src = resolve_source(recipe.model.source, recipe.model.gguf_file)
     except FileNotFoundError as e:
         raise RecipeError(f"model.source: {e}") from None
-    for section in ("calibration", "evaluation"):
-        cfg = getattr(recipe, section)
+    sections = [("calibration", recipe.calibration)] + [
+        (f"evaluation{f'.{i}' if isinstance(recipe.evaluation, list) else ''}", cfg)
+        for i, cfg in enumerate(recipe.evaluation_domains())
+    ]
+    for section, cfg in sections:
         try:
             check_data_source(TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column))
         except (FileNotFoundError, DataFileError) as e:

@@ -133,6 +133,45 @@ def decisions_table(decisions: list[dict]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def _pm(v, se, spec: str = ".3f") -> str:
+    return _f(v, spec) + ("" if se is None else f" ± {_f(se, spec)}")
+
+
+def evaluation_section(ev: dict | None, cal: dict | None) -> str:
+    """What the gate was measured on: per domain, before/after perplexity (± SE) and KL, and warnings."""
+    if not ev:
+        return ""
+    cal = cal or {}
+    source = cal.get("data", "?")
+    if cal.get("self_tokens"):
+        source += f" ({cal.get('text_tokens', 0):,} text + {cal['self_tokens']:,} self-generated tokens)"
+    if ev["metric"] == "kl":
+        rule = f"mean KL(original ‖ compressed) ≤ {ev['kl_budget']} nats/token on every domain"
+    else:
+        kind = "×(1 + budget)" if ev["budget_mode"] == "relative" else "+ budget"
+        rule = f"perplexity ≤ baseline {kind}, budget {ev['ppl_budget']}, on every domain"
+    rows = "\n".join(
+        f"| {d['name']} | `{d['dataset']}` | {d['scored_tokens']:,} / {d['windows']} | "
+        f"{_pm(d['baseline']['ppl'], d['baseline'].get('ppl_se'))} | {_pm(d['final']['ppl'], d['final'].get('ppl_se'))} | "
+        f"{d['relative_delta']:+.2%} | {_pm(d['final'].get('kl'), d['final'].get('kl_se'), '.3g')} | "
+        f"{'✓' if d['passed'] else '✗'} |"
+        for d in ev["domains"]
+    )
+    warn = "".join(f"\n> ⚠ {w}\n" for w in ev.get("warnings", []))
+    return f"""
+## What the gate measured
+
+Calibration (fits): `{source}`. Gate: {rule}.
+
+| domain | data | scored tokens / windows | perplexity before | after | Δ | KL (nats/token) | within budget |
+|---|---|---:|---:|---:|---:|---:|:-:|
+{rows}
+
+± is one standard error, windows as the sampling unit. KL is measured against the original model's top-k
+next-token distribution (a lower bound of the full KL).
+{warn}"""
+
+
 def model_card(report: dict) -> str:
     r = report
     kept = [d for d in r["blocks"] if d["decision"] == "kept"]
@@ -155,7 +194,7 @@ fitted layers (kind `{r['recipe']['replacement']['kind']}`) by [compressor](http
 Perplexity: {r['perplexity']['final']['tokens']} scored tokens of `{r['perplexity']['data']}`, windows of
 {r['perplexity']['final']['seq_len']} tokens, stride {r['perplexity']['final']['stride']}
 (budget {r['perplexity']['budget']:.4f}).
-
+{evaluation_section(r.get('evaluation'), r.get('calibration'))}
 ## Load
 
 ```python

@@ -291,8 +291,8 @@ KIND_SECTIONS = {
 def _recipe(src: Path, out: Path, kind: str) -> compressor.Recipe:
     data = {
         "model": {"source": str(src)},
-        "calibration": {"max_tokens": 1024, "seq_len": 32},
-        "evaluation": {"max_tokens": 256, "seq_len": 64, "stride": 64},
+        "calibration": {"dataset": "embedded", "max_tokens": 1024, "seq_len": 32},
+        "evaluation": {"max_tokens": 256, "min_tokens": 128, "seq_len": 64, "stride": 64},
         # random tiny models: any perplexity passes, so the run is not about the gate
         "policy": {"threshold": -100, "ppl_budget": 100.0, "ffn_keep": 0.5, "max_backoff": 0, "order": "index"},
         "output": {"path": str(out)},

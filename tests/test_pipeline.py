@@ -292,7 +292,7 @@ def test_rollback_restores_original_blocks(tmp_path, trained_llama):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from compressor.data import TextSource, evaluation_tokens
-    from compressor.validate import perplexity
+    from compressor.evaluate import perplexity
 
     out = tmp_path / "out"
     recipe = make_recipe(trained_llama, out, policy={"ppl_budget": 0.0, "budget_mode": "absolute", "min_blocks": 0,
@@ -342,7 +342,7 @@ def test_gate_failure_writes_nothing(tmp_path, trained_llama):
     assert [p.name for p in tmp_path.iterdir()] == []  # no temporary folder left either
     assert res.report["status"] == "rejected"
     assert res.report["exit_code"] == 3
-    assert "exceeds the budget" in res.report["message"]
+    assert "over budget" in res.report["message"]
     assert all(d["decision"] == "kept" for d in res.report["blocks"])  # bare threshold rule took them all
     assert res.report["perplexity"]["final"]["ppl"] > res.report["perplexity"]["baseline"]["ppl"]
 
@@ -438,11 +438,11 @@ def test_profile_statistics_cache_reused(tmp_path, cache_dir):
     src = save_tiny_checkpoint(tmp_path / "in", "llama")
     kw = dict(max_tokens=1024, seq_len=32, use_cache=True)
     first = compressor.profile(str(src), **kw)
-    files = list(cache_dir.iterdir())
+    files = [p for p in cache_dir.iterdir() if p.is_file()]
     assert len(files) == 1 and files[0].suffix == ".safetensors"
     second = compressor.profile(str(src), **kw)
     assert [b.r2_lin for b in second.blocks] == [b.r2_lin for b in first.blocks]
-    assert len(list(cache_dir.iterdir())) == 1
+    assert len([p for p in cache_dir.iterdir() if p.is_file()]) == 1
 
 
 def test_run_does_not_use_the_statistics_cache(tmp_path, cache_dir):
@@ -451,7 +451,7 @@ def test_run_does_not_use_the_statistics_cache(tmp_path, cache_dir):
     res = compressor.run(make_recipe(src, tmp_path / "o1", measure={"cache": True}))
     assert res.exit_code == 0
     assert res.report["cache"]["enabled"] is False
-    assert not cache_dir.exists() or not list(cache_dir.iterdir())
+    assert not cache_dir.exists() or not [p for p in cache_dir.iterdir() if p.is_file()]  # selfcal/ aside
 
 
 # --------------------------------------------------------------------------------------------------

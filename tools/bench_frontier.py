@@ -48,7 +48,7 @@ from compressor.kinds import BlockData, get_kind  # noqa: E402
 from compressor.load import load_model  # noqa: E402
 from compressor.recipe import AffineReplacement, HybridReplacement, PruneReplacement  # noqa: E402
 from compressor.replace import count_params, ffn_path  # noqa: E402
-from compressor.validate import perplexity  # noqa: E402
+from compressor.evaluate import perplexity  # noqa: E402
 
 logger = logging.getLogger("bench_frontier")
 
