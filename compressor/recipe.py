@@ -218,6 +218,13 @@ class Recipe(_Section):
                 raise ValueError(f"evaluation: domain names must be distinct, {dup} repeat; set `name` on each")
         return self
 
+    def data_sections(self) -> list[tuple[str, "_Data"]]:
+        """``(field path, section)`` of every data source: calibration, then each evaluation domain."""
+        listed = isinstance(self.evaluation, list)
+        return [("calibration", self.calibration)] + [
+            (f"evaluation.{i}" if listed else "evaluation", cfg) for i, cfg in enumerate(self.evaluation_domains())
+        ]
+
     def evaluation_domains(self) -> list[EvaluationConfig]:
         """The evaluation sections as a list (the single-section form is a list of one)."""
         return list(self.evaluation) if isinstance(self.evaluation, list) else [self.evaluation]
@@ -378,8 +385,9 @@ def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
     reads: list[tuple[str, Path]] = []
     if recipe._source_file is not None:
         reads.append(("the recipe", recipe._source_file))
-    for section in ("calibration", "evaluation"):
-        ds = getattr(recipe, section).dataset
+    sections = recipe.data_sections()
+    for section, cfg in sections:
+        ds = cfg.dataset
         if ds != EMBEDDED and Path(ds).expanduser().exists():
             reads.append((f"{section}.dataset", Path(ds).expanduser()))
     src = Path(recipe.model.source).expanduser()
@@ -404,10 +412,7 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
         src = resolve_source(recipe.model.source, recipe.model.gguf_file)
     except FileNotFoundError as e:
         raise RecipeError(f"model.source: {e}") from None
-    sections = [("calibration", recipe.calibration)] + [
-        (f"evaluation{f'.{i}' if isinstance(recipe.evaluation, list) else ''}", cfg)
-        for i, cfg in enumerate(recipe.evaluation_domains())
-    ]
+    sections = recipe.data_sections()
     for section, cfg in sections:
         try:
             check_data_source(TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column))
