@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from compressor.data import TextSource, evaluation_tokens
     from compressor.evaluate import Evaluator
     from compressor.load import load_model
-    from compressor.pipeline import _calibration, _stats
+    from compressor.pipeline import _calibration
     from compressor.recipe import recipe_from_dict
 
     valid, test = (WIKITEXT_DIR / "valid.txt").resolve(), (WIKITEXT_DIR / "test.txt").resolve()
@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         streams = {e.domain_name(): texts["wiki-valid" if e.dataset == str(valid) else "embedded"]
                    for e in recipe.evaluation_domains()}
         t0 = time.perf_counter()
-        stats, _ = _stats(m, cal, recipe.measure, recipe.calibration.batch_size, False)
-        res = compress_model(m, recipe, cal, streams, stats=stats)
+        res = compress_model(m, recipe, cal, streams)
         run_s = time.perf_counter() - t0
         after = judge(m, desc=f"judge {name}")
         row = {}
