@@ -32,7 +32,6 @@ class BlockCurve:
     levels: list[Level]
     weight: float = 1.0
     """Cost per unit of held-out relative error (the block's sensitivity)."""
-    d_ff: int | None = None
 
 
 def _pick(c: BlockCurve, lam: float) -> Level | None:

@@ -192,7 +192,7 @@ def compress_model(
             return None
         levels = kind.levels(data, rc)
         weight = block_weight(pol.allocation, st, grad_moments.get(i))
-        curves.append(BlockCurve(i, ffn_params[i], levels, weight, data.d_ff if kind.needs_hidden else None))
+        curves.append(BlockCurve(i, ffn_params[i], levels, weight))
         data.zheld = None  # the curve holds what the held-out rows had to say
         if per_block is None and data.zfit is not None:
             per_block = data.zfit.cxx.numel() * 8 * 1.2

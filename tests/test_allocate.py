@@ -1,0 +1,74 @@
+"""Allocation of one parameter budget across blocks (compressor.allocate)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from compressor.allocate import BlockCurve, allocate
+from compressor.kinds import Level
+
+
+def _curves(seed: int, n_blocks: int = 4, n_levels: int = 5) -> list[BlockCurve]:
+    rng = random.Random(seed)
+    curves = []
+    for i in range(n_blocks):
+        full = 1000
+        sizes = sorted(rng.sample(range(1, 100), n_levels), reverse=True)
+        errs = sorted((rng.random() for _ in sizes))
+        levels = [Level(s, 10 * s, e) for s, e in zip(sizes, errs)]
+        curves.append(BlockCurve(i, full, levels, weight=rng.uniform(0.5, 5)))
+    return curves
+
+
+def _cost(curves, choice) -> float:
+    return sum(0.0 if choice[c.index] is None else c.weight * choice[c.index].heldout_rel_error for c in curves)
+
+
+def _params(curves, choice) -> int:
+    return sum(c.ffn_params if choice[c.index] is None else choice[c.index].params for c in curves)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lagrangian_choice_is_optimal_for_the_budget_it_uses(seed):
+    """Brute force over every combination: nothing within the same parameters costs less."""
+    curves = _curves(seed)
+    total = sum(c.ffn_params for c in curves)
+    for keep in (0.9, 0.6, 0.3, 0.1):
+        choice = allocate(curves, int(keep * total), "fisher")
+        used = _params(curves, choice)
+        assert used <= int(keep * total) or all(choice[c.index] is not None for c in curves)
+        options = [[None] + c.levels for c in curves]
+        best = min(
+            _cost(curves, dict(zip(range(len(curves)), combo)))
+            for combo in itertools.product(*options)
+            if _params(curves, dict(zip(range(len(curves)), combo))) <= used
+        )
+        assert _cost(curves, choice) == pytest.approx(best, abs=1e-12)
+
+
+def test_more_budget_never_costs_more_and_sensitive_blocks_keep_more():
+    curves = _curves(0)
+    total = sum(c.ffn_params for c in curves)
+    costs = [_cost(curves, allocate(curves, int(k * total), "fisher")) for k in (0.2, 0.4, 0.6, 0.8, 1.0)]
+    assert costs == sorted(costs, reverse=True)
+    # two identical curves, one 100x more sensitive: it keeps at least as many parameters
+    lv = [Level(s, 10 * s, 1 - s / 100) for s in (80, 60, 40, 20)]
+    pair = [BlockCurve(0, 1000, lv, weight=1.0), BlockCurve(1, 1000, lv, weight=100.0)]
+    choice = allocate(pair, 1200, "fisher")
+    p = {c.index: (c.ffn_params if choice[c.index] is None else choice[c.index].params) for c in pair}
+    assert p[1] >= p[0]
+
+
+def test_uniform_gives_every_block_the_same_fraction():
+    lv = [Level(s, 10 * s, 1 - s / 100) for s in (100, 75, 50, 25)]
+    curves = [BlockCurve(i, 1000, list(lv), weight=w) for i, w in enumerate((1.0, 50.0, 0.1))]
+    choice = allocate(curves, 1600, "uniform")
+    assert {lv.size for lv in choice.values()} == {50}
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="fisher"):
+        allocate(_curves(0), 100, "magic")
