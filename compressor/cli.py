@@ -75,7 +75,10 @@ def _recipe_option(p: argparse.ArgumentParser, flag: str, section, name: str, **
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .recipe import REPLACEMENT_CONFIGS, CalibrationConfig, LowRankReplacement, MeasureConfig, ModelConfig, PolicyConfig
+    from .recipe import (
+        REPLACEMENT_CONFIGS, CalibrationConfig, EvaluationConfig, LowRankReplacement, MeasureConfig, ModelConfig,
+        PolicyConfig,
+    )
 
     parser = argparse.ArgumentParser(
         prog="compressor",
@@ -112,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EXIT_CODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE")
     p.add_argument("--output", "-o", required=True, help="output folder for the compressed model")
-    p.add_argument("--data", default="embedded", help="calibration data (see `profile --data`)")
-    p.add_argument("--eval-data", default="embedded", help="evaluation data for perplexity")
+    _recipe_option(p, "--data", CalibrationConfig, "dataset")
+    _recipe_option(p, "--eval-data", EvaluationConfig, "dataset")
     # None = not given: the recipe default applies (shown in the help).
     _recipe_option(p, "--threshold", PolicyConfig, "threshold", type=float, default=None)
     _recipe_option(p, "--ppl-budget", PolicyConfig, "ppl_budget", type=float, default=None)
