@@ -14,7 +14,6 @@ import logging
 import os
 import sys
 import typing
-from pathlib import Path
 
 logger = logging.getLogger("compressor")
 

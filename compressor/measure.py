@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from ._progress import progress
 
-from .archs import ArchSpec, arch_for, find_blocks
+from .archs import arch_for, find_blocks
 from .checks import check_activations_finite
 from .stats import LogHistogram, Moments
 

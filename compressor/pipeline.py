@@ -24,9 +24,9 @@ from .data import CalibrationSet, OverlapError, TextSource, calibration_set, che
 from .evaluate import POOR_RELATIVE_SE, gate_check, perplexity
 from .hf_modeling import COMPRESSION_FORMAT
 from .load import load_model, resolve_source
-from .measure import BlockStats, collect
+from .measure import collect
 from .profiling import Profile, block_profile
-from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs, run_reads
+from .recipe import MeasureConfig, Recipe, check_inputs, run_reads
 from .render import model_card, profile_markdown, profile_plot
 from .replace import count_params
 from .save import (
@@ -259,7 +259,6 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         raise InputError(
             f"{model_type} models are profile-only ({spec.note}); `compress` refuses them. Use `compressor profile`."
         )
-    c = recipe.calibration
     t0 = time.perf_counter()
     with _DataInput("calibration.dataset"):
         cal, cal_info = _calibration(recipe, model, tokenizer, use_cache)
