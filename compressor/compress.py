@@ -104,13 +104,6 @@ class CompressionResult:
         return [asdict(d) for d in self.decisions]
 
 
-def _strategy(recipe: Recipe) -> str:
-    s = recipe.policy.strategy
-    if s == "auto":
-        return "allocate" if recipe.replacement.kind in ("prune", "hybrid") else "greedy"
-    return s
-
-
 def _activation(model: nn.Module, spec) -> str | None:
     cfg = model.config
     for attr in spec.act_attrs:
@@ -149,7 +142,7 @@ def compress_model(
     recipe's evaluation domains (the gate must hold on each)."""
     rc, m, pol = recipe.replacement, recipe.measure, recipe.policy
     kind = get_kind(rc.kind)
-    strategy = _strategy(recipe)
+    strategy = recipe.strategy()
     timings: dict[str, float] = {}
     compute_dtype = {"float32": torch.float32, "float64": torch.float64}[m.precision]
 

@@ -197,9 +197,7 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _allocate_needs_a_target(self):
-        allocate = self.policy.strategy == "allocate" or (
-            self.policy.strategy == "auto" and self.replacement.kind in ("prune", "hybrid"))
-        if allocate and not self.policy.gate and self.policy.ffn_keep is None:
+        if self.strategy() == "allocate" and not self.policy.gate and self.policy.ffn_keep is None:
             raise ValueError("policy.ffn_keep: required when the allocate strategy runs without the gate "
                              "(policy.gate: false); set a fraction of FFN parameters to keep, or turn the gate on")
         if self.policy.strategy == "greedy" and self.replacement.kind in ("prune", "hybrid") and self.replacement.keep is None:
@@ -217,6 +215,12 @@ class Recipe(_Section):
             if dup:
                 raise ValueError(f"evaluation: domain names must be distinct, {dup} repeat; set `name` on each")
         return self
+
+    def strategy(self) -> str:
+        """``policy.strategy`` with ``auto`` resolved: allocate for prune/hybrid, greedy otherwise."""
+        if self.policy.strategy == "auto":
+            return "allocate" if self.replacement.kind in ("prune", "hybrid") else "greedy"
+        return self.policy.strategy
 
     def data_sections(self) -> list[tuple[str, "_Data"]]:
         """``(field path, section)`` of every data source: calibration, then each evaluation domain."""

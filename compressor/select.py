@@ -1,15 +1,13 @@
-"""Select: which blocks are candidates, in which order, and with which replacement.
+"""Select: which blocks are candidates of the greedy policy, and in which order.
 
-Pure functions of the profile and the recipe's policy; the perplexity gate that
-decides which candidates survive lives in :mod:`compressor.compress`.
+Pure functions of the profile and the recipe's policy; the gate that decides
+which candidates survive lives in :mod:`compressor.gate`.
 """
 
 from __future__ import annotations
 
-from .fit import AffineFit, LowRankFit, affine_params, low_rank, rank_for_fraction
 from .profiling import BlockProfile
-from .recipe import PolicyConfig, ReplacementConfig
-from .stats import Moments
+from .recipe import PolicyConfig
 
 
 def candidates(
@@ -45,24 +43,3 @@ def candidates(
     else:
         chosen.sort(key=lambda p: p.index)
     return [p.index for p in chosen], reasons
-
-
-def make_fit(fit: AffineFit, moments: Moments, cfg: ReplacementConfig, ffn_params: int) -> AffineFit | LowRankFit:
-    """The replacement's closed-form fit under the replacement config's rank rule."""
-    if cfg.kind == "affine":
-        return fit
-    max_rank = min(fit.d_in, fit.d_out)
-    if cfg.rank is not None:
-        rank = min(cfg.rank, max_rank)
-    elif cfg.rank_fraction is not None:
-        rank = rank_for_fraction(fit, cfg.rank_fraction)
-    else:
-        budget = cfg.max_params_fraction * ffn_params
-        rank = max(r for r in range(1, max_rank + 1) if r == 1 or affine_params(fit.d_in, fit.d_out, r) <= budget)
-    return low_rank(fit, moments, rank)
-
-
-def replacement_params(fit: AffineFit | LowRankFit) -> int:
-    if isinstance(fit, LowRankFit):
-        return affine_params(fit.A.shape[0], fit.B.shape[1], fit.rank)
-    return affine_params(fit.d_in, fit.d_out)

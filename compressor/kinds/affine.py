@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..fit import affine_params, score, solve_affine
+from ..fit import affine_params, score
 from .base import BlockData, Fitted, Kind, Level, register
 
 
@@ -12,14 +12,14 @@ class Affine(Kind):
     format = "compressor.kind.affine/v1"
 
     def levels(self, data: BlockData, cfg) -> list[Level]:
-        f = solve_affine(data.fit)
+        f = data.affine()
         return [Level(0, affine_params(data.d, data.d_out), 1.0 - score(data.heldout, f.W, f.b).r2)]
 
     def default_level(self, data: BlockData, cfg) -> int:
         return 0
 
     def fit(self, data: BlockData, cfg, size: int = 0) -> Fitted:
-        f = solve_affine(data.fit)
+        f = data.affine()
         return Fitted(
             kind=self.name, index=data.index, config={"in_features": data.d, "out_features": data.d_out},
             tensors={"proj.weight": f.W.T, "proj.bias": f.b}, params=affine_params(data.d, data.d_out),

@@ -49,6 +49,14 @@ class BlockData:
     cache: dict = field(default_factory=dict)
     """Per-block results a kind reuses (e.g. the OBS path)."""
 
+    def affine(self):
+        """The block's full affine least-squares fit (solved once, shared by the kinds that need it)."""
+        from ..fit import solve_affine
+
+        if "affine" not in self.cache:
+            self.cache["affine"] = solve_affine(self.fit)
+        return self.cache["affine"]
+
     @property
     def d(self) -> int:
         return self.fit.d_in

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..fit import affine_params, fit_r2_at_rank, low_rank, rank_for_fraction, score, solve_affine
+from ..fit import affine_params, fit_r2_at_rank, low_rank, rank_for_fraction, score
+from ..replace import count_params
 from .base import BlockData, Fitted, Kind, Level, register
 
 
@@ -12,7 +13,7 @@ class LowRank(Kind):
     format = "compressor.kind.low_rank/v1"
 
     def levels(self, data: BlockData, cfg) -> list[Level]:
-        f = solve_affine(data.fit)
+        f = data.affine()
         top = min(data.d, data.d_out)
         ranks = sorted({max(1, round(top * q / 16)) for q in range(1, 17)}, reverse=True)
         out = []
@@ -22,18 +23,18 @@ class LowRank(Kind):
         return out
 
     def default_level(self, data: BlockData, cfg) -> int:
-        f = solve_affine(data.fit)
+        f = data.affine()
         top = min(data.d, data.d_out)
         if cfg.rank is not None:
             return min(cfg.rank, top)
         if cfg.rank_fraction is not None:
             return rank_for_fraction(f, cfg.rank_fraction)
-        budget = cfg.max_params_fraction * _ffn_params(data)
+        budget = cfg.max_params_fraction * count_params(data.ffn)
         fits = [r for r in range(1, top + 1) if affine_params(data.d, data.d_out, r) <= budget]
         return max(fits) if fits else 1
 
     def fit(self, data: BlockData, cfg, size: int) -> Fitted:
-        f = solve_affine(data.fit)
+        f = data.affine()
         lr = low_rank(f, data.fit, size)
         return Fitted(
             kind=self.name, index=data.index,
@@ -42,8 +43,3 @@ class LowRank(Kind):
             params=affine_params(data.d, data.d_out, size), heldout_r2=score(data.heldout, lr.W, lr.b).r2,
             warnings=list(f.warnings) + [f"fit-row R² at rank {size}: {fit_r2_at_rank(f, size):.4f}"],
         )
-
-
-def _ffn_params(data: BlockData) -> int:
-    seen = {p.data_ptr(): p.numel() for p in data.ffn.parameters()}
-    return sum(seen.values())
