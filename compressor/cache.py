@@ -173,9 +173,13 @@ def model_fingerprint(model: nn.Module) -> str:
     """sha256 over every tensor of the state dict (name, dtype, shape, bytes)."""
     import torch
 
+    from .onload import tensor
+
     h = hashlib.sha256()
     with torch.no_grad():
         for name, t in sorted(model.state_dict().items()):
+            if t.device.type == "meta":  # onloaded: read from the offload store, one tensor at a time
+                t = tensor(model, name)
             t = t.detach().cpu().contiguous()
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -211,6 +215,43 @@ def save_stats(key: str, stats: dict[int, BlockStats]) -> Path | None:
     for st in stats.values():
         sd.update(st.state_dict())
     return put(key, sd, {"format": CACHE_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+PROFILE_FORMAT = "compressor.profile-cache/v1"
+
+
+def load_profiles(key: str):
+    """Cached per-block profiles (:class:`compressor.profiling.BlockProfile`) under ``key``, or None."""
+    from .profiling import BlockProfile
+
+    found = get(key)
+    if found is None:
+        return None
+    _, meta = found
+    if meta.get("format") != PROFILE_FORMAT:
+        return None
+    try:
+        profiles = [BlockProfile(**b) for b in json.loads(meta["profiles"])]
+    except Exception as e:  # noqa: BLE001 - a corrupt cache entry is recomputed, never fatal
+        logger.warning("ignoring unreadable cache entry %s: %s", key, e)
+        return None
+    logger.info("profile loaded from cache %s", _path(key))
+    return profiles
+
+
+def save_profiles(key: str, profiles) -> Path | None:
+    """Store per-block profiles (small: the statistics themselves are not kept)."""
+    from dataclasses import asdict
+
+    blob = json.dumps([asdict(p) for p in profiles])  # NaN/Infinity round-trip through Python's json
+    return put(key, {"n_blocks": torch_tensor(len(profiles))},
+               {"format": PROFILE_FORMAT, "profiles": blob, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def torch_tensor(n: int):
+    import torch
+
+    return torch.tensor([n], dtype=torch.int64)
 
 
 def human_bytes(n: int | None) -> str:

@@ -200,9 +200,11 @@ def check_weights_finite(model: nn.Module, *, max_listed: int = 5) -> None:
     """
     import torch
 
+    from .onload import named_tensors
+
     bad = []
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in named_tensors(model, buffers=False):  # offloaded weights are read back one at a time
             if not p.is_floating_point() or p.device.type == "meta":
                 continue
             finite = torch.isfinite(p)

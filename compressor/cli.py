@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", default=None, help="comma-separated block indices (default: all)")
     _recipe_option(p, "--dtype", ModelConfig, "dtype")
     _recipe_option(p, "--device", ModelConfig, "device")
+    _recipe_option(p, "--offload", ModelConfig, "offload")
     p.add_argument("--trust-remote-code", action="store_true", help="explicit opt-in to run code shipped with the model")
     p.add_argument("--output", "-o", default=None, help="folder for profile.json / .md / .png (default: print the table only)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the statistics cache")
@@ -184,7 +185,7 @@ def _profile(args) -> int:
         args.model, TextSource(args.data, args.data_config, args.split, args.text_column),
         seq_len=args.seq_len, max_tokens=args.max_tokens, heldout_fraction=args.heldout_fraction, seed=args.seed,
         batch_size=args.batch_size, blocks=blocks, dtype=args.dtype, device=args.device,
-        trust_remote_code=args.trust_remote_code, use_cache=not args.no_cache,
+        offload=args.offload, trust_remote_code=args.trust_remote_code, use_cache=not args.no_cache,
         measure=MeasureConfig(precision=args.precision, output_rank=args.output_rank),
     )
     print(profile_table(prof.blocks))

@@ -18,7 +18,9 @@ different types different ones). Then, for each layer in turn:
 
 Only one layer's statistics are alive at a time, so memory does not grow
 with depth. Hidden states live on the CPU; each batch is moved to the
-layer's device for its forward (what onloading builds on).
+layer's execution device for its forward. With ``model.offload``
+(:mod:`compressor.onload`) a layer's weights are read when it runs and
+dropped after, so one layer's weights are materialised at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from ._progress import progress
 from .archs import ArchSpec, arch_for, find_blocks
 from .measure import BlockStats, _first_tensor, accumulate, set_spike_threshold
+from .onload import execution_device
 from .stats import Moments
 
 logger = logging.getLogger(__name__)
@@ -123,7 +126,7 @@ class LayerWalker:
     @torch.no_grad()
     def _capture(self) -> list[torch.Tensor]:
         model, layers = self.model, self.layers
-        device = model.get_input_embeddings().weight.device
+        device = execution_device(model.get_input_embeddings())
         n = len(layers)
         state = {"shape": None, "record_all": False, "h0": None, "args": None}
 
@@ -175,7 +178,7 @@ class LayerWalker:
                       on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Run layer ``i`` on every batch of ``stream``; returns its outputs (CPU)."""
         layer = self.layers[i]
-        device = next(layer.parameters()).device
+        device = execution_device(layer)
         out = []
         for b, h in enumerate(stream):
             args, kwargs = self.layer_args(b, i)
@@ -196,6 +199,7 @@ class LayerWalker:
         compute_dtype: torch.dtype = torch.float32,
         layers: list[int] | None = None,
         desc: str = "engine",
+        output_rank: bool = False,
     ) -> None:
         """Walk the layers; ``on_layer(i, stats)`` may return a replacement for layer i's
         FFN, which is installed in the model before the walk moves on."""
@@ -220,7 +224,7 @@ class LayerWalker:
                     student = self.forward_layer(i, student)
                 continue
             bar.set_description(f"{desc}: layer {i + 1}/{len(self.layers)}")
-            result = self._layer_stats(i, teacher, student, hidden, target, spike_factor, compute_dtype)
+            result = self._layer_stats(i, teacher, student, hidden, target, spike_factor, compute_dtype, output_rank)
             teacher = result["teacher_next"]
             replacement = on_layer(i, result["stats"])
             del result
@@ -230,7 +234,7 @@ class LayerWalker:
                 student = self.forward_layer(i, student)
         bar.close()
 
-    def _layer_stats(self, i, teacher, student, hidden, target, spike_factor, compute_dtype) -> dict:
+    def _layer_stats(self, i, teacher, student, hidden, target, spike_factor, compute_dtype, output_rank=False) -> dict:
         layer = self.layers[i]
         xy: BlockStats | None = None
         zm: dict[str, Moments] = {}
@@ -241,7 +245,7 @@ class LayerWalker:
             nonlocal xy, held_started
             split = splits[b]
             if xy is None:
-                xy = BlockStats.empty(i, x.shape[-1], y.shape[-1])
+                xy = BlockStats.empty(i, x.shape[-1], y.shape[-1], output_rank)
             if split == "heldout" and not held_started:
                 set_spike_threshold(xy, spike_factor)
                 held_started = True

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .onload import OFFLOAD
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "auto": "auto"}
@@ -106,8 +108,12 @@ def load_model(
     device: str = "cpu",
     trust_remote_code: bool = False,
     revision: str | None = None,
+    offload: str = "none",
 ):
     """Return ``(model, tokenizer, resolved_source)``; the model is in eval mode.
+
+    ``offload`` (``none`` | ``cpu`` | ``disk``) keeps the decoder layers' weights
+    off the compute device (see :mod:`compressor.onload`).
 
     Decoders load as ``AutoModelForCausalLM``; architectures the tool only
     profiles (BERT-style encoders) as ``AutoModel``.
@@ -115,11 +121,19 @@ def load_model(
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from .archs import ARCHITECTURES
+    from .onload import load_kwargs
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported; use one of {sorted(DTYPES)}")
     if device not in DEVICES:
         raise ValueError(f"device {device!r} not supported; use one of {list(DEVICES)}")
+    if offload not in OFFLOAD:
+        raise ValueError(f"offload {offload!r} not supported; use one of {list(OFFLOAD)}")
+    if offload != "none" and device == "auto":
+        raise ValueError("offload and device 'auto' both place weights; give device cpu or cuda with offload")
+    if offload == "cpu" and device == "cpu":
+        logger.info("offload 'cpu' with device 'cpu' keeps the weights where they are: loading without offload")
+        offload = "none"
     src = resolve_source(source, gguf_file)
     common = dict(trust_remote_code=trust_remote_code, revision=revision)
     if src.gguf_file:
@@ -130,6 +144,8 @@ def load_model(
     kwargs = dict(common, dtype=DTYPES[dtype])
     if device == "auto":
         kwargs["device_map"] = "auto"
+    elif offload != "none":
+        kwargs.update(load_kwargs(config, auto, offload, device, common))
     logger.info("loading %s (%s, %s)", src.describe(), config.model_type, dtype)
     model = auto.from_pretrained(src.path, **kwargs)
     if src.gguf_file:
@@ -138,7 +154,7 @@ def load_model(
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-    if device == "cuda":
+    if device == "cuda" and offload == "none":
         model = model.to("cuda")
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(src.path, **common)

@@ -17,15 +17,15 @@ from torch import nn
 
 from . import __version__
 from .archs import UnsupportedModelError, arch_for, find_blocks
-from .cache import load_stats, model_fingerprint, save_stats, stats_key
+from .cache import load_profiles, model_fingerprint, save_profiles, stats_key
 from .checks import check_weights_finite
 from .compress import CompressionResult, compress_model
 from .data import CalibrationSet, OverlapError, TextSource, calibration_set, check_disjoint, evaluation_tokens
 from .evaluate import POOR_RELATIVE_SE, gate_check, perplexity
 from .hf_modeling import COMPRESSION_FORMAT
 from .load import load_model, resolve_source
-from .measure import collect
-from .profiling import Profile, block_profile
+from .engine import LayerWalker
+from .profiling import BlockProfile, Profile, block_profile
 from .recipe import MeasureConfig, Recipe, check_inputs, run_reads
 from .render import model_card, profile_markdown, profile_plot
 from .replace import count_params
@@ -130,24 +130,33 @@ def _measure_settings(m: MeasureConfig) -> dict:
     return {"precision": m.precision, "spike_factor": m.spike_factor, "output_rank": m.output_rank, "version": 1}
 
 
-def _stats(model: nn.Module, cal: CalibrationSet, m: MeasureConfig, batch_size: int, use_cache: bool, blocks=None):
-    """Statistics from the cache or one calibration pass; returns (stats, cache_info)."""
+def _profiles(model: nn.Module, cal: CalibrationSet, m: MeasureConfig, batch_size: int, use_cache: bool,
+              blocks=None) -> tuple[list[BlockProfile], dict]:
+    """Per-block profiles from the cache or one layer-sequential pass; returns (profiles, cache_info).
+
+    The engine holds one layer's statistics at a time (memory flat in depth);
+    the cache keeps the profiles, keyed by model, data and settings."""
     info = {"enabled": use_cache, "hit": False, "key": None}
     if use_cache:
         settings = dict(_measure_settings(m), blocks=blocks)
         key = stats_key(model_fingerprint(model), cal.fingerprint(), settings)
         info["key"] = key
-        cached = load_stats(key)
+        cached = load_profiles(key)
         if cached is not None:
             info["hit"] = True
             return cached, info
-    stats = collect(
-        model, cal.fit, cal.heldout, blocks=blocks, batch_size=batch_size,
-        spike_factor=m.spike_factor, precision=m.precision, output_rank=m.output_rank,
-    )
+    compute_dtype = {"float32": torch.float32, "float64": torch.float64}[m.precision]
+    walker = LayerWalker(model, {"fit": cal.fit, "heldout": cal.heldout}, batch_size=batch_size)
+    out: list[BlockProfile] = []
+
+    def on_layer(i, st):
+        out.append(block_profile(st.xy, outlier_share_flag=m.outlier_share_flag)[0])
+
+    walker.walk(on_layer, spike_factor=m.spike_factor, compute_dtype=compute_dtype, layers=blocks,
+                output_rank=m.output_rank, desc="profile")
     if use_cache:
-        save_stats(info["key"], stats)
-    return stats, info
+        save_profiles(info["key"], out)
+    return out, info
 
 
 def profile(
@@ -164,6 +173,7 @@ def profile(
     blocks: list[int] | None = None,
     dtype: str = "float32",
     device: str = "cpu",
+    offload: str = "none",
     trust_remote_code: bool = False,
     use_cache: bool = False,
 ) -> Profile:
@@ -176,7 +186,8 @@ def profile(
     measure = measure or MeasureConfig()
     name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", type(model).__name__)
     if isinstance(model, str):
-        model, tokenizer, _ = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        model, tokenizer, _ = load_model(model, dtype=dtype, device=device, offload=offload,
+                                         trust_remote_code=trust_remote_code)
         check_weights_finite(model)
     model_type, spec = arch_for(model)
     if isinstance(data, CalibrationSet):
@@ -187,8 +198,7 @@ def profile(
         src = data if isinstance(data, TextSource) else TextSource(data)
         cal = calibration_set(tokenizer, src, seq_len=seq_len, max_tokens=max_tokens, heldout_fraction=heldout_fraction, seed=seed)
         data_name = src.dataset
-    stats, _ = _stats(model, cal, measure, batch_size, use_cache, blocks)
-    profiles = [block_profile(stats[i], outlier_share_flag=measure.outlier_share_flag)[0] for i in sorted(stats)]
+    profiles, _ = _profiles(model, cal, measure, batch_size, use_cache, blocks)
     _, block_list = find_blocks(model, spec)
     for p in profiles:
         block = block_list[p.index]
@@ -246,8 +256,17 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         ev_streams = evaluation_streams(recipe, _load_tokenizer(recipe))
     except ValueError as err:
         raise InputError(str(err)) from None
+    if mc.offload != "none" and mc.dtype != "auto":
+        # An onloaded model is saved shard by shard in its compute dtype (see save.save_compressed).
+        wanted = output_dtype(recipe.output.dtype, resolve_source(mc.source, mc.gguf_file), revision=mc.revision)
+        if str(wanted).removeprefix("torch.") != mc.dtype:
+            raise InputError(
+                f"model.offload: {mc.offload} saves the weights in the compute dtype (model.dtype: {mc.dtype}), but "
+                f"output.dtype resolves to {str(wanted).removeprefix('torch.')}; set output.dtype: {mc.dtype} "
+                f"or model.dtype: {str(wanted).removeprefix('torch.')}"
+            )
     model, tokenizer, src = load_model(
-        mc.source, gguf_file=mc.gguf_file, dtype=mc.dtype, device=mc.device,
+        mc.source, gguf_file=mc.gguf_file, dtype=mc.dtype, device=mc.device, offload=mc.offload,
         trust_remote_code=mc.trust_remote_code, revision=mc.revision,
     )
     check_weights_finite(model)
@@ -308,7 +327,7 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         # Compare like with like: reloaded in the compute dtype against the in-memory
         # model with its weights rounded the way they were saved (see save.LOGIT_TOLERANCE).
         reference = model if out_dtype == model.dtype else rounded_copy(model, out_dtype)
-        reloaded = load_compressed(folder, dtype=model.dtype)
+        reloaded = load_compressed(folder, dtype=model.dtype, offload=mc.offload, device=mc.device)
         reloaded.eval()
         n = min(2, max(1, ev_tokens.numel() // e.seq_len))
         probe = ev_tokens[: n * min(e.seq_len, ev_tokens.numel() // n)].view(n, -1)

@@ -38,6 +38,9 @@ class ModelConfig(_Section):
     gguf_file: str | None = Field(None, description="GGUF file name inside a local folder or hub repo")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="model dtype")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="cpu, cuda, or auto (accelerate device_map='auto')")
+    offload: Literal["none", "cpu", "disk"] = Field(
+        "none", description="where decoder layers' weights wait while not computing: none (on `device`), disk (read "
+        "from the checkpoint layer by layer: models larger than memory), cpu (host RAM, with device cuda)")
     trust_remote_code: bool = Field(False, description="explicit opt-in to run code shipped with the model")
     revision: str | None = None
 

@@ -64,8 +64,16 @@ def swap(model: nn.Module, index: int, replacement: nn.Module) -> Swap:
 
 
 def count_params(module: nn.Module) -> int:
-    """Unique parameters (tied weights counted once)."""
-    seen = {}
+    """Unique parameters (tied weights counted once; ``parameters()`` already yields a tied
+    parameter once, and offloaded ``meta`` placeholders all share data pointer 0, so identity
+    is the parameter object, with storage as a second check for real tensors)."""
+    seen: dict[int, int] = {}
+    storages: set[int] = set()
     for p in module.parameters():
-        seen[p.data_ptr()] = p.numel()
+        if p.device.type != "meta":
+            ptr = p.data_ptr()
+            if ptr in storages:
+                continue
+            storages.add(ptr)
+        seen[id(p)] = p.numel()
     return sum(seen.values())

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import hf_modeling
+from .onload import is_offloaded
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def check_output(out: Path, overwrite: bool, source_dir: Path | None = None, rea
 # tiny test models by < 5e-5. The tolerances leave a 10× / 50× margin.
 LOGIT_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 PPL_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 5e-3, torch.float16: 1e-3}
+# Shard size of an onloaded model's save: transformers materialises one shard at a time.
+OFFLOAD_SHARD_SIZE = "512MB"
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -195,9 +198,17 @@ def save_compressed(
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        state_dict = cast_state_dict(model, dtype) if dtype is not None else None
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-        del state_dict
+        if is_offloaded(model):
+            # transformers reads offloaded weights back one shard at a time; a cast state dict
+            # would need every weight in memory at once (pipeline refuses the mismatch up front).
+            if dtype is not None and dtype != model.dtype:
+                raise ValueError(f"an onloaded model saves in its compute dtype {model.dtype}, not {dtype}; "
+                                 "set output.dtype to model.dtype")
+            model.save_pretrained(tmp, safe_serialization=True, max_shard_size=OFFLOAD_SHARD_SIZE)
+        else:
+            state_dict = cast_state_dict(model, dtype) if dtype is not None else None
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            del state_dict
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
             _name_tokenizer_class(tmp, tokenizer)
@@ -249,13 +260,19 @@ def _apply_umask(folder: Path) -> None:
             path.chmod(0o666 & ~umask)
 
 
-def load_compressed(folder: str | Path, **kwargs):
-    """``AutoModelForCausalLM.from_pretrained`` for a compressed folder (no remote code needed)."""
-    from transformers import AutoModelForCausalLM
+def load_compressed(folder: str | Path, *, offload: str = "none", device: str = "cpu", **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` for a compressed folder (no remote code needed);
+    ``offload`` as in :func:`compressor.load.load_model` (the reload check of an onloaded run)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .onload import load_kwargs
 
     cfg = json.loads((Path(folder) / "config.json").read_text())
     base = str(cfg.get("model_type", "")).removeprefix("compressed_")
     register_auto_classes([base])
+    if offload != "none":
+        config = AutoConfig.from_pretrained(str(folder))
+        kwargs.update(load_kwargs(config, AutoModelForCausalLM, offload, device, {}))
     return AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
 
 

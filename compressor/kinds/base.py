@@ -107,10 +107,12 @@ class Fitted:
     def build(self, like: nn.Module) -> nn.Module:
         """The replacement module with the fitted weights, on ``like``'s device and dtype."""
         from ..hf_modeling import build_replacement
+        from ..onload import execution_device
 
         ref = next(like.parameters())
         mod = build_replacement({"kind": self.kind, "config": self.config})
-        mod = mod.to(device=ref.device, dtype=ref.dtype)
+        # An offloaded original is a meta placeholder: the replacement goes where the layer computes.
+        mod = mod.to(device=execution_device(like), dtype=ref.dtype)
         state = mod.state_dict()
         missing = set(state) ^ set(self.tensors)
         if missing:

@@ -16,20 +16,21 @@ from torch import nn
 
 from ..fit import score, solve_affine, subset
 from ..obs import ObsPath, obs_path
+from ..onload import execution_device, tensor
 from .base import BlockData, Fitted, Kind, Level
 
 
 def linear_params(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(W [out, in], bias)`` of an ``nn.Linear`` or a GPT-2 ``Conv1D`` (weight stored [in, out])."""
-    w = mod.weight
+    w = tensor(mod, "weight")  # read back from the offload store when the layer is onloaded
     if type(mod).__name__ == "Conv1D":
         w = w.T
-    return w.detach(), None if getattr(mod, "bias", None) is None else mod.bias.detach()
+    return w.detach(), None if getattr(mod, "bias", None) is None else tensor(mod, "bias").detach()
 
 
 def _device(data: BlockData) -> torch.device:
     """Solve where the block's weights live (a GPU factorises 2k×2k float64 matrices in milliseconds)."""
-    return next(data.ffn.parameters()).device
+    return execution_device(data.ffn)
 
 
 class HiddenUnitKind(Kind):

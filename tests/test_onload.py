@@ -1,0 +1,122 @@
+"""Onloading (``model.offload``): decoder layers stay on disk and are read one at a time.
+
+The same tiny checkpoints as the pipeline tests, loaded twice — whole in memory
+and with every decoder layer offloaded to disk — must give the same profile,
+the same decisions and the same saved weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoints import save_tiny_checkpoint
+
+import compressor
+from compressor.load import load_model
+from compressor.onload import execution_device, is_offloaded, named_tensors, tensor
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "stats-cache"
+    monkeypatch.setenv("COMPRESSOR_CACHE_DIR", str(d))
+    return d
+
+
+def _recipe(src: Path, out: Path, offload: str, **sections) -> compressor.Recipe:
+    data = {
+        "model": {"source": str(src), "offload": offload},
+        "calibration": {"dataset": "embedded", "max_tokens": 2048, "seq_len": 32},
+        "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 32},
+        "policy": {"strategy": "allocate", "ppl_budget": 0.5, "max_backoff": 2, "allocation": "residual"},
+        "replacement": {"kind": "prune"},
+        "output": {"path": str(out), "dtype": "float32"},
+        "measure": {"cache": False},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return compressor.recipe_from_dict(data)
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_disk_offload_keeps_layers_off_memory_and_reads_them_back(tmp_path, model_type):
+    src = save_tiny_checkpoint(tmp_path / "in", model_type)
+    whole, _, _ = load_model(str(src))
+    off, _, _ = load_model(str(src), offload="disk")
+    assert is_offloaded(off) and not is_offloaded(whole)
+    meta = [n for n, p in off.named_parameters() if p.device.type == "meta"]
+    assert meta and all(".h." in n or ".layers." in n for n in meta)  # decoder layers only
+    assert execution_device(off) == torch.device("cpu")
+    ref = dict(whole.named_parameters())
+    got = dict(named_tensors(off, buffers=False))
+    assert set(got) == set(ref)
+    for name, t in got.items():
+        assert torch.equal(t, ref[name]), name
+    name = meta[0]
+    assert torch.equal(tensor(off, name), ref[name])
+    ids = torch.randint(3, 100, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(off(input_ids=ids).logits, whole(input_ids=ids).logits)
+
+
+def test_profile_with_offload_equals_in_memory(tmp_path):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    kw = dict(max_tokens=1024, seq_len=32)
+    a = compressor.profile(str(src), **kw)
+    b = compressor.profile(str(src), offload="disk", **kw)
+    assert [p.r2_lin for p in a.blocks] == [p.r2_lin for p in b.blocks]
+    assert [p.outlier_sst_share for p in a.blocks] == [p.outlier_sst_share for p in b.blocks]
+
+
+@pytest.mark.parametrize("kind", ["prune", "affine"])
+def test_run_with_offload_equals_in_memory(tmp_path, kind):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    extra = {} if kind == "prune" else {"policy": {"strategy": "greedy", "threshold": -100}}
+    a = compressor.run(_recipe(src, tmp_path / "a", "none", replacement={"kind": kind}, **extra))
+    b = compressor.run(_recipe(src, tmp_path / "b", "disk", replacement={"kind": kind}, **extra))
+    assert a.exit_code == b.exit_code == 0
+    assert [d["decision"] for d in a.report["blocks"]] == [d["decision"] for d in b.report["blocks"]]
+    assert [d["size"] for d in a.report["blocks"]] == [d["size"] for d in b.report["blocks"]]
+    assert a.report["perplexity"]["final"]["ppl"] == b.report["perplexity"]["final"]["ppl"]
+    assert b.report["reload_check"]["passed"]
+    wa, wb = _weights(a.output), _weights(b.output)
+    assert set(wa) == set(wb)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    # the onloaded output loads like any other
+    re = compressor.load_compressed(b.output)
+    assert sum(p.numel() for p in re.parameters()) == b.report["params"]["after"]
+
+
+def test_offload_refuses_a_dtype_it_cannot_stream(tmp_path, no_loading):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    recipe = _recipe(src, tmp_path / "o", "disk", output={"dtype": "bfloat16"})
+    with pytest.raises(compressor.InputError, match="output.dtype"):
+        compressor.run(recipe)
+    assert not (tmp_path / "o").exists()
+
+
+def test_offloaded_nan_weight_is_found(tmp_path):
+    from compressor.checks import NonFiniteWeightsError, check_weights_finite
+
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    model, _, _ = load_model(str(src))
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(src)
+    off, _, _ = load_model(str(src), offload="disk")
+    with pytest.raises(NonFiniteWeightsError, match=r"layers\.1\.mlp\.up_proj"):
+        check_weights_finite(off)
