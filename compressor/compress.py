@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -26,14 +25,16 @@ from .kinds import BlockData, Fitted, Level, get_kind
 from .profiling import BlockProfile, block_profile
 from .recipe import Recipe
 from .replace import count_params, ffn_path
+from .onload import is_offloaded
 from .sensitivity import output_grad_moments
+from .spill import BlockStore
 from .evaluate import DomainEvaluations, Evaluator, gate_check, ppl_limit
 
 logger = logging.getLogger(__name__)
 
-# Keep every block's hidden-unit statistics in RAM for the allocate strategy
-# (so a back-off step re-solves instead of re-running calibration) while they
-# take less than this share of the available memory.
+# Keep every block's statistics in RAM for the allocate strategy (a back-off
+# step re-solves instead of re-running calibration) while they take less than
+# this share of the available memory; beyond it they are spilled to disk.
 KEEP_STATS_MEMORY_SHARE = 0.3
 # Calibration windows that feed the loss-gradient statistics (a diagonal
 # second moment settles long before the fit statistics do).
@@ -126,13 +127,6 @@ def block_weight(mode: str, st: LayerStats, grad_moment: torch.Tensor | None) ->
     return 1.0
 
 
-def _available_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 def compress_model(
     model: nn.Module, recipe: Recipe, calibration: CalibrationSet, eval_tokens: torch.Tensor | dict[str, torch.Tensor],
 ) -> CompressionResult:
@@ -159,11 +153,17 @@ def compress_model(
     profiles: list[BlockProfile | None] = [None] * n_blocks
     fitted: dict[int, Fitted] = {}
     curves: list[BlockCurve] = []
-    kept_data: dict[int, BlockData] = {}
-    per_block = None  # bytes of one block's kept statistics, known after layer 0
+    # allocate re-solves blocks from their statistics: in RAM while they fit, else spilled to
+    # disk (always when the model is onloaded: memory then stays flat in depth).
+    kept_data = BlockStore(n_blocks, spill=True if is_offloaded(model) else None,
+                           memory_share=KEEP_STATS_MEMORY_SHARE)
 
     grad_moments: dict[int, torch.Tensor] = {}
     needs_grad = strategy == "allocate" and pol.allocation == "fisher" or getattr(rc, "selection", "obs") == "loss"
+    if needs_grad and is_offloaded(model):
+        logger.warning("the loss-gradient pass (allocation: fisher / selection: loss) holds every layer's weights "
+                       "for its backward, so an onloaded model is materialised whole for it; for models larger "
+                       "than memory use policy.allocation: residual")
     if needs_grad:
         t1 = time.perf_counter()
         grad_moments = output_grad_moments(model, calibration.fit[:FISHER_MAX_WINDOWS], modules,
@@ -175,7 +175,6 @@ def compress_model(
                          st.zfit, st.zheld, output_weight=grad_moments.get(i))
 
     def on_layer(i: int, st: LayerStats):
-        nonlocal per_block
         prof, _ = block_profile(st.xy, outlier_share_flag=m.outlier_share_flag)
         prof.ffn_params, prof.affine_params = ffn_params[i], prof.d_in * prof.d_out + prof.d_out
         profiles[i] = prof
@@ -187,10 +186,7 @@ def compress_model(
         weight = block_weight(pol.allocation, st, grad_moments.get(i))
         curves.append(BlockCurve(i, ffn_params[i], levels, weight))
         data.zheld = None  # the curve holds what the held-out rows had to say
-        if per_block is None and data.zfit is not None:
-            per_block = data.zfit.cxx.numel() * 8 * 1.2
-        if per_block is None or per_block * n_blocks < KEEP_STATS_MEMORY_SHARE * _available_bytes():
-            kept_data[i] = data
+        kept_data[i] = data
         return None
 
     walker.walk(on_layer, hidden=kind.needs_hidden, spike_factor=m.spike_factor, compute_dtype=compute_dtype,
@@ -238,6 +234,7 @@ def compress_model(
             model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
             baseline, evaluate, check, compute_dtype, m.spike_factor)
     timings["gate_s"] = time.perf_counter() - t0
+    kept_data.close()
 
     within, why = check(final)
     if len(accepted) < pol.min_blocks:

@@ -120,3 +120,32 @@ def test_offloaded_nan_weight_is_found(tmp_path):
     off, _, _ = load_model(str(src), offload="disk")
     with pytest.raises(NonFiniteWeightsError, match=r"layers\.1\.mlp\.up_proj"):
         check_weights_finite(off)
+
+
+def test_block_store_spills_statistics_and_gives_them_back(tmp_path):
+    from compressor.kinds.base import BlockData
+    from compressor.spill import BlockStore
+    from compressor.stats import Moments
+
+    g = torch.Generator().manual_seed(0)
+
+    def moments(d_in, d_out):
+        m = Moments(d_in, d_out)
+        m.update(torch.randn(50, d_in, generator=g, dtype=torch.float64),
+                 torch.randn(50, d_out, generator=g, dtype=torch.float64), torch.float64)
+        return m
+
+    data = BlockData(3, torch.nn.Identity(), None, "silu", moments(4, 4), moments(4, 4), moments(10, 4))
+    data.cache["obs"] = "kept in RAM"
+    store = BlockStore(8, spill=True)
+    store[3] = data
+    assert 3 in store and store._data[3].zfit is None  # only the small parts stay in RAM
+    back = store[3]
+    for name in ("fit", "heldout", "zfit"):
+        a, b = getattr(data, name), getattr(back, name)
+        assert a.n == b.n and torch.equal(a.cxx, b.cxx) and torch.equal(a.cxy, b.cxy) and torch.equal(a.mx, b.mx)
+    assert back.zheld is None and back.cache is data.cache
+    folder = store._folder
+    assert folder.is_dir()
+    store.close()
+    assert not folder.exists()
