@@ -22,6 +22,7 @@ costs do not depend on the scale of a unit.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,15 @@ import torch
 from .fit import DEAD_COLUMN_RTOL
 from .stats import Moments
 
+logger = logging.getLogger(__name__)
+
 _F64 = torch.float64
 # Ridge on the standardized covariance for the path only (the final fit is
 # re-solved exactly by compressor.fit): keeps the running inverse stable when
 # hidden units are nearly collinear.
 PATH_DAMPING = 1e-6
+PATH_RETRY_DAMPING = (1e-5, 1e-4, 1e-3, 1e-2)
+"""Tried in turn when the Cholesky factorisation fails at PATH_DAMPING."""
 
 
 @dataclass
@@ -97,12 +102,23 @@ def obs_path(
     p = zfit.d_in
     n_rem = p - n_fixed
     s, live, r = (t.to(dev) for t in _standardize(zfit))
-    r = r + PATH_DAMPING * torch.eye(p, dtype=_F64, device=dev)
-    chol, info = torch.linalg.cholesky_ex(r)
-    if int(info) != 0:
-        raise FloatingPointError("hidden-unit covariance is not positive definite even with damping")
+    # Float32 chunk products leave rounding of ~1e-7 × the largest eigenvalue; when the rows
+    # barely outnumber the regressors (or do not), that can exceed the default damping.
+    eye = torch.eye(p, dtype=_F64, device=dev)
+    ladder = (PATH_DAMPING, *(x for x in PATH_RETRY_DAMPING if x > PATH_DAMPING))
+    for damping in ladder:
+        chol, info = torch.linalg.cholesky_ex(r + damping * eye)
+        if int(info) == 0:
+            break
+    else:
+        raise FloatingPointError(
+            f"hidden-unit covariance ({p} regressors, {zfit.n} calibration rows) is not positive definite even "
+            f"with damping {ladder[-1]:g}: give more calibration tokens (calibration.max_tokens)")
+    if damping > ladder[0] or zfit.n < p:
+        logger.warning("hidden-unit path: %d calibration rows for %d regressors; damping %g used. The fit is "
+                       "under-determined: give more calibration tokens (≥ %d)", zfit.n, p, damping, 10 * p)
     rinv = torch.cholesky_inverse(chol)
-    del r, chol
+    del r, chol, eye
     cy = zfit.cxy.to(dev) / zfit.n / s[:, None]
     b = rinv @ cy
     b[~live] = 0

@@ -453,3 +453,21 @@ def test_allocate_recipe_rules():
         compressor.recipe_from_dict({"replacement": {"kind": "hybrid"}, "policy": {"strategy": "greedy"}})
     with pytest.raises(compressor.RecipeError, match=r"replacement.rank \(kind prune\): unknown key; allowed keys"):
         compressor.recipe_from_dict({"replacement": {"kind": "prune", "rank": 3}})
+
+
+def test_obs_path_survives_fewer_rows_than_regressors_with_a_warning(caplog):
+    """n < p with float32 chunk products: the default ridge can be too small; the path retries
+    with more damping and says the fit is under-determined (instead of failing)."""
+    from compressor.obs import obs_path
+    from compressor.stats import Moments
+
+    g = torch.Generator().manual_seed(0)
+    p, n = 300, 40
+    z = torch.randn(n, 8, generator=g) @ torch.randn(8, p, generator=g) * 30 + torch.randn(n, p, generator=g) * 1e-3
+    y = z[:, :5] * 2.0
+    m = Moments(p, 5)
+    m.update(z, y, torch.float32)
+    with caplog.at_level("WARNING", logger="compressor.obs"):
+        path = obs_path(m, None, 0, step=30)
+    assert path.sizes[0] == p and path.sizes[-1] == 0
+    assert any("calibration rows" in r.getMessage() for r in caplog.records)
