@@ -285,7 +285,10 @@ def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) 
     # The layer-sequential engine measures as it goes; the statistics cache
     # serves `profile` only.
     cache_info = {"enabled": False, "hit": False, "key": None}
-    result = compress_model(model, recipe, cal, ev_streams, state=state)
+    try:
+        result = compress_model(model, recipe, cal, ev_streams, state=state)
+    except ResumeError as err:  # a saved state out of step with this run
+        raise InputError(str(err)) from None
     result.timings = {"calibration_s": cal_info.pop("calibration_s"), **result.timings}
 
     report = _report(recipe, src, model_type, result, cal, cache_info, out)
