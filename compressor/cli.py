@@ -22,7 +22,8 @@ EXIT_CODES_EPILOG = """exit codes:
   1  runtime error (message on stderr; --verbose for the traceback); also when the
      model was published but --report could not be written afterwards
   2  invalid recipe or input (unknown key, wrong type, missing/empty/non-UTF-8 data
-     file, corrupt checkpoint, unsafe or non-empty output, unwritable --report…):
+     file, corrupt checkpoint, unsafe or non-empty output, unwritable --report,
+     --resume with no saved state or one of a different model/data/recipe…):
      detected before anything is written
   3  perplexity gate failed: nothing is written (the --report file still is)
 """
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier compressor output in the output folder (other non-empty folders are refused)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved plan; load nothing")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run of this recipe and output from its saved state (same result as an "
+                   "uninterrupted run); refused when the model, data, recipe or tool version differ")
     p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
     p.add_argument("--report", default=None, help="also write report.json here (also written when the gate fails)")
     _add_overrides(p)
@@ -244,7 +248,7 @@ def _run(args) -> int:
         return 0
     from .pipeline import run
 
-    result = run(recipe, use_cache=False if args.no_cache else None)
+    result = run(recipe, use_cache=False if args.no_cache else None, resume=getattr(args, "resume", False))
     _print_summary(result)
     if report_path is not None:
         try:

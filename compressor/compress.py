@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from .gate import greedy_gate
 from .kinds import BlockData, Fitted, Level, get_kind
 from .profiling import BlockProfile, block_profile
 from .recipe import Recipe
+from .resume import RunState
 from .replace import count_params, ffn_path
 from .onload import is_offloaded
 from .sensitivity import output_grad_moments
@@ -105,6 +107,35 @@ class CompressionResult:
         return [asdict(d) for d in self.decisions]
 
 
+@dataclass
+class LayerResult:
+    """What one layer's step of a walk produced; serialisable (:mod:`compressor.resume`
+    checkpoints it, and a resumed run takes it instead of measuring the layer again)."""
+
+    index: int
+    profile: BlockProfile | None = None
+    fitted: Fitted | None = None
+    curve: BlockCurve | None = None
+    data: BlockData | None = None
+    """allocate: the block's statistics kept for re-solves at other levels (None when memory is short)."""
+
+
+def checkpointed_walk(walker: LayerWalker, state: RunState, desc: str,
+                      step: Callable[[int, LayerStats], LayerResult],
+                      apply: Callable[[LayerResult], nn.Module | None], **kwargs) -> None:
+    """One layer walk: ``step`` turns a layer's statistics into a :class:`LayerResult`,
+    which is recorded, then ``apply`` takes it in (and may return a replacement to install).
+    Layers an interrupted run finished are not measured again: their records are applied."""
+    records = state.walk(desc)
+
+    def on_layer(i: int, st: LayerStats):
+        result = step(i, st)
+        records.save(i, result)
+        return apply(result)
+
+    walker.walk(on_layer, done=records.done, replay=lambda i: apply(records.load(i)), desc=desc, **kwargs)
+
+
 def _activation(model: nn.Module, spec) -> str | None:
     cfg = model.config
     for attr in spec.act_attrs:
@@ -129,11 +160,15 @@ def block_weight(mode: str, st: LayerStats, grad_moment: torch.Tensor | None) ->
 
 def compress_model(
     model: nn.Module, recipe: Recipe, calibration: CalibrationSet, eval_tokens: torch.Tensor | dict[str, torch.Tensor],
+    *, state: RunState | None = None,
 ) -> CompressionResult:
     """Run measure → fit → select → replace → validate on ``model`` in place.
 
     ``eval_tokens``: one id stream, or ``{domain name: ids}`` for the
-    recipe's evaluation domains (the gate must hold on each)."""
+    recipe's evaluation domains (the gate must hold on each). ``state``
+    checkpoints every finished layer and evaluation, and skips those an
+    interrupted run recorded (:mod:`compressor.resume`)."""
+    state = state or RunState()
     rc, m, pol = recipe.replacement, recipe.measure, recipe.policy
     kind = get_kind(rc.kind)
     strategy = recipe.strategy()
@@ -166,31 +201,39 @@ def compress_model(
                        "than memory use policy.allocation: residual")
     if needs_grad:
         t1 = time.perf_counter()
-        grad_moments = output_grad_moments(model, calibration.fit[:FISHER_MAX_WINDOWS], modules,
-                                           batch_size=recipe.calibration.batch_size)
+        grad_moments = state.once("sensitivity", "loss-gradient statistics", lambda: output_grad_moments(
+            model, calibration.fit[:FISHER_MAX_WINDOWS], modules, batch_size=recipe.calibration.batch_size))
         timings["sensitivity_s"] = time.perf_counter() - t1
 
     def block_data(i: int, st: LayerStats) -> BlockData:
         return BlockData(i, model.get_submodule(modules[i]), spec, act, st.xy.fit, st.xy.heldout_total(),
                          st.zfit, st.zheld, output_weight=grad_moments.get(i))
 
-    def on_layer(i: int, st: LayerStats):
+    def step(i: int, st: LayerStats) -> LayerResult:
+        """Pass A on one layer: its profile, and its fit (greedy) or error curve (allocate)."""
         prof, _ = block_profile(st.xy, outlier_share_flag=m.outlier_share_flag)
         prof.ffn_params, prof.affine_params = ffn_params[i], prof.d_in * prof.d_out + prof.d_out
-        profiles[i] = prof
         data = block_data(i, st)
         if strategy == "greedy":
-            fitted[i] = kind.fit(data, rc, kind.default_level(data, rc))
-            return None
+            return LayerResult(i, prof, fitted=kind.fit(data, rc, kind.default_level(data, rc)))
         levels = kind.levels(data, rc)
         weight = block_weight(pol.allocation, st, grad_moments.get(i))
-        curves.append(BlockCurve(i, ffn_params[i], levels, weight))
         data.zheld = None  # the curve holds what the held-out rows had to say
-        kept_data[i] = data
+        return LayerResult(i, prof, curve=BlockCurve(i, ffn_params[i], levels, weight), data=data)
+
+    def take(r: LayerResult) -> None:
+        profiles[r.index] = r.profile
+        if r.fitted is not None:
+            fitted[r.index] = r.fitted
+        if r.curve is not None:
+            curves.append(r.curve)
+        if r.data is not None:
+            r.data.ffn, r.data.spec = model.get_submodule(modules[r.index]), spec  # not recorded: live objects
+            kept_data[r.index] = r.data
         return None
 
-    walker.walk(on_layer, hidden=kind.needs_hidden, spike_factor=m.spike_factor, compute_dtype=compute_dtype,
-                desc="calibrate")
+    checkpointed_walk(walker, state, "calibrate", step, take, hidden=kind.needs_hidden, spike_factor=m.spike_factor,
+                      compute_dtype=compute_dtype)
     timings["measure_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -198,17 +241,17 @@ def compress_model(
     # installed yet) is the baseline; later evaluations compare with it.
     cfgs = {c.domain_name(): c for c in recipe.evaluation_domains()}
     streams = eval_tokens if isinstance(eval_tokens, dict) else {next(iter(cfgs)): eval_tokens}
-    evaluator = Evaluator.build(
+    evaluator = Evaluator(state.once("baseline", "baseline evaluation (teacher caches)", lambda: Evaluator.build(
         model, streams, seq_len={n: cfgs[n].seq_len for n in streams}, stride={n: cfgs[n].stride for n in streams},
         batch_size={n: cfgs[n].batch_size for n in streams}, top_k=min(cfgs[n].kl_top_k for n in streams),
-    )
+    ).teachers))
     baseline = evaluator.baseline
     limit = ppl_limit(baseline.ppl, pol.ppl_budget, pol.budget_mode)
     logger.info("baseline perplexity %.4f over %d tokens; budget ≤ %.4f", baseline.ppl, baseline.tokens, limit)
     timings["baseline_s"] = time.perf_counter() - t0
 
     def evaluate(desc: str) -> DomainEvaluations:
-        return evaluator(model, desc)
+        return state.evaluation(desc, lambda: evaluator(model, desc))
 
     def check(candidate: DomainEvaluations) -> tuple[bool, str]:
         ok, why, _ = gate_check(baseline, candidate, pol)
@@ -232,7 +275,7 @@ def compress_model(
     else:
         final, accepted, attempts = _allocate_and_gate(
             model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
-            baseline, evaluate, check, compute_dtype, m.spike_factor)
+            baseline, evaluate, check, compute_dtype, m.spike_factor, state)
     timings["gate_s"] = time.perf_counter() - t0
     kept_data.close()
 
@@ -251,7 +294,7 @@ def compress_model(
 
 
 def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
-                       baseline, evaluate, check, compute_dtype, spike_factor):
+                       baseline, evaluate, check, compute_dtype, spike_factor, state):
     """Allocate a global FFN target, validate, bisect the target until the gate holds."""
     excluded = set(pol.exclude)
     if pol.skip_outlier_dominated:
@@ -279,15 +322,16 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
                     fits[i] = kind.fit(kept_data[i], rc, lv.size)
                     model.set_submodule(modules[i], fits[i].build(originals[i]))
         else:
-            def on_layer(i: int, st: LayerStats):
-                lv = choice.get(i)
-                if lv is None:
-                    return None
-                fits[i] = kind.fit(block_data(i, st), rc, lv.size)
-                return fits[i].build(originals[i])
-            walker.walk(on_layer, hidden=kind.needs_hidden, target=target, spike_factor=spike_factor,
-                        compute_dtype=compute_dtype, layers=[i for i, lv in choice.items() if lv is not None],
-                        desc=f"fit ({target})")
+            def step(i: int, st: LayerStats) -> LayerResult:
+                return LayerResult(i, fitted=kind.fit(block_data(i, st), rc, choice[i].size))
+
+            def take(r: LayerResult) -> nn.Module:
+                fits[r.index] = r.fitted
+                return r.fitted.build(originals[r.index])
+
+            checkpointed_walk(walker, state, f"fit ({target}) at ffn_keep {keep!r}", step, take,
+                              hidden=kind.needs_hidden, target=target, spike_factor=spike_factor,
+                              compute_dtype=compute_dtype, layers=[i for i, lv in choice.items() if lv is not None])
         return choice, fits
 
     attempts: list[dict] = []

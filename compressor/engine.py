@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 from torch import nn
@@ -200,9 +200,16 @@ class LayerWalker:
         layers: list[int] | None = None,
         desc: str = "engine",
         output_rank: bool = False,
+        done: Collection[int] = (),
+        replay: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
         """Walk the layers; ``on_layer(i, stats)`` may return a replacement for layer i's
-        FFN, which is installed in the model before the walk moves on."""
+        FFN, which is installed in the model before the walk moves on.
+
+        Layers in ``done`` were finished by an interrupted run (:mod:`compressor.resume`):
+        they are not measured; ``replay(i)`` gives the replacement that run installed
+        (or None), and the streams only run forward through them. Past the last layer
+        left to measure, nothing runs at all."""
         if target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
         if target == "teacher_residual" and not self.spec.residual_direct:
@@ -214,23 +221,33 @@ class LayerWalker:
         student = self.inputs if target != "none" else None
         wanted = set(range(len(self.layers)) if layers is None else layers)
         last = max(wanted) if wanted else -1
+        if done and replay is None:
+            raise ValueError("walk: layers given as done need replay= to install what they produced")
+        last_measured = max(wanted - set(done), default=-1)
         bar = progress(range(len(self.layers)), desc=desc, unit="layer")
         for i in bar:
             if i > last:
                 break
             if i not in wanted:
-                teacher = self.forward_layer(i, teacher)
-                if student is not None:
-                    student = self.forward_layer(i, student)
+                if i < last_measured:
+                    teacher = self.forward_layer(i, teacher)
+                    if student is not None:
+                        student = self.forward_layer(i, student)
                 continue
             bar.set_description(f"{desc}: layer {i + 1}/{len(self.layers)}")
-            result = self._layer_stats(i, teacher, student, hidden, target, spike_factor, compute_dtype, output_rank)
-            teacher = result["teacher_next"]
-            replacement = on_layer(i, result["stats"])
-            del result
+            if i in done:
+                if i < last_measured:
+                    teacher = self.forward_layer(i, teacher)
+                replacement = replay(i)
+            else:
+                result = self._layer_stats(i, teacher, student, hidden, target, spike_factor, compute_dtype,
+                                           output_rank)
+                teacher = result["teacher_next"]
+                replacement = on_layer(i, result["stats"])
+                del result
             if replacement is not None:
                 self.model.set_submodule(f"{self.blocks_path}.{i}.{self.spec.ffn_in}", replacement)
-            if student is not None:
+            if student is not None and i < last_measured:
                 student = self.forward_layer(i, student)
         bar.close()
 

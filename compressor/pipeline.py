@@ -28,6 +28,7 @@ from .engine import LayerWalker
 from .profiling import BlockProfile, Profile, block_profile
 from .recipe import MeasureConfig, Recipe, check_inputs, run_reads
 from .render import model_card, profile_markdown, profile_plot
+from .resume import ResumeError, RunState, run_key
 from .replace import count_params
 from .save import (
     LOGIT_TOLERANCE, PPL_TOLERANCE, folder_weight_bytes, load_compressed, max_logit_diff, output_dtype,
@@ -241,11 +242,16 @@ class RunResult:
     result: CompressionResult | None = field(default=None, repr=False)
 
 
-def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
+def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) -> RunResult:
     """Run a whole recipe. Raises :class:`RecipeError`/:class:`InputError` for bad input.
 
     Returns a :class:`RunResult`; ``exit_code`` is :data:`EXIT_GATE` when the
     perplexity gate failed (then nothing is written).
+
+    Every finished layer and evaluation is checkpointed beside the output
+    (:mod:`compressor.resume`); ``resume=True`` continues a run that was
+    interrupted, with the same result as an uninterrupted one. Without it, an
+    earlier run's state for this output is discarded.
     """
     t_start = time.perf_counter()
     check_inputs(recipe)
@@ -265,6 +271,12 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
                 f"output.dtype resolves to {str(wanted).removeprefix('torch.')}; set output.dtype: {mc.dtype} "
                 f"or model.dtype: {str(wanted).removeprefix('torch.')}"
             )
+    out = Path(recipe.output.path).expanduser().resolve()
+    try:  # before the model loads: a run that cannot resume fails at once
+        state = RunState.open(out, run_key(recipe, resolve_source(mc.source, mc.gguf_file), ev_streams),
+                              resume=resume, reads=run_reads(recipe))
+    except ResumeError as err:
+        raise InputError(str(err)) from None
     model, tokenizer, src = load_model(
         mc.source, gguf_file=mc.gguf_file, dtype=mc.dtype, device=mc.device, offload=mc.offload,
         trust_remote_code=mc.trust_remote_code, revision=mc.revision,
@@ -284,19 +296,23 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
     cal_info["calibration_s"] = time.perf_counter() - t0
     try:
         overlap = check_disjoint(cal, ev_streams)
-    except OverlapError as err:
+        state.bind_calibration(cal.fingerprint())
+    except (OverlapError, ResumeError) as err:
         raise InputError(str(err)) from None
     e = recipe.evaluation_domains()[0]  # the primary domain: reload check, single-domain report fields
     ev_tokens = ev_streams[e.domain_name()]
     # The layer-sequential engine measures as it goes; the statistics cache
     # serves `profile` only.
     cache_info = {"enabled": False, "hit": False, "key": None}
-    result = compress_model(model, recipe, cal, ev_streams)
+    try:
+        result = compress_model(model, recipe, cal, ev_streams, state=state)
+    except ResumeError as err:  # a saved state out of step with this run
+        raise InputError(str(err)) from None
     result.timings = {"calibration_s": cal_info.pop("calibration_s"), **result.timings}
 
-    out = Path(recipe.output.path).expanduser().resolve()
     report = _report(recipe, src, model_type, result, cal, cache_info, out)
     report["calibration"].update(cal_info)
+    report["resumed"] = state.resumed
     report["evaluation"] = evaluation_report(recipe, result, ev_streams, overlap)
     for w in report["evaluation"]["warnings"]:
         logger.warning("%s", w)
@@ -306,6 +322,7 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
     if not result.gate_passed:
         report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
         logger.error("perplexity gate failed: %s; nothing was written", result.gate_message)
+        state.discard()
         return RunResult(EXIT_GATE, report, None, result)
 
     compression = {
@@ -361,6 +378,7 @@ def run(recipe: Recipe, *, use_cache: bool | None = None) -> RunResult:
         reads=run_reads(recipe),
         dtype=out_dtype,
     )
+    state.discard()
     logger.info("%s", result.gate_message)
     return RunResult(EXIT_OK, report, out, result)
 

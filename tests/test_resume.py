@@ -1,0 +1,260 @@
+"""Resume an interrupted run (compressor.resume): a run that failed at layer k or at a gate
+evaluation, resumed, gives byte-identical weights and the same decisions as an uninterrupted
+run, measures no finished layer and repeats no recorded evaluation; a state of another
+model, data or recipe is refused (exit 2), as is --resume with nothing to resume."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from checkpoints import save_tiny_checkpoint
+from test_cli import isolated  # noqa: F401  (autouse: undoes main()'s logging changes)
+
+import compressor
+from compressor.cli import main
+from compressor.engine import LayerWalker
+from compressor.evaluate import Evaluator
+from compressor.kinds.hidden import HiddenUnitKind
+from compressor.resume import ResumeError, RunState, decode, encode, state_dir
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+BASE = {
+    "calibration": {"dataset": "embedded", "max_tokens": 1024, "seq_len": 32},
+    "evaluation": {"max_tokens": 256, "min_tokens": 128, "seq_len": 64, "stride": 64},
+    "measure": {"cache": False},
+}
+SCENARIOS = {
+    # greedy: pass A fits every block; the gate sweeps single swaps, then tries blocks one by one
+    "greedy": {"replacement": {"kind": "prune", "keep": 0.5},
+               "policy": {"strategy": "greedy", "threshold": -100, "ppl_budget": 100.0}},
+    # allocate: loss-gradient statistics, curves, bisection (re-solves), then the teacher-target walk
+    "allocate": {"replacement": {"kind": "prune", "target": "teacher_output"},
+                 "policy": {"strategy": "allocate", "threshold": -100, "ppl_budget": 100.0, "max_backoff": 2,
+                            "allocation": "fisher"}},
+}
+
+
+class Interrupted(RuntimeError):
+    pass
+
+
+def recipe_for(src: Path, out: Path, scenario: str, **policy) -> compressor.Recipe:
+    d = json.loads(json.dumps({**BASE, **SCENARIOS[scenario]}))
+    d["model"] = {"source": str(src)}
+    d["output"] = {"path": str(out)}
+    d["policy"].update(policy)
+    return compressor.recipe_from_dict(d)
+
+
+class Counter:
+    """Counts finished layer measurements (target, layer) and gate evaluations; can fail once."""
+
+    def __init__(self, mp: pytest.MonkeyPatch, fail_layer: tuple[str, int] | None = None,
+                 fail_eval: int | None = None, fail_fit: int | None = None) -> None:
+        self.measured: list[tuple[str, int]] = []
+        self.evals = 0
+        stats, call, fit = LayerWalker._layer_stats, Evaluator.__call__, HiddenUnitKind.fit
+        counter = self
+
+        def layer_stats(walker, i, teacher, student, hidden, target, *rest):
+            if fail_layer == (target, i) and not counter.measured.count((target, i)):
+                raise Interrupted(f"injected failure before layer {i} ({target})")
+            out = stats(walker, i, teacher, student, hidden, target, *rest)
+            counter.measured.append((target, i))
+            return out
+
+        def evaluate(ev, model, desc="evaluate"):
+            if counter.evals + 1 == fail_eval:
+                raise Interrupted(f"injected failure at evaluation {fail_eval}")
+            counter.evals += 1
+            return call(ev, model, desc)
+
+        def kind_fit(kind, data, cfg, size):
+            if fail_fit is not None and data.index == fail_fit and not getattr(counter, "fit_failed", False):
+                counter.fit_failed = True
+                raise Interrupted(f"injected failure in the fit of layer {fail_fit}")
+            return fit(kind, data, cfg, size)
+
+        mp.setattr(LayerWalker, "_layer_stats", layer_stats)
+        mp.setattr(Evaluator, "__call__", evaluate)
+        mp.setattr(HiddenUnitKind, "fit", kind_fit)
+
+
+def outcome(res) -> dict:
+    r = res.report
+    return {"weights": (res.output / "model.safetensors").read_bytes(), "blocks": r["blocks"],
+            "attempts": r["allocation_attempts"], "final": r["perplexity"]["final"],
+            "config": json.loads((res.output / "config.json").read_text())["compression"]["blocks"]}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("resume-src") / "in", "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(source, tmp_path_factory) -> dict:
+    """The uninterrupted run of each scenario, with its measurement and evaluation counts."""
+    refs = {}
+    for name in SCENARIOS:
+        out = tmp_path_factory.mktemp(f"ref-{name}") / "out"
+        with pytest.MonkeyPatch.context() as mp:
+            counter = Counter(mp)
+            res = compressor.run(recipe_for(source, out, name))
+        assert res.exit_code == compressor.EXIT_OK, res.report["message"]
+        assert not state_dir(out).exists(), "the run state outlived a published run"
+        refs[name] = {"outcome": outcome(res), "measured": counter.measured, "evals": counter.evals}
+    return refs
+
+
+def record_files(folder: Path, pattern: str) -> list[str]:
+    return sorted(p.name for p in folder.glob(pattern))
+
+
+@pytest.mark.parametrize("scenario, failure", [
+    ("greedy", {"fail_fit": 1}),                          # pass A, after layer 1's statistics
+    ("greedy", {"fail_eval": 4}),                         # in the gate, after the single-swap sweep
+    ("allocate", {"fail_layer": ("none", 2)}),            # pass A, before the last layer
+    ("allocate", {"fail_eval": 2}),                       # in the bisection
+    ("allocate", {"fail_layer": ("teacher_output", 1)}),  # in the teacher-target walk
+])
+def test_resume_equals_an_uninterrupted_run(tmp_path, source, reference, scenario, failure):
+    ref = reference[scenario]
+    out = tmp_path / "out"
+    recipe = recipe_for(source, out, scenario)
+    with pytest.MonkeyPatch.context() as mp:
+        Counter(mp, **failure)
+        with pytest.raises(Interrupted):
+            compressor.run(recipe)
+    folder = state_dir(out)
+    assert not out.exists() and (folder / "state.json").is_file()
+    layers_done = record_files(folder, "walk*-layer*.safetensors")
+    evals_done = record_files(folder, "eval*.safetensors")
+    assert layers_done, "no layer was checkpointed before the failure"
+
+    with pytest.MonkeyPatch.context() as mp:
+        counter = Counter(mp)
+        res = compressor.run(recipe, resume=True)
+    assert res.exit_code == compressor.EXIT_OK, res.report["message"]
+    assert res.report["resumed"] is True
+    got = outcome(res)
+    assert got["weights"] == ref["outcome"]["weights"], "resumed weights differ from the uninterrupted run's"
+    assert got == ref["outcome"]
+    # finished layers were not measured again, recorded evaluations not repeated
+    assert len(counter.measured) == len(ref["measured"]) - len(layers_done)
+    assert counter.evals == ref["evals"] - len(evals_done)
+    assert not folder.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _interrupted_cli_run(tmp_path: Path, source: Path, recipe: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    with pytest.MonkeyPatch.context() as mp:
+        Counter(mp, fail_fit=1)
+        assert main(["run", str(path), "--quiet"]) == 1
+    assert (state_dir(recipe["output"]["path"]) / "state.json").is_file()
+    return path
+
+
+def test_mismatched_state_is_refused(tmp_path, source, capsys):
+    text = tmp_path / "calibration.txt"
+    from compressor.data import _embedded_documents
+
+    docs = _embedded_documents("calibration")
+    text.write_text("\n\n".join(docs))
+    d = recipe_for(source, tmp_path / "out", "greedy").to_dict()
+    d["calibration"]["dataset"] = str(text)
+    path = _interrupted_cli_run(tmp_path, source, d)
+    capsys.readouterr()
+
+    # a changed recipe field: refused before the model loads
+    changed = dict(d, policy=dict(d["policy"], ppl_budget=50.0))
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(changed, sort_keys=False))
+    assert main(["run", str(other), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "different recipe" in err and "Run without --resume to start over" in err
+
+    # changed calibration text: refused once the calibration windows are known
+    text.write_text("\n\n".join(reversed(docs)))
+    assert main(["run", str(path), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "different calibration data" in err and "Run without --resume" in err
+    text.write_text("\n\n".join(docs))
+
+    # a touched model file (size and mtime identify the weights without reading them)
+    weights = source / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    try:
+        assert main(["run", str(path), "--resume", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert "different model" in err and "files" in err
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    # the refusals left the state alone: it still resumes
+    assert main(["run", str(path), "--resume", "--quiet"]) == 0
+    assert not state_dir(tmp_path / "out").exists()
+
+
+def test_fresh_run_discards_an_old_state(tmp_path, source, capsys):
+    d = recipe_for(source, tmp_path / "out", "greedy").to_dict()
+    path = _interrupted_cli_run(tmp_path, source, d)
+    assert main(["run", str(path)]) == 0
+    assert "discarding the saved state of an earlier interrupted run" in capsys.readouterr().err
+    assert not state_dir(tmp_path / "out").exists()
+
+
+def test_resume_with_nothing_to_resume(tmp_path, source, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_for(source, tmp_path / "out", "greedy").to_dict(), sort_keys=False))
+    assert main(["run", str(path), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to resume" in err and "Run without --resume" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_state_removed_when_the_gate_fails(tmp_path, source):
+    out = tmp_path / "out"
+    res = compressor.run(recipe_for(source, out, "greedy", ppl_budget=0.0, min_blocks=3))
+    assert res.exit_code == compressor.EXIT_GATE
+    assert not state_dir(out).exists() and not out.exists()
+
+
+def test_an_input_inside_the_state_folder_is_refused(tmp_path):
+    folder = state_dir(tmp_path / "out")
+    with pytest.raises(ResumeError, match="resume state"):
+        RunState.open(tmp_path / "out", {}, resume=False, reads=[("calibration.dataset", folder / "data.txt")])
+
+
+def test_a_foreign_folder_at_the_state_path_is_left_alone(tmp_path):
+    folder = state_dir(tmp_path / "out")
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(ResumeError, match="not a compressor run state"):
+        RunState.open(tmp_path / "out", {}, resume=False)
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_records_round_trip_exactly():
+    from compressor.kinds import Fitted
+
+    f = Fitted(kind="prune", index=2, config={"units": 3, "act": "silu", "gated": True},
+               tensors={"out.weight": torch.randn(4, 3, dtype=torch.float64).T, "out.bias": torch.zeros(0)},
+               params=7, heldout_r2=float("nan"), warnings=["w"])
+    value = {1: f, "key": ("prune", 4, "obs"), "x": [0.1 + 0.2, float("inf"), None, True]}
+    data, tensors = encode(value)
+    back = decode(json.loads(json.dumps(data)), tensors)
+    assert back["key"] == ("prune", 4, "obs") and back["x"][0] == 0.1 + 0.2 and back["x"][1] == float("inf")
+    g = back[1]
+    assert g.config == f.config and g.params == 7 and g.heldout_r2 != g.heldout_r2 and g.warnings == ["w"]
+    assert all(torch.equal(g.tensors[k], f.tensors[k]) for k in f.tensors)
