@@ -75,7 +75,7 @@ recipe = compressor.recipe_from_dict({
                    "batch_size": 2},
     "policy": {"strategy": "allocate", "allocation": "residual", "ffn_keep": 0.8, "max_backoff": 0,
                "gate": False, "ppl_budget": 1.0},
-    "replacement": {"kind": "hybrid"},
+    "replacement": {"kind": "hybrid", "step_units": 512},
     "output": {"path": out, "dtype": "float32"},
     "measure": {"cache": False},
 })
