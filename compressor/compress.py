@@ -20,6 +20,7 @@ from torch import nn
 
 from .allocate import BlockCurve, allocate
 from .data import CalibrationSet
+from .distributed import min_over_ranks
 from .engine import LayerStats, LayerWalker
 from .gate import greedy_gate
 from .kinds import BlockData, Fitted, Level, get_kind
@@ -127,10 +128,12 @@ def block_weight(mode: str, st: LayerStats, grad_moment: torch.Tensor | None) ->
 
 
 def _available_bytes() -> int:
+    """Free memory; under a process group the least of all ranks, so they all take the same path."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 0
+        free = 0
+    return min_over_ranks(free)
 
 
 def compress_model(
