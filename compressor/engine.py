@@ -19,6 +19,10 @@ different types different ones). Then, for each layer in turn:
 Only one layer's statistics are alive at a time, so memory does not grow
 with depth. Hidden states live on the CPU; each batch is moved to the
 layer's device for its forward (what onloading builds on).
+
+Under a process group each rank holds and walks only its own batches; each
+split's per-batch statistics are reduced across ranks in one fixed tree order
+(:class:`compressor.distributed.TreeReduce`), the same bits for any number of ranks.
 """
 
 from __future__ import annotations

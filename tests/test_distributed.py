@@ -80,7 +80,7 @@ def _run_pipeline(recipe: dict) -> dict:
     return {"exit_code": res.exit_code, "blocks": res.report["blocks"], "ppl": res.report["perplexity"]}
 
 
-def _rank_main(rank: int, port: int, job: str, folder: str) -> None:
+def _rank_main(rank: int, port: int, folder: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -88,10 +88,8 @@ def _rank_main(rank: int, port: int, job: str, folder: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         folder = Path(folder)
-        if job == "stats":
-            result = {"walk": _walk_state(tiny_model("llama")), "eval": _evaluations(tiny_model("llama"))}
-        else:
-            result = _run_pipeline(_pipeline_recipe(folder / "in", folder / "out-ranks"))
+        result = {"walk": _walk_state(tiny_model("llama")), "eval": _evaluations(tiny_model("llama")),
+                  "run": _run_pipeline(_pipeline_recipe(folder / "in", folder / "out-ranks"))}
         torch.save(result, folder / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -103,12 +101,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(job: str, folder: Path) -> list[dict]:
-    mp.spawn(_rank_main, args=(_free_port(), job, str(folder)), nprocs=WORLD, join=True)
-    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    for r in range(WORLD):
-        (folder / f"rank{r}.pt").unlink()
-    return results
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One spawn of WORLD ranks (starting processes is most of the cost) running every job."""
+    folder = tmp_path_factory.mktemp("ranks")
+    save_tiny_checkpoint(folder / "in", "llama")
+    env = {"COMPRESSOR_CACHE_DIR": str(folder / "cache")}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # inherited by the ranks and by the 1-process reference runs
+    try:
+        mp.spawn(_rank_main, args=(_free_port(), str(folder)), nprocs=WORLD, join=True)
+        results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        for r in range(WORLD):
+            (folder / f"rank{r}.pt").unlink()
+        yield folder, results
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # -- the tests ---------------------------------------------------------------------------------
@@ -156,34 +168,31 @@ def _assert_same(a, b, where: str = "") -> None:
         assert a == b or (a != a and b != b), (where, a, b)
 
 
-def test_two_ranks_equal_one_process_statistics_and_evaluation(tmp_path):
-    ranks = _spawn("stats", tmp_path)
+def test_two_ranks_equal_one_process_statistics_and_evaluation(ranks):
+    _, results = ranks
     walk = _walk_state(tiny_model("llama"))
     evals = _evaluations(tiny_model("llama"))
     # the batches were really split: each rank held only its share
-    local = [r["walk"].pop("local_batches").tolist() for r in ranks]
+    local = [r["walk"].pop("local_batches").tolist() for r in results]
     assert sorted(local[0] + local[1]) == walk.pop("local_batches").tolist() and local[0] and local[1]
     assert not set(local[0]) & set(local[1])
-    for r in ranks:
+    for r in results:
         _assert_same(r["walk"], walk, "walk")
         _assert_same(r["eval"], evals, "eval")
     assert any(k.endswith("heldout.spike.n") and int(v[0]) > 0 for k, v in walk.items())
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-def test_two_ranks_write_the_same_checkpoint_as_one_process(tmp_path, monkeypatch):
-    monkeypatch.setenv("COMPRESSOR_CACHE_DIR", str(tmp_path / "cache"))
-    save_tiny_checkpoint(tmp_path / "in", "llama")
-    ranks = _spawn("pipeline", tmp_path)
-    one = _run_pipeline(_pipeline_recipe(tmp_path / "in", tmp_path / "out-one"))
+def test_two_ranks_write_the_same_checkpoint_as_one_process(ranks):
+    folder, results = ranks
+    one = _run_pipeline(_pipeline_recipe(folder / "in", folder / "out-one"))
     assert one["exit_code"] == 0 and any(b["decision"] == "kept" for b in one["blocks"])
-    for r in ranks:
-        _assert_same(r, one, "run")  # exit code, every decision and its perplexities, the perplexity report
-    digest = {name: hashlib.sha256((tmp_path / name / "model.safetensors").read_bytes()).hexdigest()
+    for r in results:
+        _assert_same(r["run"], one, "run")  # exit code, every decision and its perplexities, the perplexity report
+    digest = {name: hashlib.sha256((folder / name / "model.safetensors").read_bytes()).hexdigest()
               for name in ("out-one", "out-ranks")}
     assert digest["out-one"] == digest["out-ranks"]
-    # rank 0 alone wrote: one output folder, no stray temporary folder, no cache
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out-one", "out-ranks"]
+    # rank 0 alone wrote: one output folder, no stray temporary folder, no cache, no leftovers
+    assert sorted(p.name for p in folder.iterdir()) == ["in", "out-one", "out-ranks"]
 
 
 if __name__ == "__main__":
