@@ -137,7 +137,10 @@ class LayerWalker:
             a[0].merge_(b[0])
             return a[0], (a[1].merge_(b[1]) if a[1] is not None else None)
 
-        return TreeReduce(end - first, merge, portable=lambda p: (p[0].to("cpu"), None if p[1] is None else p[1].to("cpu")))
+        def portable(p):  # what goes through all_gather lives on the CPU
+            return p[0].to("cpu"), None if p[1] is None else p[1].to("cpu")
+
+        return TreeReduce(end - first, merge, portable=portable)
 
     # -- capture ------------------------------------------------------------
     @torch.no_grad()

@@ -82,14 +82,14 @@ def worker(args) -> int:
     t0 = time.perf_counter()
     res = compressor.run(rec)
     run_s = time.perf_counter() - t0
-    dump = {"compressor": compressor.__file__, "rank": rank, "world_size": distributed.world_size(), "exit_code": res.exit_code, "run_s": run_s,
-            "decisions": res.result.decisions_json(), "final_ppl": res.result.final.ppl,
+    dump = {"compressor": compressor.__file__, "rank": rank, "world_size": distributed.world_size(),
+            "exit_code": res.exit_code, "run_s": run_s, "decisions": res.result.decisions_json(), "final_ppl": res.result.final.ppl,
             "baseline_ppl": res.result.baseline.ppl, "stats_sha256": digests, "timings": res.result.timings}
     (stats_dir / f"rank{rank}.json").write_text(json.dumps(dump, indent=2))
     return 0
 
 
-def launch(world: int, rec: dict, stats_dir: Path) -> float:
+def launch(world: int, rec: dict, stats_dir: Path) -> tuple[float, float]:
     # this checkout's compressor, whatever is installed
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
     script = [str(Path(__file__).resolve()), "--worker", "--recipe", json.dumps(rec), "--stats-dir", str(stats_dir)]
@@ -99,7 +99,7 @@ def launch(world: int, rec: dict, stats_dir: Path) -> float:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *script]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, cwd=REPO_ROOT)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, os.getloadavg()[1]  # 5-minute load: how many cores were free
 
 
 def max_relative_diff(a: dict, b: dict) -> float:
@@ -132,9 +132,9 @@ def main() -> int:
             d = work / f"w{world}"
             d.mkdir()
             rec = recipe(d / "out", args.cal_tokens, args.eval_tokens)
-            wall = launch(world, rec, d)
+            wall, load = launch(world, rec, d)
             ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]
-            runs[world] = {"dir": d, "wall_s": wall, "ranks": ranks,
+            runs[world] = {"dir": d, "wall_s": wall, "load_avg_5min": load, "ranks": ranks,
                            "model_sha256": hashlib.sha256((d / "out" / "model.safetensors").read_bytes()).hexdigest()}
             print(f"{world} process(es): {wall:.1f} s wall", flush=True)
         one, many = runs[1], runs[args.world]
@@ -164,6 +164,7 @@ def main() -> int:
             "run_s": {"1": ref["run_s"], str(args.world): [r["run_s"] for r in many["ranks"]]},
             "stage_s": {"1": ref["timings"], str(args.world): many["ranks"][0]["timings"]},
             "wall_ratio": many["wall_s"] / one["wall_s"],
+            "load_avg_5min_after": {"1": one["load_avg_5min"], str(args.world): many["load_avg_5min"]},
             "run_ratio": many["ranks"][0]["run_s"] / ref["run_s"],
         }
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
