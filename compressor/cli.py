@@ -29,6 +29,14 @@ EXIT_CODES_EPILOG = """exit codes:
 """
 
 
+def _launched_rank() -> int:
+    """The rank a launcher (torchrun, accelerate launch) gave this process; 0 without one."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def _setup_logging(quiet: bool, verbose: bool, heavy: bool = True) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s", force=True)
@@ -179,6 +187,9 @@ def _cache(args) -> int:
 
 
 def _profile(args) -> int:
+    if _launched_rank() != 0:
+        logger.info("profile is not data-parallel: rank 0 computes it alone")
+        return 0
     from .pipeline import profile, write_profile
     from .recipe import MeasureConfig
     from .render import profile_table
@@ -246,9 +257,13 @@ def _run(args) -> int:
         else:
             print(recipe.to_yaml(), end="")
         return 0
+    from .distributed import init_from_env, is_main
     from .pipeline import run
 
+    init_from_env(recipe.model.device)  # under torchrun / accelerate launch: join the process group
     result = run(recipe, use_cache=False if args.no_cache else None, resume=getattr(args, "resume", False))
+    if not is_main():  # rank 0 prints and writes
+        return result.exit_code
     _print_summary(result)
     if report_path is not None:
         try:
@@ -282,20 +297,21 @@ def _print_summary(result) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.quiet, args.verbose, heavy=args.command != "cache")
+    # Under a launcher only rank 0 talks: the other ranks show warnings and errors, no progress bars.
+    _setup_logging(args.quiet or _launched_rank() != 0, args.verbose, heavy=args.command != "cache")
     if args.command == "cache":
         return _cache(args)
-    from .archs import UnsupportedModelError
-    from .checks import DataFileError, NonFiniteActivationError, NonFiniteWeightsError
-    from .pipeline import EXIT_ERROR, EXIT_INVALID, InputError
-    from .recipe import RecipeError
+    from .checks import NonFiniteActivationError
+    from .distributed import RankFailed
+    from .pipeline import EXIT_ERROR, EXIT_INVALID, INVALID_INPUT_ERRORS
 
     try:
         if args.command == "profile":
             return _profile(args)
         return _run(args)
-    except (RecipeError, InputError, UnsupportedModelError, DataFileError, NonFiniteWeightsError,
-            FileExistsError, FileNotFoundError) as e:
+    except RankFailed as e:  # rank 0 failed while writing and printed why; exit as it does
+        return e.exit_code
+    except INVALID_INPUT_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
     except NonFiniteActivationError as e:

@@ -21,6 +21,10 @@ with depth. Hidden states live on the CPU; each batch is moved to the
 layer's execution device for its forward. With ``model.offload``
 (:mod:`compressor.onload`) a layer's weights are read when it runs and
 dropped after, so one layer's weights are materialised at a time.
+
+Under a process group each rank holds and walks only its own batches; each
+split's per-batch statistics are reduced across ranks in one fixed tree order
+(:class:`compressor.distributed.TreeReduce`), the same bits for any number of ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 
 from ._progress import progress
 from .archs import ArchSpec, arch_for, find_blocks
+from .distributed import TreeReduce, gather_items
 from .measure import BlockStats, _first_tensor, accumulate, set_spike_threshold
 from .onload import execution_device
 from .stats import Moments
@@ -114,13 +119,31 @@ class LayerWalker:
         self.blocks_path, self.layers = find_blocks(model, self.spec)
         self.batch_size = batch_size
         self.store_dtype = store_dtype
-        # batches: (split, window ids [B, T]); kwargs per (B, T) shape per layer
+        # batches: (split, window ids [B, T]), every rank's; kwargs per (B, T) shape per layer
         self.batches: list[tuple[str, torch.Tensor]] = []
+        self.splits: list[tuple[str, int, int]] = []  # (split, first batch, end)
         for split, w in windows.items():
+            first = len(self.batches)
             for start in range(0, w.shape[0], batch_size):
                 self.batches.append((split, w[start:start + batch_size]))
+            self.splits.append((split, first, len(self.batches)))
+        # This rank's batches (all of them in one process): whole subtrees of each
+        # split's reduction tree, so every batch is summed in the same order for any
+        # number of ranks (see compressor.distributed). Streams hold these only.
+        self.local: list[int] = [first + j for _, first, end in self.splits for j in self._tree(first, end).items]
         self._layer_args: dict[tuple[int, int], list[tuple[tuple, dict]]] = {}
         self.inputs: list[torch.Tensor] = self._capture()
+
+    @staticmethod
+    def _tree(first: int, end: int) -> TreeReduce:
+        def merge(a, b):
+            a[0].merge_(b[0])
+            return a[0], (a[1].merge_(b[1]) if a[1] is not None else None)
+
+        def portable(p):  # what goes through all_gather lives on the CPU
+            return p[0].to("cpu"), None if p[1] is None else p[1].to("cpu")
+
+        return TreeReduce(end - first, merge, portable=portable)
 
     # -- capture ------------------------------------------------------------
     @torch.no_grad()
@@ -149,7 +172,8 @@ class LayerWalker:
         was_training = model.training
         model.eval()
         try:
-            for split, ids in progress(self.batches, desc="engine: capture layer-0 inputs", unit="batch"):
+            for b in progress(self.local, desc="engine: capture layer-0 inputs", unit="batch"):
+                ids = self.batches[b][1]
                 shape = tuple(ids.shape)
                 state["record_all"] = shape not in self._layer_args
                 state["args"] = []
@@ -175,12 +199,15 @@ class LayerWalker:
     # -- one layer ------------------------------------------------------------
     @torch.no_grad()
     def forward_layer(self, i: int, stream: list[torch.Tensor], taps: _Taps | None = None,
-                      on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
-        """Run layer ``i`` on every batch of ``stream``; returns its outputs (CPU)."""
+                      on_batch: Callable[[int, torch.Tensor], None] | None = None,
+                      positions: list[int] | None = None) -> list[torch.Tensor]:
+        """Run layer ``i`` on this rank's batches of ``stream`` (those at ``positions``, default all);
+        returns its outputs (CPU). ``on_batch`` receives the global batch index."""
         layer = self.layers[i]
         device = execution_device(layer)
         out = []
-        for b, h in enumerate(stream):
+        for p in range(len(stream)) if positions is None else positions:
+            b, h = self.local[p], stream[p]
             args, kwargs = self.layer_args(b, i)
             y = _first_tensor(layer(h.to(device), *args, **kwargs))
             if on_batch is not None:
@@ -252,60 +279,77 @@ class LayerWalker:
         bar.close()
 
     def _layer_stats(self, i, teacher, student, hidden, target, spike_factor, compute_dtype, output_rank=False) -> dict:
+        """Statistics of layer ``i``, split by split: each split's per-batch partials are
+        reduced over all ranks (tree order) before the next split starts, because the
+        held-out rows are partitioned with a spike threshold taken from *all* fit rows."""
         layer = self.layers[i]
-        xy: BlockStats | None = None
-        zm: dict[str, Moments] = {}
-        splits = [s for s, _ in self.batches]
-        held_started = False
+        threshold = float("inf")
+        energy: dict[int, tuple[float, int]] = {}
+        reduced: dict[str, tuple[BlockStats, Moments | None]] = {}
+        position = {b: p for p, b in enumerate(self.local)}
 
-        def fold(b: int, x: torch.Tensor, h: torch.Tensor | None, y: torch.Tensor) -> None:
-            nonlocal xy, held_started
-            split = splits[b]
-            if xy is None:
-                xy = BlockStats.empty(i, x.shape[-1], y.shape[-1], output_rank)
-            if split == "heldout" and not held_started:
-                set_spike_threshold(xy, spike_factor)
-                held_started = True
-            accumulate(xy, x, y, split, compute_dtype)
-            if hidden:
-                z = torch.cat([x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])], dim=1)
-                m = zm.get(split)
-                if m is None:
-                    m = zm[split] = Moments(z.shape[1], y.shape[-1])
-                m.update(z, y.reshape(-1, y.shape[-1]), compute_dtype)
+        def partial(x: torch.Tensor, h: torch.Tensor | None, y: torch.Tensor, split: str):
+            st = BlockStats.empty(i, x.shape[-1], y.shape[-1], output_rank, lazy=True)
+            st.spike_threshold = threshold
+            accumulate(st, x, y, split, compute_dtype)
+            if not hidden:
+                return st, None
+            z = torch.cat([x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])], dim=1)
+            m = Moments(z.shape[1], y.shape[-1])
+            m.update(z, y.reshape(-1, y.shape[-1]), compute_dtype)
+            return st, m
 
-        energy = [0.0, 0]
-
-        def resid(out: torch.Tensor) -> None:
+        def resid(b: int, out: torch.Tensor) -> None:
             r = out[:, 1:].float() if out.dim() == 3 else out.float()
-            energy[0] += float((r * r).sum())
-            energy[1] += r.numel() // r.shape[-1]
+            energy[b] = (float((r * r).sum()), r.numel() // r.shape[-1])
 
         with _Taps(layer, self.spec, hidden) as taps:
-            if target == "none":
+            teacher_next: list[torch.Tensor | None] = [None] * len(self.local)
+            ys: dict[int, torch.Tensor] = {}
+            if target != "none":
                 def on_teacher(b, out):
-                    resid(out)
-                    fold(b, taps.x, taps.h, taps.y)
+                    resid(b, out)
+                    ys[b] = taps.y.to("cpu")
                 teacher_next = self.forward_layer(i, teacher, on_batch=on_teacher)
-            else:
-                ys: list[torch.Tensor] = []
+            for split, first, end in self.splits:
+                if split == "heldout" and end > first:
+                    fit = reduced.get("fit")
+                    probe = fit[0] if fit else BlockStats.empty(i, 1, 1)
+                    set_spike_threshold(probe, spike_factor)
+                    threshold = probe.spike_threshold
+                tree = self._tree(first, end)
+                positions = [position[first + j] for j in tree.items]
 
-                def on_teacher(b, out):
-                    resid(out)
-                    ys.append(taps.y.to("cpu"))
-                teacher_next = self.forward_layer(i, teacher, on_batch=on_teacher)
-
-                def on_student(b, out):
-                    y_t = ys[b].to(out.device, out.dtype)
-                    if target == "teacher_output":
-                        y = y_t
+                def on_batch(b, out):
+                    if target == "none":
+                        resid(b, out)
+                        y = taps.y
+                    elif target == "teacher_output":
+                        y = ys[b].to(out.device, out.dtype)
                     else:  # what the FFN must add to the student's residual to land on the teacher's
-                        y = taps.y + (teacher_next[b].to(out.device, out.dtype) - out)
-                    fold(b, taps.x, taps.h, y)
-                self.forward_layer(i, student, on_batch=on_student)
+                        y = taps.y + (teacher_next[position[b]].to(out.device, out.dtype) - out)
+                    tree.push(b - first, partial(taps.x, taps.h, y, split))
+
+                if target == "none":
+                    outs = self.forward_layer(i, teacher, on_batch=on_batch, positions=positions)
+                    for p, o in zip(positions, outs):
+                        teacher_next[p] = o
+                else:
+                    self.forward_layer(i, student, on_batch=on_batch, positions=positions)
+                reduced[split] = tree.result()
+        xy: BlockStats | None = None
+        zm: dict[str, Moments] = {}
+        for split, (st, z) in ((s, r) for s, r in reduced.items() if r is not None):
+            xy = st if xy is None else xy.merge_(st)
+            if z is not None:
+                zm[split] = z.to("cpu")
         if xy is None:
             raise RuntimeError(f"layer {i}'s FFN was never called; is the model complete?")
-        xy.to("cpu")
-        zm = {k: v.to("cpu") for k, v in zm.items()}
+        xy.materialize_().to("cpu")
+        # summed in batch order on every rank: the same bits for any number of ranks
+        total, rows = 0.0, 0
+        for s, c in gather_items(energy, len(self.batches)):
+            total += s
+            rows += c
         return {"teacher_next": teacher_next,
-                "stats": LayerStats(i, xy, zm.get("fit"), zm.get("heldout"), energy[0] / max(energy[1], 1))}
+                "stats": LayerStats(i, xy, zm.get("fit"), zm.get("heldout"), total / max(rows, 1))}

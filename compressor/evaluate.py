@@ -31,6 +31,10 @@ Two measurements per evaluation text (a *domain*):
 >>> teacher = TeacherCache.build(model, tokens, seq_len=256, stride=128)   # doctest: +SKIP
 >>> ev = evaluate(model_after_swap, teacher)                                # doctest: +SKIP
 >>> ev.ppl, ev.ppl_se, ev.kl                                                # doctest: +SKIP
+
+Under ``torch.distributed`` (see :mod:`compressor.distributed`) each rank
+scores a contiguous share of the batches; the per-window sums are gathered
+in window order, so every rank computes the same numbers as one process.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import distributed as dist
 from ._progress import progress
 
 #: Relative standard error of a perplexity above which the report warns.
@@ -140,6 +145,11 @@ def _batches(tokens: torch.Tensor, seq_len: int, stride: int, batch_size: int):
     return wins, out
 
 
+def _share(n_batches: int, shard: bool) -> list[int]:
+    """The batches this rank scores: a contiguous share under a process group, else all."""
+    return list(dist.shard(n_batches)) if shard else list(range(n_batches))
+
+
 class _EvalMode:
     """Puts a model in eval mode for a block and restores its training flag."""
 
@@ -156,24 +166,33 @@ class _EvalMode:
 @torch.no_grad()
 def perplexity(
     model: nn.Module, tokens: torch.Tensor, *, seq_len: int = 256, stride: int = 128,
-    batch_size: int = 8, desc: str = "perplexity",
+    batch_size: int = 8, desc: str = "perplexity", shard: bool = True,
 ) -> Perplexity:
-    """Perplexity of ``model`` on a 1-D id stream ``tokens``, with its standard error."""
+    """Perplexity of ``model`` on a 1-D id stream ``tokens``, with its standard error.
+
+    ``shard``: split the windows across the ranks of a running process group (a
+    collective: every rank must call it); False for a call made on one rank alone."""
     _check_stride(seq_len, stride)
     tokens = tokens.flatten()
     wins, batches = _batches(tokens, seq_len, stride, batch_size)
     device = model.get_input_embeddings().weight.device
     sums = torch.zeros(len(wins), dtype=torch.float64)
     counts = torch.zeros(len(wins), dtype=torch.float64)
-    with _EvalMode(model), progress(total=len(batches), desc=desc, unit="batch") as bar:
-        for chunk, ids, ks in batches:
+    owned: list[int] = []
+    mine = _share(len(batches), shard)
+    with _EvalMode(model), progress(total=len(mine), desc=desc, unit="batch") as bar:
+        for chunk, ids, ks in (batches[j] for j in mine):
             ids = ids.to(device)
             logp = F.log_softmax(model(input_ids=ids).logits.float()[:, :-1], dim=-1)
             nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, length-1]
             for row, (w, k) in enumerate(zip(chunk, ks)):
                 sums[w] = nll[row, -k:].double().sum()
-                counts[w] = k
+            owned.extend(chunk)
             bar.update(1)
+    for chunk, _, ks in batches:
+        counts[chunk] = torch.tensor(ks, dtype=torch.float64)
+    if shard:
+        sums = dist.fill_rows(sums, owned)
     return _perplexity(sums, counts, seq_len, stride)
 
 
@@ -193,7 +212,9 @@ class TeacherCache:
     ``topk_idx`` [T, k] int64, ``tail_logp`` [T] (log of the mass outside the
     top-k; −inf when k ≥ vocab) and ``nll`` [T] (the teacher's own NLL).
     ``offsets[w]`` is where window ``w``'s tokens start. About 8·k bytes per
-    scored token: 2 MiB for 4,096 tokens at k = 64.
+    scored token: 2 MiB for 4,096 tokens at k = 64. Under a process group each
+    rank fills (and touches the memory of) only its own windows' rows;
+    ``window_nll`` (the teacher's NLL sum per window) is complete on every rank.
     """
 
     tokens: torch.Tensor
@@ -208,6 +229,9 @@ class TeacherCache:
     offsets: torch.Tensor
     name: str = ""
     baseline: Evaluation | None = field(default=None, repr=False)
+    window_nll: torch.Tensor | None = field(default=None, repr=False)
+    shards: int = 1
+    """Ranks the windows were split across (evaluate must split them the same way)."""
 
     @classmethod
     @torch.no_grad()
@@ -227,8 +251,10 @@ class TeacherCache:
         device = model.get_input_embeddings().weight.device
         k_eff = None
         logp_k = idx_k = tail = nll_all = None
-        with _EvalMode(model), progress(total=len(batches), desc=desc, unit="batch") as bar:
-            for chunk, ids, ks in batches:
+        mine = _share(len(batches), True)
+        owned: list[int] = []
+        with _EvalMode(model), progress(total=len(mine), desc=desc, unit="batch") as bar:
+            for chunk, ids, ks in (batches[j] for j in mine):
                 ids = ids.to(device)
                 logp = F.log_softmax(model(input_ids=ids).logits.float()[:, :-1], dim=-1)
                 if k_eff is None:
@@ -245,10 +271,20 @@ class TeacherCache:
                     idx_k[sl] = top.indices.cpu()
                     tail[sl] = _tail_logp(lp, top.indices).cpu()
                     nll_all[sl] = -lp.gather(-1, ids[row, -k:, None]).squeeze(-1).cpu()
+                owned.extend(chunk)
                 bar.update(1)
+        if dist.world_size() > 1:  # a rank with no batch learns k from the others (all agree)
+            k_eff = next(k for k in dist.all_gather_objects(k_eff) if k is not None)
+        if logp_k is None:
+            logp_k, idx_k = torch.empty(total, k_eff), torch.empty(total, k_eff, dtype=torch.long)
+            tail, nll_all = torch.empty(total), torch.empty(total)
+        sums = torch.zeros(len(wins), dtype=torch.float64)
+        for w in owned:
+            sums[w] = nll_all[offsets[w] : offsets[w + 1]].double().sum()
+        sums = dist.fill_rows(sums, owned)
         cache = cls(tokens=tokens, seq_len=seq_len, stride=stride, batch_size=batch_size, top_k=k_eff,
-                    topk_logp=logp_k, topk_idx=idx_k, tail_logp=tail, nll=nll_all, offsets=offsets, name=name)
-        sums = torch.stack([nll_all[offsets[w] : offsets[w + 1]].double().sum() for w in range(len(wins))])
+                    topk_logp=logp_k, topk_idx=idx_k, tail_logp=tail, nll=nll_all, offsets=offsets, name=name,
+                    window_nll=sums, shards=dist.world_size())
         cache.baseline = _perplexity(sums, counts.double(), seq_len, stride, name=name, kl=0.0, kl_se=0.0,
                                      top_k=k_eff, nll_delta_se=0.0)
         return cache
@@ -281,8 +317,12 @@ def _kl_terms(student_logp: torch.Tensor, t_logp: torch.Tensor, t_idx: torch.Ten
 def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate") -> Evaluation:
     """Perplexity (± SE) and mean KL from the teacher (± SE) of ``model`` on the teacher's windows.
 
-    Streams batch by batch; holds one batch of logits at a time.
+    Streams batch by batch; holds one batch of logits at a time. Under a process
+    group, a collective: each rank scores the windows it scored for the teacher.
     """
+    if teacher.shards != dist.world_size():
+        raise ValueError(f"the teacher cache was built on {teacher.shards} rank(s), this run has "
+                         f"{dist.world_size()}: build it in the same process group")
     tokens = teacher.tokens
     wins, batches = _batches(tokens, teacher.seq_len, teacher.stride, teacher.batch_size)
     device = model.get_input_embeddings().weight.device
@@ -290,8 +330,10 @@ def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate")
     nll_sums = torch.zeros(m, dtype=torch.float64)
     kl_sums = torch.zeros(m, dtype=torch.float64)
     off = teacher.offsets
-    with _EvalMode(model), progress(total=len(batches), desc=desc, unit="batch") as bar:
-        for chunk, ids, ks in batches:
+    mine = _share(len(batches), True)
+    owned: list[int] = []
+    with _EvalMode(model), progress(total=len(mine), desc=desc, unit="batch") as bar:
+        for chunk, ids, ks in (batches[j] for j in mine):
             ids = ids.to(device)
             logp = F.log_softmax(model(input_ids=ids).logits.float()[:, :-1], dim=-1)
             for row, (w, k) in enumerate(zip(chunk, ks)):
@@ -301,10 +343,15 @@ def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate")
                 kl = _kl_terms(lp, teacher.topk_logp[sl].to(device), teacher.topk_idx[sl].to(device),
                                teacher.tail_logp[sl].to(device))
                 kl_sums[w] = kl.double().sum()
+            owned.extend(chunk)
             bar.update(1)
+    both = dist.fill_rows(torch.stack([nll_sums, kl_sums], dim=1), owned)
+    nll_sums, kl_sums = both[:, 0].contiguous(), both[:, 1].contiguous()
     counts = teacher.window_counts.double()
     kl_mean, kl_se = ratio_mean_se(kl_sums, counts)
-    t_sums = torch.stack([teacher.nll[off[w] : off[w + 1]].double().sum() for w in range(m)])
+    t_sums = teacher.window_nll
+    if t_sums is None:  # a cache assembled by hand
+        t_sums = torch.stack([teacher.nll[off[w] : off[w + 1]].double().sum() for w in range(m)])
     _, delta_se = ratio_mean_se(nll_sums - t_sums, counts)
     return _perplexity(nll_sums, counts, teacher.seq_len, teacher.stride, name=teacher.name, kl=kl_mean,
                        kl_se=kl_se, top_k=teacher.top_k, nll_delta_se=delta_se)

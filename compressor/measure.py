@@ -38,12 +38,21 @@ class BlockStats:
     spike_threshold: float = float("inf")
 
     @classmethod
-    def empty(cls, index: int, d_in: int, d_out: int, full_cyy: bool = False) -> "BlockStats":
+    def empty(cls, index: int, d_in: int, d_out: int, full_cyy: bool = False, lazy: bool = False) -> "BlockStats":
+        """``lazy``: partitions allocate their sums only when rows arrive (see :meth:`materialize_`)."""
+        new = Moments.placeholder if lazy else Moments
         return cls(
             index=index,
-            fit=Moments(d_in, d_out, full_cyy),
-            heldout={p: Moments(d_in, d_out, full_cyy) for p in PARTS},
+            fit=new(d_in, d_out, full_cyy),
+            heldout={p: new(d_in, d_out, full_cyy) for p in PARTS},
         )
+
+    def materialize_(self) -> "BlockStats":
+        """Zero sums for partitions that never received rows (after merging lazy partials)."""
+        self.fit.materialize_()
+        for m in self.heldout.values():
+            m.materialize_()
+        return self
 
     def heldout_total(self) -> Moments:
         total = Moments(self.fit.d_in, self.fit.d_out, self.fit.full_cyy)

@@ -13,6 +13,10 @@ one layer's worth of everything, independent of depth:
   held-out partitions, each a d×d input covariance and a d×d cross term,
   float64) and, for hidden-unit kinds (``prune``, ``hybrid``), the ``z = [x, h]``
   moments of the fit and held-out rows ((d+f)² + (d+f)·d each, float64);
+* **accumulation**: while a split's batches stream by, their per-batch
+  partial statistics are merged in the canonical tree order of
+  :mod:`compressor.distributed` (bitwise the same for 1 to 8 ranks), which
+  keeps up to ``TREE_DEPTH + 2`` partials alive, beside the reduced fit split;
 * **solve workspace** of that layer: for hidden-unit kinds the OBS path works
   on (d+f)² float64 matrices (standardised covariance, its Cholesky factor and
   inverse, the held-out covariance, the shrinking copies): about five of them
@@ -49,26 +53,33 @@ class MemoryEstimate:
     layer_weights: int
     activation_caches: int
     layer_statistics: int
+    """The layer's reduced statistics (fit and held-out splits)."""
+    accumulation: int
+    """Peak of statistics while accumulating: the reduced fit split plus the tree's live partials."""
     solve_workspace: int
     all_weights: int
     """Every weight of the model (what is resident without onloading)."""
 
     @property
+    def statistics_peak(self) -> int:
+        return max(self.accumulation, self.layer_statistics + self.solve_workspace)
+
+    @property
     def onloaded_peak(self) -> int:
-        return (self.resident_weights + self.layer_weights + self.activation_caches + self.layer_statistics
-                + self.solve_workspace)
+        return self.resident_weights + self.layer_weights + self.activation_caches + self.statistics_peak
 
     @property
     def in_memory_peak(self) -> int:
-        return self.all_weights + self.activation_caches + self.layer_statistics + self.solve_workspace
+        return self.all_weights + self.activation_caches + self.statistics_peak
 
     def device_bytes(self, batch_tokens: int, d: int, dtype_bytes: int) -> int:
         """On a GPU: the layer being run, one batch of activations (in and out), statistics, workspace."""
         return (self.resident_weights + self.layer_weights + 2 * batch_tokens * d * dtype_bytes
-                + self.layer_statistics + self.solve_workspace)
+                + self.statistics_peak)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "onloaded_peak": self.onloaded_peak, "in_memory_peak": self.in_memory_peak}
+        return {**asdict(self), "statistics_peak": self.statistics_peak, "onloaded_peak": self.onloaded_peak,
+                "in_memory_peak": self.in_memory_peak}
 
 
 def layer_params(d: int, d_ff: int, heads: int, kv_heads: int, gated: bool = True) -> int:
@@ -80,23 +91,30 @@ def layer_params(d: int, d_ff: int, heads: int, kv_heads: int, gated: bool = Tru
 
 def estimate(*, d: int, d_ff: int, layers: int, vocab: int, heads: int, kv_heads: int, tied: bool,
              tokens: int, kind: str = "hybrid", teacher_target: bool = False, dtype_bytes: int = 4,
-             gated: bool = True) -> MemoryEstimate:
+             gated: bool = True, batches: int | None = None) -> MemoryEstimate:
     """Bytes per component for a Llama-shaped model and ``tokens`` calibration tokens.
 
     ``kind``: ``profile`` (x → y statistics only), ``affine``/``low_rank``, or
     ``prune``/``hybrid`` (adds the z statistics and the OBS workspace).
+    ``batches``: calibration batches in the larger split (default: many).
     """
+    from .distributed import TREE_DEPTH
+
     f8 = 8
     resident = (vocab * d * (1 if tied else 2) + d) * dtype_bytes
     layer = layer_params(d, d_ff, heads, kv_heads, gated) * dtype_bytes
     streams = 2 if teacher_target else 1
     acts = 2 * streams * tokens * d * dtype_bytes
-    stats = 4 * (2 * d * d) * f8  # fit + 3 held-out partitions, each cxx and cxy (d_out = d)
-    work = 0
+    xy = 4 * (2 * d * d) * f8  # fit + 3 held-out partitions, each cxx and cxy (d_out = d)
+    # A per-batch partial allocates only the partitions its rows reach: the fit, or up to 3 held-out ones.
+    stats, partial, work = xy, 3 * (2 * d * d) * f8, 0
     if kind in ("prune", "hybrid"):
         p = d + d_ff
         stats += 2 * (p * p + p * d) * f8
+        partial += (p * p + p * d) * f8  # one split's z moments
         work = OBS_WORKSPACE_MATRICES * p * p * f8
     elif kind in ("affine", "low_rank"):
         work = 3 * d * d * f8
-    return MemoryEstimate(resident, layer, acts, stats, work, resident + layers * layer)
+    live = TREE_DEPTH + 2 if batches is None else min(TREE_DEPTH + 2, batches + 1)
+    accumulation = (1 + live) * partial
+    return MemoryEstimate(resident, layer, acts, stats, accumulation, work, resident + layers * layer)

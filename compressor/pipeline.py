@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from . import __version__
+from . import distributed as dist
 from .archs import UnsupportedModelError, arch_for, find_blocks
 from .cache import load_profiles, model_fingerprint, save_profiles, stats_key
-from .checks import check_weights_finite
+from .checks import DataFileError, NonFiniteWeightsError, check_weights_finite
 from .compress import CompressionResult, compress_model
 from .data import CalibrationSet, OverlapError, TextSource, calibration_set, check_disjoint, evaluation_tokens
 from .evaluate import POOR_RELATIVE_SE, gate_check, perplexity
@@ -26,7 +27,7 @@ from .hf_modeling import COMPRESSION_FORMAT
 from .load import load_model, resolve_source
 from .engine import LayerWalker
 from .profiling import BlockProfile, Profile, block_profile
-from .recipe import MeasureConfig, Recipe, check_inputs, run_reads
+from .recipe import MeasureConfig, Recipe, RecipeError, check_inputs, run_reads
 from .render import model_card, profile_markdown, profile_plot
 from .resume import ResumeError, RunState, run_key
 from .replace import count_params
@@ -48,6 +49,18 @@ EXIT_GATE = 3  # perplexity gate failed: nothing written
 
 class InputError(ValueError):
     """Bad input discovered after loading (e.g. unsupported architecture)."""
+
+
+#: Errors that mean "bad input" (exit code EXIT_INVALID) wherever they surface.
+INVALID_INPUT_ERRORS = (RecipeError, InputError, UnsupportedModelError, DataFileError, NonFiniteWeightsError,
+                        FileExistsError, FileNotFoundError)
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The CLI's exit code for an exception (see the README's exit codes)."""
+    if isinstance(error, KeyboardInterrupt):
+        return 130
+    return EXIT_INVALID if isinstance(error, INVALID_INPUT_ERRORS) else EXIT_ERROR
 
 
 class _DataInput:
@@ -252,6 +265,11 @@ def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) 
     (:mod:`compressor.resume`); ``resume=True`` continues a run that was
     interrupted, with the same result as an uninterrupted one. Without it, an
     earlier run's state for this output is discarded.
+
+    Under a process group (``torchrun``; see :mod:`compressor.distributed`) every
+    rank calls it: calibration and evaluation are sharded, the decisions come out
+    the same on every rank, and rank 0 alone writes; the others wait for it and
+    return its report, or raise :class:`~compressor.distributed.RankFailed`.
     """
     t_start = time.perf_counter()
     check_inputs(recipe)
@@ -351,7 +369,7 @@ def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) 
         diff = max_logit_diff(reference, reloaded, probe)
         del reference
         again = perplexity(reloaded, ev_tokens, seq_len=e.seq_len, stride=e.stride, batch_size=e.batch_size,
-                           desc="reload check")
+                           desc="reload check", shard=False)  # rank 0 alone
         rel = abs(again.ppl - result.final.ppl) / result.final.ppl
         tol = LOGIT_TOLERANCE.get(model.dtype, 1e-2)
         ppl_tol = PPL_TOLERANCE[out_dtype]
@@ -369,15 +387,25 @@ def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) 
         report["timings"]["total_s"] = time.perf_counter() - t_start
         (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    out = save_compressed(
-        model, tokenizer, out, compression,
-        extra_files={"recipe.yaml": recipe.to_yaml(), "README.md": model_card(report)},
-        overwrite=recipe.output.overwrite,
-        source_dir=Path(src.path) if src.is_local else None,
-        verify=verify,
-        reads=run_reads(recipe),
-        dtype=out_dtype,
-    )
+    if not dist.is_main():
+        failed, report = dist.broadcast_object()
+        if failed is not None:
+            raise dist.RankFailed(*failed)
+        return RunResult(EXIT_OK, report, out, result)
+    try:
+        out = save_compressed(
+            model, tokenizer, out, compression,
+            extra_files={"recipe.yaml": recipe.to_yaml(), "README.md": model_card(report)},
+            overwrite=recipe.output.overwrite,
+            source_dir=Path(src.path) if src.is_local else None,
+            verify=verify,
+            reads=run_reads(recipe),
+            dtype=out_dtype,
+        )
+    except BaseException as err:
+        dist.broadcast_object(((exit_code_for(err), f"{type(err).__name__}: {err}"), None))
+        raise
+    dist.broadcast_object((None, report))
     state.discard()
     logger.info("%s", result.gate_message)
     return RunResult(EXIT_OK, report, out, result)

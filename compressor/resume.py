@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from .distributed import is_main
+
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "compressor.run-state/v1"
@@ -251,7 +253,7 @@ class RunState:
                                   "it deletes when it ends; move it elsewhere")
         saved = cls._read_state(folder)
         if not resume:
-            if saved is not None:
+            if saved is not None and is_main():
                 logger.info("discarding the saved state of an earlier interrupted run at %s (run with --resume to "
                             "continue it instead)", folder)
                 shutil.rmtree(folder)
@@ -309,13 +311,15 @@ class RunState:
             self._compare({"calibration": fingerprint})
             return
         self.key["calibration"] = fingerprint
+        if not is_main():  # under a process group rank 0 alone writes (every rank's records are equal)
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
         blob = {"format": STATE_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "key": self.key}
         self._atomic(self.folder / STATE_FILE, lambda tmp: tmp.write_text(json.dumps(blob, indent=2) + "\n"))
 
     def discard(self) -> None:
         """Delete the state (the run ended: published, or refused by the gate)."""
-        if self.folder is not None and self.folder.is_dir():
+        if self.folder is not None and self.folder.is_dir() and is_main():
             shutil.rmtree(self.folder, ignore_errors=True)
 
     # -- records ------------------------------------------------------------
@@ -333,7 +337,7 @@ class RunState:
 
     def put(self, name: str, what: str, value: Any) -> None:
         """Record ``value`` as step ``name`` (``what``: a description checked on reading)."""
-        if not self.enabled:
+        if not self.enabled or not is_main():
             return
         from safetensors.torch import save_file
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from ._progress import progress
 from .cache import cache_dir, model_fingerprint
+from .distributed import from_main
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +167,12 @@ def self_calibration_tokens(
 
     ``model_fp`` (:func:`compressor.cache.model_fingerprint`) may be passed when
     the caller has it already; hashing the weights costs about a second per 500 MB.
+    Under a process group rank 0 samples (or reads the cache) and every rank gets its ids.
     """
+    return from_main(lambda: _tokens(model, tokenizer, settings, use_cache, model_fp))
+
+
+def _tokens(model, tokenizer, settings: SelfCalSettings, use_cache: bool, model_fp: str | None) -> torch.Tensor:
     if not use_cache:
         return generate_tokens(model, tokenizer, settings)
     key = _key(model_fp or model_fingerprint(model), settings, tokenizer)

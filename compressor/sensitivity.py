@@ -20,14 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import distributed as dist
 from ._progress import progress
 
 
 def output_grad_moments(model: nn.Module, windows: torch.Tensor, modules: dict[int, str], *,
                         batch_size: int = 8) -> dict[int, torch.Tensor]:
-    """Per block index: mean of ``g²`` over calibration tokens (float64, [d_out], CPU)."""
-    sums: dict[int, torch.Tensor] = {}
-    count = [0]
+    """Per block index: mean of ``g²`` over calibration tokens (float64, [d_out], CPU).
+
+    Under a process group each rank runs a contiguous share of the batches; the
+    per-batch sums are gathered and added in batch order, as one process would."""
+    per_batch: dict[int, dict[int, torch.Tensor]] = {}  # batch → block → Σ g²
+    sums: dict[int, torch.Tensor] = {}  # the current batch's
     handles = []
 
     def make_hook(i: int):
@@ -47,19 +51,24 @@ def output_grad_moments(model: nn.Module, windows: torch.Tensor, modules: dict[i
     model.eval()
     req = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
+    starts = range(0, windows.shape[0], batch_size)
     try:
-        for s in progress(range(0, windows.shape[0], batch_size), desc="sensitivity: loss gradients", unit="batch"):
-            ids = windows[s:s + batch_size].to(device)
+        for b in progress(dist.shard(len(starts)), desc="sensitivity: loss gradients", unit="batch"):
+            sums = per_batch[b] = {}
+            ids = windows[starts[b]:starts[b] + batch_size].to(device)
             emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
             logits = model(inputs_embeds=emb, use_cache=False).logits
             # summed over tokens: g_t is then the gradient of the total loss at token t
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
             loss.backward()
-            count[0] += ids.numel()
     finally:
         for h in handles:
             h.remove()
         for n, p in model.named_parameters():
             p.requires_grad_(req[n])
         model.train(was_training)
-    return {i: s / max(count[0], 1) for i, s in sums.items()}
+    total: dict[int, torch.Tensor] = {}
+    for batch in dist.gather_items(per_batch, len(starts)):
+        for i, g2 in batch.items():
+            total[i] = g2 if i not in total else total[i] + g2
+    return {i: s / max(windows.numel(), 1) for i, s in total.items()}

@@ -28,10 +28,14 @@ _FIELDS = ("fit", "heldout", "zfit", "zheld")
 
 
 def available_bytes() -> int:
+    """Free memory; under a process group the least of all ranks, so every rank takes the same path."""
+    from .distributed import min_over_ranks
+
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 0
+        free = 0
+    return min_over_ranks(free)
 
 
 def stats_bytes(data: BlockData) -> int:

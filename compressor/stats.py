@@ -51,6 +51,25 @@ class Moments:
             if self.full_cyy:
                 self.cyy = torch.zeros(self.d_out, self.d_out, dtype=_F64)
 
+    @classmethod
+    def placeholder(cls, d_in: int, d_out: int, full_cyy: bool = False) -> "Moments":
+        """Empty statistics that allocate nothing until rows arrive (a merge or update makes them real):
+        per-batch partials of the engine leave the partitions a batch never touches unallocated."""
+        e = torch.zeros(0, dtype=_F64)
+        return cls(d_in, d_out, full_cyy, n=0, mx=e, my=e, cxx=e, cxy=e, cyy_diag=e, cyy=e if full_cyy else None)
+
+    @property
+    def allocated(self) -> bool:
+        return self.cxx.numel() > 0 or self.d_in == 0
+
+    def materialize_(self) -> "Moments":
+        """Give a placeholder its (zero) sums."""
+        if not self.allocated:
+            fresh = Moments(self.d_in, self.d_out, self.full_cyy)
+            self.mx, self.my, self.cxx, self.cxy = fresh.mx, fresh.my, fresh.cxx, fresh.cxy
+            self.cyy_diag, self.cyy = fresh.cyy_diag, fresh.cyy
+        return self
+
     # -- accumulation -----------------------------------------------------
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor, compute_dtype: torch.dtype = torch.float32) -> None:

@@ -1,0 +1,7 @@
+"""``python -m compressor``; also the entry for launchers: ``torchrun --nproc-per-node 2 -m compressor run …``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,215 @@
+"""Data parallelism (:mod:`compressor.distributed`): 2 gloo ranks give the same bits as 1 process.
+
+The ranks are spawned by the test (CPU, gloo, one intra-op thread each, a free
+local port); the 1-process reference runs in the test process on one thread
+too, because a batch's forward is bitwise reproducible only at a fixed thread
+count. Everything is written under ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from checkpoints import save_tiny_checkpoint
+from tiny import random_windows, tiny_model
+
+import compressor
+from compressor.distributed import TREE_DEPTH, TreeReduce, _Stack, tree_nodes
+from compressor.engine import LayerWalker
+from compressor.evaluate import Evaluator, perplexity
+from compressor.sensitivity import output_grad_moments
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+WORLD = 2
+SEQ = 16
+
+
+# -- what every rank (and the reference process) computes ---------------------------------------
+
+
+def _walk_state(model) -> dict[str, torch.Tensor]:
+    """Every reduced statistic of a walk with a teacher target (student ≠ teacher after layer 0)."""
+    fit_w, held_w = random_windows(12, SEQ, seed=0), random_windows(6, SEQ, seed=1)
+    walker = LayerWalker(model, {"fit": fit_w, "heldout": held_w}, batch_size=2)
+    out: dict[str, torch.Tensor] = {"local_batches": torch.tensor(walker.local)}
+
+    def on_layer(i, st):
+        out.update(st.xy.state_dict())
+        out.update(st.zfit.state_dict(f"z{i}.fit"))
+        out.update(st.zheld.state_dict(f"z{i}.held"))
+        out[f"energy{i}"] = torch.tensor([st.resid_energy], dtype=torch.float64)
+        return torch.nn.Identity() if i == 0 else None  # the student stream diverges from the teacher
+
+    walker.walk(on_layer, hidden=True, target="teacher_residual", spike_factor=1.2)
+    modules = {i: f"model.layers.{i}.mlp" for i in range(len(walker.layers))}
+    for i, g in output_grad_moments(model, fit_w, modules, batch_size=3).items():
+        out[f"grad{i}"] = g
+    return out
+
+
+def _evaluations(model) -> dict:
+    tokens = random_windows(1, 700, seed=3).flatten()
+    ev = Evaluator.build(model, {"a": tokens, "b": tokens[:300]}, seq_len=32, stride=16, batch_size=3, top_k=8)
+    model.model.layers[1].mlp = torch.nn.Identity()
+    return {"baseline": ev.baseline.to_json(), "after": ev(model).to_json(),
+            "ppl": perplexity(model, tokens, seq_len=32, stride=24, batch_size=2).to_json()}
+
+
+def _pipeline_recipe(source: Path, out: Path) -> dict:
+    return {
+        "model": {"source": str(source)},
+        "calibration": {"max_tokens": 1024, "seq_len": 32, "self_tokens": 256},  # 'mix': rank 0 samples
+        "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 32},
+        "policy": {"threshold": -100, "ppl_budget": 0.5},
+        "output": {"path": str(out)},
+        "measure": {"cache": False},
+    }
+
+
+def _run_pipeline(recipe: dict) -> dict:
+    res = compressor.run(compressor.recipe_from_dict(recipe))
+    return {"exit_code": res.exit_code, "blocks": res.report["blocks"], "ppl": res.report["perplexity"]}
+
+
+def _rank_main(rank: int, port: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TQDM_DISABLE="1")
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        folder = Path(folder)
+        result = {"walk": _walk_state(tiny_model("llama")), "eval": _evaluations(tiny_model("llama")),
+                  "run": _run_pipeline(_pipeline_recipe(folder / "in", folder / "out-ranks"))}
+        torch.save(result, folder / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One spawn of WORLD ranks (starting processes is most of the cost) running every job."""
+    folder = tmp_path_factory.mktemp("ranks")
+    save_tiny_checkpoint(folder / "in", "llama")
+    env = {"COMPRESSOR_CACHE_DIR": str(folder / "cache")}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # inherited by the ranks and by the 1-process reference runs
+    try:
+        mp.spawn(_rank_main, args=(_free_port(), str(folder)), nprocs=WORLD, join=True)
+        results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        for r in range(WORLD):
+            (folder / f"rank{r}.pt").unlink()
+        yield folder, results
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 9, 16, 40])
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_tree_order_does_not_depend_on_world_size(n, world):
+    """The subtree partials of up to 8 ranks merge into the 1-process tree, symbol for symbol."""
+    merge = lambda a, b: f"({a}+{b})"  # noqa: E731
+    single = _Stack(0, n, merge)
+    for i in range(n):
+        single.push(i, str(i))
+    depth = (world - 1).bit_length()
+    nodes = tree_nodes(0, n, depth)
+    assert len(nodes) == 2**depth and sum(hi - lo for lo, hi in nodes) == n
+    parts = []
+    for lo, hi in nodes:
+        s = _Stack(lo, hi, merge, TREE_DEPTH - depth)
+        for i in range(lo, hi):
+            s.push(i, str(i))
+        parts.append(s.result())
+    tr = TreeReduce(n, merge)  # no process group: one rank with every item
+    assert tr.items == list(range(n))
+    while len(parts) > 1:
+        parts = [tr.merge(parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
+    assert parts[0] == single.result()
+
+
+def test_tree_keeps_few_partials_alive_and_folds_leaves_in_order():
+    """Below TREE_DEPTH levels of splits a leaf folds left to right: at most TREE_DEPTH + 2 partials
+    are alive, whatever the number of batches."""
+    merge = lambda a, b: f"({a}+{b})"  # noqa: E731
+    n = 64
+    s = _Stack(0, n, merge)
+    peak = 0
+    for i in range(n):
+        s.push(i, str(i))
+        peak = max(peak, len(s.stack) + 1)  # + the newest partial before it is pushed
+    assert peak <= TREE_DEPTH + 2
+    out = s.result()
+    assert "(((((((0+1)+2)+3)+4)+5)+6)+7)" in out  # leaf [0, 8) folds in order
+    assert out.startswith("(((") and "((((((((0+1)+2)+3)+4)+5)+6)+7)+(((((((8+9)" in out  # leaves pair up
+
+
+def _assert_same(a, b, where: str = "") -> None:
+    """Equal bit for bit (tensors), or exactly equal (everything else)."""
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                           b.view(torch.uint8) if b.is_floating_point() else b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, sorted(set(a) ^ set(b)))
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{k}]")
+    else:
+        assert a == b or (a != a and b != b), (where, a, b)
+
+
+def test_two_ranks_equal_one_process_statistics_and_evaluation(ranks):
+    _, results = ranks
+    walk = _walk_state(tiny_model("llama"))
+    evals = _evaluations(tiny_model("llama"))
+    # the batches were really split: each rank held only its share
+    local = [r["walk"].pop("local_batches").tolist() for r in results]
+    assert sorted(local[0] + local[1]) == walk.pop("local_batches").tolist() and local[0] and local[1]
+    assert not set(local[0]) & set(local[1])
+    for r in results:
+        _assert_same(r["walk"], walk, "walk")
+        _assert_same(r["eval"], evals, "eval")
+    assert any(k.endswith("heldout.spike.n") and int(v[0]) > 0 for k, v in walk.items())
+
+
+def test_two_ranks_write_the_same_checkpoint_as_one_process(ranks):
+    folder, results = ranks
+    one = _run_pipeline(_pipeline_recipe(folder / "in", folder / "out-one"))
+    assert one["exit_code"] == 0 and any(b["decision"] == "kept" for b in one["blocks"])
+    for r in results:
+        _assert_same(r["run"], one, "run")  # exit code, every decision and its perplexities, the perplexity report
+    digest = {name: hashlib.sha256((folder / name / "model.safetensors").read_bytes()).hexdigest()
+              for name in ("out-one", "out-ranks")}
+    assert digest["out-one"] == digest["out-ranks"]
+    # rank 0 alone wrote: one output folder, no stray temporary folder, no cache, no leftovers
+    assert sorted(p.name for p in folder.iterdir()) == ["in", "out-one", "out-ranks"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
