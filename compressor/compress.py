@@ -224,7 +224,7 @@ def compress_model(
     def take(r: LayerResult) -> None:
         profiles[r.index] = r.profile
         if r.fitted is not None:
-            fitted[r.index] = r.fitted
+            fitted[r.index] = kept_data.keep_fit(r.fitted)
         if r.curve is not None:
             curves.append(r.curve)
         if r.data is not None:
@@ -319,15 +319,17 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         if target == "none" and all(i in kept_data for i, lv in choice.items() if lv is not None):
             for i, lv in choice.items():
                 if lv is not None:
-                    fits[i] = kind.fit(kept_data[i], rc, lv.size)
-                    model.set_submodule(modules[i], fits[i].build(originals[i]))
+                    f = kind.fit(kept_data[i], rc, lv.size)
+                    model.set_submodule(modules[i], f.build(originals[i]))
+                    fits[i] = kept_data.keep_fit(f)
         else:
             def step(i: int, st: LayerStats) -> LayerResult:
                 return LayerResult(i, fitted=kind.fit(block_data(i, st), rc, choice[i].size))
 
             def take(r: LayerResult) -> nn.Module:
-                fits[r.index] = r.fitted
-                return r.fitted.build(originals[r.index])
+                mod = r.fitted.build(originals[r.index])
+                fits[r.index] = kept_data.keep_fit(r.fitted)
+                return mod
 
             checkpointed_walk(walker, state, f"fit ({target}) at ffn_keep {keep!r}", step, take,
                               hidden=kind.needs_hidden, target=target, spike_factor=spike_factor,

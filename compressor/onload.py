@@ -132,6 +132,20 @@ def named_tensors(model: nn.Module, buffers: bool = True) -> Iterator[tuple[str,
             yield full, tensor(mod, pname) if t.device.type == "meta" else t
 
 
+def offload_module(module: nn.Module, execution_device: torch.device) -> nn.Module:
+    """Move a freshly built module's weights to disk (accelerate's ``disk_offload``), so a replacement
+    installed in an onloaded layer is materialised only while it runs, like the layer around it.
+    Its folder is removed when the module is garbage-collected (or at exit)."""
+    import weakref
+
+    from accelerate import disk_offload
+
+    folder = offload_folder()
+    disk_offload(module, folder, execution_device=execution_device)
+    weakref.finalize(module, shutil.rmtree, folder, True)
+    return module
+
+
 def load_kwargs(config, auto_cls, offload: str, device: str, common: dict) -> dict:
     """``from_pretrained`` keyword arguments that offload the decoder layers."""
     from accelerate import init_empty_weights

@@ -63,6 +63,18 @@ class BlockStore:
         self._files: dict[int, Path] = {}
         self._folder: Path | None = None
 
+    def _ensure_folder(self) -> Path:
+        if self._folder is None:
+            self._folder = Path(tempfile.mkdtemp(prefix="compressor-stats-"))
+        return self._folder
+
+    def keep_fit(self, fitted):
+        """A :class:`~compressor.kinds.Fitted` that stays around: its tensors go to disk when this
+        store spills (an onloaded run keeps every block's fit; in RAM they would add up with depth)."""
+        if self.spill:
+            fitted.spill(self._ensure_folder())
+        return fitted
+
     def __contains__(self, i: int) -> bool:
         return i in self._data
 
@@ -77,8 +89,7 @@ class BlockStore:
             return
         from safetensors.torch import save_file
 
-        if self._folder is None:
-            self._folder = Path(tempfile.mkdtemp(prefix="compressor-stats-"))
+        self._ensure_folder()
         tensors = {}
         for name in _FIELDS:
             m = getattr(data, name)

@@ -97,6 +97,11 @@ def test_run_with_offload_equals_in_memory(tmp_path, kind):
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
     # the onloaded output loads like any other
+    # replacements in onloaded layers are onloaded too: nothing of the compressed FFNs stays in RAM
+    kept = [d["module"] for d in b.report["blocks"] if d["decision"] == "kept"]
+    assert kept
+    for path in kept:
+        assert all(p.device.type == "meta" for p in b.result.model.get_submodule(path).parameters()), path
     re = compressor.load_compressed(b.output)
     assert sum(p.numel() for p in re.parameters()) == b.report["params"]["after"]
 

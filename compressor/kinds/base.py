@@ -15,7 +15,10 @@ discriminated by ``kind``), and its module class in
 from __future__ import annotations
 
 import math
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -107,7 +110,7 @@ class Fitted:
     def build(self, like: nn.Module) -> nn.Module:
         """The replacement module with the fitted weights, on ``like``'s device and dtype."""
         from ..hf_modeling import build_replacement
-        from ..onload import execution_device
+        from ..onload import execution_device, offload_module
 
         ref = next(like.parameters())
         mod = build_replacement({"kind": self.kind, "config": self.config})
@@ -120,7 +123,41 @@ class Fitted:
         with torch.no_grad():
             for name, value in self.tensors.items():
                 state[name].copy_(value.to(state[name].dtype))
+        if ref.device.type == "meta":  # the layer is onloaded: so is its replacement
+            offload_module(mod, execution_device(like))
         return mod
+
+    def spill(self, folder: Path) -> None:
+        """Keep the tensors in a safetensors file under ``folder`` instead of RAM (read back by
+        :meth:`build`): an onloaded run holds every block's fit, and they would add up with depth."""
+        from safetensors.torch import save_file
+
+        if isinstance(self.tensors, SpilledTensors):
+            return
+        path = Path(folder) / f"fit-{self.index}-{uuid.uuid4().hex}.safetensors"
+        save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(path))
+        self.tensors = SpilledTensors(path, list(self.tensors))
+
+
+class SpilledTensors(Mapping):
+    """Read-only name → tensor mapping backed by a safetensors file (each access reads one tensor)."""
+
+    def __init__(self, path: Path, names: list[str]) -> None:
+        self.path, self.names = path, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.names:
+            raise KeyError(name)
+        with safe_open(str(self.path), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 class Kind:

