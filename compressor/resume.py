@@ -168,54 +168,55 @@ _SKIP = {"BlockData": ("ffn", "spec")}
 def encode(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """``value`` as JSON-able data plus the tensors it refers to (by name)."""
     tensors: dict[str, torch.Tensor] = {}
-    types = _record_types()
+    return _enc(value, tensors, _record_types()), tensors
 
-    def enc(v):
-        if isinstance(v, torch.Tensor):
-            name = f"t{len(tensors)}"
-            tensors[name] = v.detach().cpu().contiguous().clone()  # clone: no shared storage in safetensors
-            return {"__tensor__": name}
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            name = type(v).__name__
-            if types.get(name) is not type(v):
-                raise TypeError(f"run state cannot record a {type(v).__qualname__}")
-            skip = _SKIP.get(name, ())
-            return {"__type__": name,
-                    "fields": {f.name: enc(getattr(v, f.name)) for f in dataclasses.fields(v) if f.name not in skip}}
-        if isinstance(v, dict):
-            return {"__dict__": [[enc(k), enc(x)] for k, x in v.items()]}
-        if isinstance(v, tuple):
-            return {"__tuple__": [enc(x) for x in v]}
-        if isinstance(v, list):
-            return [enc(x) for x in v]
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return v
-        raise TypeError(f"run state cannot record a {type(v).__qualname__}")
 
-    return enc(value), tensors
+# Module-level recursion, not nested closures: a recursive closure is a reference cycle that would
+# keep each record's tensors (a layer's statistics, hundreds of MB at 1B scale) alive until the
+# cyclic garbage collector happens to run.
+def _enc(v, tensors: dict[str, torch.Tensor], types: dict[str, type]):
+    if isinstance(v, torch.Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = v.detach().cpu().contiguous().clone()  # clone: no shared storage in safetensors
+        return {"__tensor__": name}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        name = type(v).__name__
+        if types.get(name) is not type(v):
+            raise TypeError(f"run state cannot record a {type(v).__qualname__}")
+        skip = _SKIP.get(name, ())
+        return {"__type__": name, "fields": {f.name: _enc(getattr(v, f.name), tensors, types)
+                                             for f in dataclasses.fields(v) if f.name not in skip}}
+    if isinstance(v, dict):
+        return {"__dict__": [[_enc(k, tensors, types), _enc(x, tensors, types)] for k, x in v.items()]}
+    if isinstance(v, tuple):
+        return {"__tuple__": [_enc(x, tensors, types) for x in v]}
+    if isinstance(v, list):
+        return [_enc(x, tensors, types) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"run state cannot record a {type(v).__qualname__}")
 
 
 def decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of :func:`encode` (skipped fields come back as None)."""
-    types = _record_types()
+    return _dec(data, tensors, _record_types())
 
-    def dec(v):
-        if isinstance(v, list):
-            return [dec(x) for x in v]
-        if not isinstance(v, dict):
-            return v
-        if "__tensor__" in v:
-            return tensors[v["__tensor__"]]
-        if "__tuple__" in v:
-            return tuple(dec(x) for x in v["__tuple__"])
-        if "__dict__" in v:
-            return {_hashable(dec(k)): dec(x) for k, x in v["__dict__"]}
-        cls = types[v["__type__"]]
-        kwargs = {k: dec(x) for k, x in v["fields"].items()}
-        kwargs.update({k: None for k in _SKIP.get(v["__type__"], ())})
-        return cls(**kwargs)
 
-    return dec(data)
+def _dec(v, tensors: dict[str, torch.Tensor], types: dict[str, type]):
+    if isinstance(v, list):
+        return [_dec(x, tensors, types) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if "__tensor__" in v:
+        return tensors[v["__tensor__"]]
+    if "__tuple__" in v:
+        return tuple(_dec(x, tensors, types) for x in v["__tuple__"])
+    if "__dict__" in v:
+        return {_hashable(_dec(k, tensors, types)): _dec(x, tensors, types) for k, x in v["__dict__"]}
+    cls = types[v["__type__"]]
+    kwargs = {k: _dec(x, tensors, types) for k, x in v["fields"].items()}
+    kwargs.update({k: None for k in _SKIP.get(v["__type__"], ())})
+    return cls(**kwargs)
 
 
 def _hashable(k):
