@@ -244,11 +244,11 @@ def save_profiles(key: str, profiles) -> Path | None:
     from dataclasses import asdict
 
     blob = json.dumps([asdict(p) for p in profiles])  # NaN/Infinity round-trip through Python's json
-    return put(key, {"n_blocks": torch_tensor(len(profiles))},
+    return put(key, {"n_blocks": _count_tensor(len(profiles))},
                {"format": PROFILE_FORMAT, "profiles": blob, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
-def torch_tensor(n: int):
+def _count_tensor(n: int):
     import torch
 
     return torch.tensor([n], dtype=torch.int64)
