@@ -20,7 +20,8 @@ one layer's worth of everything, independent of depth:
 * **solve workspace** of that layer: for hidden-unit kinds the OBS path works
   on (d+f)² float64 matrices (standardised covariance, its Cholesky factor and
   inverse, the held-out covariance, the shrinking copies): about five of them
-  at the peak; affine kinds solve d×d systems (negligible next to the moments).
+  at the peak; every layer's affine fit and its held-out scoring (the R²_lin
+  profile) take about 13 d×d float64 matrices (measured).
 
 On a GPU (``model.device: cuda``) the weights being run, one batch of
 activations, the statistics and the workspace are on the device; the
@@ -45,6 +46,9 @@ LLAMA_SHAPES = {
 
 #: (d+f)² float64 matrices alive at the peak of a hidden-unit kind's OBS path (see module docstring).
 OBS_WORKSPACE_MATRICES = 5
+#: d² float64 matrices alive while a block's affine fit is solved and scored on its held-out partitions
+#: (every layer: the R²_lin profile); measured 12.5 at d = 2048.
+AFFINE_WORKSPACE_MATRICES = 13
 
 
 @dataclass(frozen=True)
@@ -107,14 +111,13 @@ def estimate(*, d: int, d_ff: int, layers: int, vocab: int, heads: int, kv_heads
     acts = 2 * streams * tokens * d * dtype_bytes
     xy = 4 * (2 * d * d) * f8  # fit + 3 held-out partitions, each cxx and cxy (d_out = d)
     # A per-batch partial allocates only the partitions its rows reach: the fit, or up to 3 held-out ones.
-    stats, partial, work = xy, 3 * (2 * d * d) * f8, 0
+    stats, partial = xy, 3 * (2 * d * d) * f8
+    work = AFFINE_WORKSPACE_MATRICES * d * d * f8  # every kind profiles the block first
     if kind in ("prune", "hybrid"):
         p = d + d_ff
         stats += 2 * (p * p + p * d) * f8
         partial += (p * p + p * d) * f8  # one split's z moments
-        work = OBS_WORKSPACE_MATRICES * p * p * f8
-    elif kind in ("affine", "low_rank"):
-        work = 3 * d * d * f8
+        work = max(work, OBS_WORKSPACE_MATRICES * p * p * f8)
     live = TREE_DEPTH + 2 if batches is None else min(TREE_DEPTH + 2, batches + 1)
     accumulation = (1 + live) * partial
     return MemoryEstimate(resident, layer, acts, stats, accumulation, work, resident + layers * layer)
