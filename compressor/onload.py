@@ -146,10 +146,31 @@ def offload_module(module: nn.Module, execution_device: torch.device) -> nn.Modu
     return module
 
 
+MMAP_THRESHOLD = 1 << 20
+
+
+def limit_heap_growth() -> bool:
+    """Pin glibc's mmap threshold (``mallopt(M_MMAP_THRESHOLD)``) so that freed weight and statistics
+    buffers go back to the system. glibc raises the threshold as large blocks are freed and then
+    serves tens-of-MB tensors from its heap, which fragments: an onloaded 1.17 B model's profile
+    grew ~35 MB per layer that way (2.36 GiB peak at 22 layers; 1.73 GiB with the threshold pinned).
+    Returns whether it applied (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return bool(libc is not None and libc.mallopt(-3, MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def load_kwargs(config, auto_cls, offload: str, device: str, common: dict) -> dict:
     """``from_pretrained`` keyword arguments that offload the decoder layers."""
     from accelerate import init_empty_weights
 
+    limit_heap_growth()
     with init_empty_weights():
         skeleton = auto_cls.from_config(config, trust_remote_code=common.get("trust_remote_code", False))
     exec_device = "cpu" if device == "cpu" else 0
