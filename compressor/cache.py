@@ -191,23 +191,29 @@ def stats_key(model_fp: str, data_fp: str, settings: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+def _read(key: str, fmt: str, decode, what: str):
+    """``decode(tensors, metadata)`` of the entry under ``key`` if it has format ``fmt``, else None;
+    a corrupt entry is recomputed by the caller, never fatal."""
+    found = get(key)
+    if found is None or found[1].get("format") != fmt:
+        return None
+    try:
+        value = decode(*found)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("ignoring unreadable cache entry %s: %s", key, e)
+        return None
+    logger.info("%s loaded from cache %s", what, _path(key))
+    return value
+
+
 def load_stats(key: str) -> dict[int, BlockStats] | None:
     from .measure import BlockStats
 
-    found = get(key)
-    if found is None:
-        return None
-    sd, meta = found
-    if meta.get("format") != CACHE_FORMAT:
-        return None
-    try:
+    def decode(sd, meta):
         indices = sorted({int(k.split(".")[0].removeprefix("block")) for k in sd})
-        stats = {i: BlockStats.from_state_dict(sd, i) for i in indices}
-    except Exception as e:  # noqa: BLE001 - a corrupt cache entry is recomputed, never fatal
-        logger.warning("ignoring unreadable cache entry %s: %s", key, e)
-        return None
-    logger.info("profile statistics loaded from cache %s", _path(key))
-    return stats
+        return {i: BlockStats.from_state_dict(sd, i) for i in indices}
+
+    return _read(key, CACHE_FORMAT, decode, "profile statistics")
 
 
 def save_stats(key: str, stats: dict[int, BlockStats]) -> Path | None:
@@ -224,19 +230,8 @@ def load_profiles(key: str):
     """Cached per-block profiles (:class:`compressor.profiling.BlockProfile`) under ``key``, or None."""
     from .profiling import BlockProfile
 
-    found = get(key)
-    if found is None:
-        return None
-    _, meta = found
-    if meta.get("format") != PROFILE_FORMAT:
-        return None
-    try:
-        profiles = [BlockProfile(**b) for b in json.loads(meta["profiles"])]
-    except Exception as e:  # noqa: BLE001 - a corrupt cache entry is recomputed, never fatal
-        logger.warning("ignoring unreadable cache entry %s: %s", key, e)
-        return None
-    logger.info("profile loaded from cache %s", _path(key))
-    return profiles
+    return _read(key, PROFILE_FORMAT, lambda sd, meta: [BlockProfile(**b) for b in json.loads(meta["profiles"])],
+                 "profile")
 
 
 def save_profiles(key: str, profiles) -> Path | None:

@@ -83,7 +83,8 @@ def state_dir(output: str | Path) -> Path:
 # --------------------------------------------------------------------------------------------------
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -119,7 +120,7 @@ def model_identity(src, revision: str | None = None) -> dict:
     ident["path"] = str(folder)
     ident["files"] = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
     config = folder / "config.json"
-    ident["config_sha256"] = _sha256_file(config) if config.is_file() else None
+    ident["config_sha256"] = sha256_file(config) if config.is_file() else None
     return ident
 
 

@@ -23,7 +23,6 @@ Usage (from the repo root)::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -86,12 +85,7 @@ def killed_at(cmd: list[str], record: Path, timeout: float = 3600.0) -> float:
     return time.perf_counter() - t0
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+from compressor.resume import sha256_file as sha256  # noqa: E402
 
 
 def main() -> None:
