@@ -210,11 +210,9 @@ def calibration_set(
     if extra is not None:
         streams.append(extra.flatten().to(torch.long))
     cal = split_windows(streams, seq_len, heldout_fraction, seed)
-    logger.info(
-        "calibration: %d fit + %d held-out windows of %d tokens from %s%s",
-        cal.fit.shape[0], cal.heldout.shape[0], seq_len, source.dataset if max_tokens else "",
-        f" + {extra.numel()} self-generated tokens" if extra is not None else "",
-    )
+    parts = ([source.dataset] if max_tokens else []) + ([f"{extra.numel()} self-generated tokens"] if extra is not None else [])
+    logger.info("calibration: %d fit + %d held-out windows of %d tokens from %s",
+                cal.fit.shape[0], cal.heldout.shape[0], seq_len, " + ".join(parts))
     return cal
 
 
