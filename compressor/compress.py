@@ -345,7 +345,8 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         ok, why = check(r)
         attempts.append({"ffn_keep_target": keep, "target": target, "ffn_params_kept": kept_params,
                          "ffn_params_total": ffn_total, "blocks_replaced": sum(lv is not None for lv in choice.values()),
-                         "ppl": r.ppl, "passed": ok, "gate": why})
+                         "ppl": r.ppl, "passed": ok, "gate": why,
+                         "domains": {n: {"ppl": ev.ppl, "kl": ev.kl} for n, ev in r.domains.items()}})
         logger.info("keep %.1f%% of FFN parameters (%d blocks replaced): %s",
                     100 * kept_params / ffn_total, attempts[-1]["blocks_replaced"], why)
         return r, ok, choice, fits

@@ -67,7 +67,7 @@ def _evaluations(model) -> dict:
 def _pipeline_recipe(source: Path, out: Path) -> dict:
     return {
         "model": {"source": str(source)},
-        "calibration": {"max_tokens": 1024, "seq_len": 32, "self_tokens": 256},  # 'mix': rank 0 samples
+        "calibration": {"dataset": "mix", "max_tokens": 1024, "seq_len": 32, "self_tokens": 256},  # rank 0 samples
         "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 32},
         "policy": {"threshold": -100, "ppl_budget": 0.5},
         "output": {"path": str(out)},

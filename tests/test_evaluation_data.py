@@ -75,7 +75,7 @@ def test_recipe_accepts_one_section_or_a_list_of_domains():
                                             {"dataset": "/data/code.txt", "name": "code", "seq_len": 128}]})
     assert [e.domain_name() for e in many.evaluation_domains()] == ["embedded", "test", "code"]
     assert recipe_from_dict(many.to_dict()).evaluation_domains() == many.evaluation_domains()
-    assert many.calibration.dataset == "mix" and many.policy.metric == "ppl"
+    assert many.calibration.dataset == "self" and many.policy.metric == "ppl"
 
     with pytest.raises(RecipeError, match=r"evaluation\.1\.strides: unknown key"):
         recipe_from_dict({"evaluation": [{"dataset": "embedded"}, {"strides": 3}]})
@@ -120,7 +120,7 @@ def test_run_reports_every_domain_and_gates_on_kl(tmp_path, monkeypatch):
     ev = {"max_tokens": 1024, "seq_len": 64, "stride": 32}
     recipe = recipe_from_dict({
         "model": {"source": str(src)},
-        "calibration": {"max_tokens": 2048, "seq_len": 32},
+        "calibration": {"dataset": "mix", "max_tokens": 2048, "seq_len": 32},
         "evaluation": [{"dataset": "embedded", **ev}, {"dataset": str(words), "name": "words", **ev}],
         "policy": {"threshold": -100, "metric": "kl", "kl_budget": 10.0, "order": "index"},
         "measure": {"cache": False},

@@ -13,10 +13,23 @@ Per output and text: relative perplexity change (± its paired standard error)
 and mean KL(original ‖ compressed) in nats/token. Writes
 ``tools/results/bench_transfer.json`` after each configuration.
 
-Usage (from the repo root)::
+Two modes (from the repo root)::
 
-    python tools/bench_transfer.py                 # ≈ 10-15 min on the 2-core CPU
-    python tools/bench_transfer.py --configs mix   # one row
+    # measure outputs that `compressor run` wrote (the rows the README quotes)
+    python tools/bench_transfer.py --outputs default=out/smollm2-135m-compressed wikitext=out/smollm2-135m-prune
+    # or compress in-process with the configurations below, then measure
+    python tools/bench_transfer.py --configs embedded mix
+
+In ``--outputs`` mode each output is loaded with :func:`compressor.save.load_compressed`
+and its own gate text is read from its ``report.json``.
+
+A third mode traces the *transfer curve* of a calibration source: ``prune`` with
+fisher allocation, gated on the embedded text and on WikiText-2 test at once,
+with a zero budget so that every bisection step fails and the search visits
+fixed cuts (keep 65, 82.5, 91.25, 95.6, 97.8 % of the FFN parameters); at each
+cut the change on the gate's text and on the unseen text::
+
+    python tools/bench_transfer.py --curves self mix    # ≈ 10 min per source, alone on the 2-core CPU
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import torch  # noqa: E402
 logger = logging.getLogger("bench_transfer")
 
 OUTPUT = RESULTS_DIR / "bench_transfer.json"
+CURVES_OUTPUT = RESULTS_DIR / "bench_transfer_curves.json"
 
 # The offline recipe's settings (recipes/smollm2-135m.yaml), made cheaper only in the evaluation size.
 BASE = {
@@ -74,7 +88,13 @@ def merge(base: dict, over: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="*", default=["embedded", "mix", "wikitext"])
+    ap.add_argument("--outputs", nargs="*", metavar="NAME=FOLDER",
+                    help="measure these compressor outputs instead of compressing (--configs is then ignored)")
+    ap.add_argument("--curves", nargs="*", metavar="CALIBRATION",
+                    help="trace the transfer curve of these calibration sources (self, mix, embedded, a file)")
+    ap.add_argument("--cal-tokens", type=int, default=16384, help="--curves: calibration tokens")
     ap.add_argument("--eval-tokens", type=int, default=2048)
+    ap.add_argument("--seq-len", type=int, default=256, help="evaluation window (stride = window)")
     ap.add_argument("--output", default=str(OUTPUT))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
@@ -93,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model, tok, _ = load_model(MODEL)
     load_s = time.perf_counter() - t0
+    if args.curves:
+        if args.output == str(OUTPUT):
+            args.output = str(CURVES_OUTPUT)
+        return _curves(args, model, tok, test, load_s)
 
     # The three texts every output is measured on, disjoint from every calibration used here.
     texts = {
@@ -101,13 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         "wiki-test": evaluation_tokens(tok, TextSource(str(test)), None, max_tokens=args.eval_tokens),
     }
     t0 = time.perf_counter()
-    judge = Evaluator.build(model, texts, seq_len=256, stride=256, batch_size=8, top_k=64)
+    judge = Evaluator.build(model, texts, seq_len=args.seq_len, stride=args.seq_len, batch_size=8, top_k=64)
     teacher_s = time.perf_counter() - t0
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": MODEL,
-        "environment": environment(), "eval_tokens": args.eval_tokens, "load_s": load_s, "teacher_s": teacher_s,
+        "environment": environment(), "eval_tokens": args.eval_tokens, "seq_len": args.seq_len, "load_s": load_s,
+        "teacher_s": teacher_s,
         "baseline": {k: v.to_json() for k, v in judge.baseline.domains.items()}, "runs": {},
     }
+    if args.outputs:
+        return _measure_outputs(args, judge, result)
     own = {"embedded": "embedded", "mix": "embedded", "wikitext": "wiki-valid", "mix+2domains": "embedded"}
     for name in args.configs:
         recipe = recipe_from_dict(merge(BASE, configs(str(valid), str(test), args.eval_tokens)[name]))
@@ -120,12 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         res = compress_model(m, recipe, cal, streams)
         run_s = time.perf_counter() - t0
-        after = judge(m, desc=f"judge {name}")
-        row = {}
-        for text, ev in after.domains.items():
-            b = judge.baseline.domains[text]
-            row[text] = {"ppl_before": b.ppl, "ppl_after": ev.ppl, "relative_delta": ev.ppl / b.ppl - 1,
-                         "relative_delta_se": ev.nll_delta_se * ev.ppl / b.ppl, "kl": ev.kl, "kl_se": ev.kl_se}
+        row = _row(judge, judge(m, desc=f"judge {name}"))
         result["runs"][name] = {
             "recipe": {"calibration": recipe.calibration.model_dump(), "evaluation": recipe.to_dict()["evaluation"]},
             "own_text": own[name], "calibration": cal_info, "calibration_s": cal_s, "compress_s": run_s,
@@ -141,6 +163,90 @@ def main(argv: list[str] | None = None) -> int:
         del m
     print(json.dumps({k: {t: round(r["relative_delta"], 4) for t, r in v["measured"].items()}
                       for k, v in result["runs"].items()}, indent=1))
+    return 0
+
+
+def _curves(args, model, tok, test, load_s: float) -> int:
+    """Per calibration source: gate-text and unseen-text change at the cuts a failing bisection visits."""
+    from pathlib import Path
+
+    from compressor.compress import compress_model
+    from compressor.pipeline import _calibration, evaluation_streams
+    from compressor.recipe import recipe_from_dict
+
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": MODEL,
+              "environment": environment(), "load_s": load_s, "curves": {}}
+    for cal_name in args.curves:
+        recipe = recipe_from_dict({
+            "model": {"source": MODEL},
+            "calibration": {"dataset": cal_name, "seq_len": 128, "max_tokens": args.cal_tokens,
+                            "heldout_fraction": 0.125, "batch_size": 16},
+            "evaluation": [{"dataset": "embedded", "seq_len": 256, "stride": 256, "max_tokens": 4096},
+                           {"dataset": str(test), "name": "wiki-test", "seq_len": 512, "stride": 512,
+                            "max_tokens": 8192}],
+            # budget 0: every step fails, so the bisection visits fixed cuts, the same for every source
+            "policy": {"strategy": "allocate", "allocation": "fisher", "ppl_budget": 0.0, "max_backoff": 5},
+            "replacement": {"kind": "prune"},
+            "output": {"path": "/nonexistent/bench"},
+        })
+        m = copy.deepcopy(model)
+        t0 = time.perf_counter()
+        cal, cal_info = _calibration(recipe, m, tok, use_cache=True)
+        cal_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = compress_model(m, recipe, cal, evaluation_streams(recipe, tok))
+        base = {n: ev.ppl for n, ev in res.baseline.domains.items()}
+        points = [{"ffn_keep": a["ffn_params_kept"] / a["ffn_params_total"], "blocks_replaced": a["blocks_replaced"],
+                   **{n: {"ppl": d["ppl"], "relative_delta": d["ppl"] / base[n] - 1, "kl": d["kl"]}
+                      for n, d in a["domains"].items()}}
+                  for a in res.attempts]
+        for p in points:
+            p["ratio_unseen_to_gate"] = p["wiki-test"]["relative_delta"] / max(p["embedded"]["relative_delta"], 1e-9)
+            logger.info("%s keep %.1f%%: embedded %+.2f%% (KL %.4f), wiki-test %+.2f%% (KL %.4f)", cal_name,
+                        100 * p["ffn_keep"], 100 * p["embedded"]["relative_delta"], p["embedded"]["kl"],
+                        100 * p["wiki-test"]["relative_delta"], p["wiki-test"]["kl"])
+        result["curves"][cal_name] = {"calibration": cal_info, "calibration_s": cal_s,
+                                      "compress_s": time.perf_counter() - t0, "baseline": base, "points": points}
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        del m
+    return 0
+
+
+def _row(judge, after) -> dict:
+    row = {}
+    for text, ev in after.domains.items():
+        b = judge.baseline.domains[text]
+        row[text] = {"ppl_before": b.ppl, "ppl_after": ev.ppl, "relative_delta": ev.ppl / b.ppl - 1,
+                     "relative_delta_se": ev.nll_delta_se * ev.ppl / b.ppl, "kl": ev.kl, "kl_se": ev.kl_se}
+    return row
+
+
+def _measure_outputs(args, judge, result: dict) -> int:
+    """Measure finished outputs on the three texts; the gate's own numbers come from report.json."""
+    from pathlib import Path
+
+    from compressor.save import load_compressed
+
+    for spec in args.outputs:
+        name, _, folder = spec.partition("=")
+        folder = Path(folder or name)
+        report = json.loads((folder / "report.json").read_text())
+        m = load_compressed(folder, dtype=torch.float32)
+        m.eval()
+        row = _row(judge, judge(m, desc=f"judge {name}"))
+        ev = report.get("evaluation", {})
+        result["runs"][name] = {
+            "output": str(folder), "recipe": report.get("recipe"), "calibration": report.get("calibration"),
+            "gate": {"evaluation": ev.get("domains", ev), "perplexity": report.get("perplexity")},
+            "kept": [b["index"] for b in report.get("blocks", []) if b.get("decision") == "kept"],
+            "params_before": report.get("params", {}).get("before"), "params_after": report.get("params", {}).get("after"),
+            "measured": row,
+        }
+        logger.info("%s: %s", name, {t: f"{r['relative_delta']:+.2%} KL {r['kl']:.4f}" for t, r in row.items()})
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        del m
     return 0
 
 
