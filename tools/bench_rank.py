@@ -1,0 +1,396 @@
+#!/usr/bin/env python
+"""Which calibration-side statistic ranks single-block damage on unseen text? SmolLM2-135M (issue 10).
+
+For every FFN block of SmolLM2-135M and two replacement kinds — ``affine``
+(the whole block becomes its least-squares affine map) and ``prune`` (half of
+the hidden units kept, down projection re-solved) — the block's replacement is
+installed *alone* and the model is measured against the original on
+
+* ``cal-heldout``: the held-out calibration windows (exactly those windows:
+  window length = stride = the calibration ``seq_len``);
+* ``wiki-test``: WikiText-2 ``test.txt`` (non-overlapping 512-token windows),
+  text no statistic here has seen.
+
+The calibration is what ``recipes/smollm2-135m.yaml`` would get with
+``calibration.dataset`` / ``max_tokens`` set by ``--calibration`` /
+``--cal-tokens`` (default ``mix``, 16,384 tokens). Calibration-side statistics
+per block, all from those tokens alone:
+
+* ``-R²_lin``: held-out R² of the block's affine fit (the profile), negated;
+* ``fisher cost``: the fisher block weight (loss-gradient second moment × output
+  variance, ``compress.block_weight``) × the replacement's held-out relative
+  error (SSE/SST), i.e. the cost the allocate strategy predicts;
+* ``cal ΔKL`` / ``cal ΔPPL``: KL(original ‖ swapped) and relative perplexity
+  change on the held-out calibration windows (one evaluation per block);
+
+and, for reference, the relative error and the fisher weight alone, and
+``-R²_bulk`` (R²_lin without the attention-sink and spike rows). Each is
+rank-correlated (Spearman, average ranks for ties, with a bootstrap interval
+over blocks) with the block's relative perplexity change and KL on
+``wiki-test``, over all blocks and over the blocks not flagged
+outlier-dominated. Writes ``tools/results/bench_rank.json`` after every block.
+
+Usage (from the repo root)::
+
+    python tools/bench_rank.py                                  # ≈ 30-60 min on the 2-core CPU
+    python tools/bench_rank.py --cal-tokens 2048 --test-tokens 2048 --blocks 0 1   # smoke run
+    python tools/bench_rank.py --calibration ../shared/data/wikitext-2/valid.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, quiet_offline_env
+
+logger = logging.getLogger("bench_rank")
+
+OUTPUT = RESULTS_DIR / "bench_rank.json"
+RECIPE = REPO_ROOT / "recipes" / "smollm2-135m.yaml"
+KINDS = ("affine", "prune")
+TARGETS = ("wiki_dppl", "wiki_kl")
+# Calibration-side statistics (the question of issue 10), then reference rows.
+STATISTICS = ("neg_r2_lin", "fisher_cost", "cal_kl", "cal_dppl")
+REFERENCE = ("rel_error", "fisher_weight", "neg_r2_bulk", "wiki_kl")
+LABELS = {
+    "neg_r2_lin": "-R²_lin", "fisher_cost": "fisher cost", "cal_kl": "cal ΔKL", "cal_dppl": "cal ΔPPL",
+    "rel_error": "rel. error", "fisher_weight": "fisher weight", "neg_r2_bulk": "-R²_bulk",
+    "wiki_kl": "wiki ΔKL", "wiki_dppl": "wiki ΔPPL",
+}
+
+
+# -- rank statistics (pure; tested in tests/test_bench_rank.py) -----------------------------
+def average_ranks(values: list[float]) -> list[float]:
+    """1-based ranks of ``values``; tied values share the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for j in range(start, end + 1):
+            ranks[order[j]] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def spearman(x: list[float | None], y: list[float | None]) -> float | None:
+    """Spearman's ρ: the Pearson correlation of average ranks (as ``scipy.stats.spearmanr``).
+
+    Pairs where either value is missing or not finite are dropped; None when
+    fewer than 3 pairs remain or one side is constant.
+
+    >>> spearman([1, 2, 3, 4], [10, 20, 40, 30])
+    0.8
+    """
+    pairs = [(a, b) for a, b in zip(x, y, strict=True) if _finite(a) and _finite(b)]
+    if len(pairs) < 3:
+        return None
+    rx, ry = average_ranks([a for a, _ in pairs]), average_ranks([b for _, b in pairs])
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+def bootstrap_interval(x: list[float | None], y: list[float | None], *, resamples: int = 1000,
+                       level: float = 0.95, seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of :func:`spearman`, resampling (x, y) pairs with replacement."""
+    pairs = [(a, b) for a, b in zip(x, y, strict=True) if _finite(a) and _finite(b)]
+    if len(pairs) < 3:
+        return None
+    rng = random.Random(seed)
+    rhos = []
+    for _ in range(resamples):
+        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        rho = spearman([a for a, _ in sample], [b for _, b in sample])
+        if rho is not None:
+            rhos.append(rho)
+    if not rhos:
+        return None
+    rhos.sort()
+    tail = (1 - level) / 2
+    pick = lambda q: rhos[min(len(rhos) - 1, max(0, round(q * (len(rhos) - 1))))]  # noqa: E731
+    return pick(tail), pick(1 - tail)
+
+
+def correlations(rows: list[dict], statistics: tuple[str, ...], targets: tuple[str, ...]) -> dict:
+    """``{statistic: {target: {"rho", "ci95", "n"}}}`` over ``rows`` (one dict per block)."""
+    out: dict = {}
+    for s in statistics:
+        out[s] = {}
+        for t in targets:
+            if s == t:
+                continue
+            x, y = [r.get(s) for r in rows], [r.get(t) for r in rows]
+            ci = bootstrap_interval(x, y)
+            out[s][t] = {"rho": spearman(x, y), "ci95": list(ci) if ci else None,
+                         "n": sum(_finite(a) and _finite(b) for a, b in zip(x, y))}
+    return out
+
+
+# -- the measurement --------------------------------------------------------------------------
+def calibration_recipe(calibration: str, cal_tokens: int):
+    """The offline default recipe with its calibration source and size replaced."""
+    import yaml
+
+    from compressor.recipe import recipe_from_dict
+
+    data = yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
+    data["calibration"].update(dataset=calibration, max_tokens=cal_tokens)
+    return recipe_from_dict(data)
+
+
+def _domain(ev, base) -> dict:
+    """Relative perplexity change (± paired SE) and KL of one evaluation against its baseline."""
+    ratio = ev.ppl / base.ppl
+    return {"ppl": ev.ppl, "dppl": ratio - 1, "dppl_se": None if ev.nll_delta_se is None else ev.nll_delta_se * ratio,
+            "kl": ev.kl, "kl_se": ev.kl_se}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calibration", default="mix", help="mix (default), embedded, self, or a text file")
+    ap.add_argument("--cal-tokens", type=int, default=16384, help="calibration tokens, fit + held-out")
+    ap.add_argument("--test-tokens", type=int, default=16384, help="WikiText-2 test tokens")
+    ap.add_argument("--test-seq-len", type=int, default=512, help="WikiText-2 test window (= stride)")
+    ap.add_argument("--prune-keep", type=float, default=0.5, help="share of hidden units the prune fit keeps")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--blocks", type=int, nargs="+", default=None, help="blocks to measure (default: all)")
+    ap.add_argument("--batch-size", type=int, default=4, help="test windows per forward")
+    ap.add_argument("--top-k", type=int, default=64, help="teacher log-probs kept per token for the KL")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--output", default=str(OUTPUT))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    quiet_offline_env()
+
+    import torch
+
+    from compressor.compress import FISHER_MAX_WINDOWS, _activation, block_weight
+    from compressor.data import TextSource, check_disjoint, evaluation_tokens
+    from compressor.engine import LayerWalker
+    from compressor.evaluate import Evaluator
+    from compressor.kinds import BlockData, get_kind
+    from compressor.load import load_model
+    from compressor.pipeline import _calibration
+    from compressor.profiling import block_profile
+    from compressor.recipe import AffineReplacement, PruneReplacement
+    from compressor.replace import ffn_path
+    from compressor.sensitivity import output_grad_moments
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    calibration = args.calibration
+    if calibration not in ("mix", "self", "embedded"):
+        path = Path(calibration).expanduser()
+        if not path.is_file():
+            ap.error(f"--calibration {calibration!r}: not mix, self, embedded or an existing text file")
+        calibration = str(path.resolve())
+    test_file = (WIKITEXT_DIR / "test.txt").resolve()
+    if not test_file.is_file():
+        logger.error("WikiText-2 test.txt not found under %s", WIKITEXT_DIR)
+        return 1
+    recipe = calibration_recipe(calibration, args.cal_tokens)
+    c, m = recipe.calibration, recipe.measure
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+
+    t0 = time.perf_counter()
+    model, tok, _ = load_model(MODEL, dtype=recipe.model.dtype, device=recipe.model.device)
+    timings["load_s"] = time.perf_counter() - t0
+    n_blocks = model.config.num_hidden_layers
+    blocks = sorted(set(args.blocks)) if args.blocks else list(range(n_blocks))
+    if not all(0 <= i < n_blocks for i in blocks):
+        ap.error(f"--blocks: the model has blocks 0..{n_blocks - 1}")
+    modules = {i: ffn_path(model, i) for i in blocks}
+    originals = {i: model.get_submodule(p) for i, p in modules.items()}
+
+    t0 = time.perf_counter()
+    cal, cal_info = _calibration(recipe, model, tok, use_cache=True)
+    timings["calibration_s"] = time.perf_counter() - t0
+    test_ids = evaluation_tokens(tok, TextSource(str(test_file)), None, max_tokens=args.test_tokens)
+    overlap = check_disjoint(cal, {"wiki-test": test_ids})  # raises if a calibration window is in the test text
+
+    # Teacher caches on the original model, before anything is swapped.
+    t0 = time.perf_counter()
+    domains = {"cal-heldout": cal.heldout.flatten(), "wiki-test": test_ids}
+    seq = {"cal-heldout": cal.seq_len, "wiki-test": args.test_seq_len}
+    evaluator = Evaluator.build(model, domains, seq_len=seq, stride=seq,
+                                batch_size={"cal-heldout": c.batch_size, "wiki-test": args.batch_size}, top_k=args.top_k)
+    baseline = evaluator.baseline.domains
+    timings["teacher_s"] = time.perf_counter() - t0
+    for name, b in baseline.items():
+        logger.info("baseline %s: perplexity %.4f over %d tokens (%d windows)", name, b.ppl, b.tokens, b.windows)
+
+    # One loss-gradient pass and one layer walk give every calibration-side statistic and both fits.
+    t0 = time.perf_counter()
+    grads = output_grad_moments(model, cal.fit[:FISHER_MAX_WINDOWS], modules, batch_size=c.batch_size)
+    timings["fisher_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    walker = LayerWalker(model, {"fit": cal.fit, "heldout": cal.heldout}, batch_size=c.batch_size)
+    spec, act = walker.spec, _activation(model, walker.spec)
+    cfgs = {"affine": AffineReplacement(), "prune": PruneReplacement()}
+    measured: dict[int, dict] = {}
+    fitted: dict[tuple[int, str], object] = {}
+
+    def on_layer(i, st):
+        prof, _ = block_profile(st.xy, outlier_share_flag=m.outlier_share_flag)
+        weight = block_weight("fisher", st, grads[i])
+        data = BlockData(i, originals[i], spec, act, st.xy.fit, st.xy.heldout_total(), st.zfit, st.zheld,
+                         output_weight=grads[i])
+        row = {"block": i, "module": modules[i], "r2_lin": prof.r2_lin, "r2_bulk": prof.r2_bulk,
+               "outlier_sst_share": prof.outlier_sst_share, "outlier_dominated": prof.outlier_dominated,
+               "fisher_weight": weight, "kinds": {}}
+        for name in args.kinds:
+            kind, cfg = get_kind(name), cfgs[name]
+            levels = kind.levels(data, cfg)
+            if name == "prune":
+                want = args.prune_keep * data.d_ff
+                level = min(levels, key=lambda lv: (abs(lv.size - want), -lv.size))
+            else:
+                level = levels[0]
+            f = kind.fit(data, cfg, level.size)
+            fitted[i, name] = f
+            row["kinds"][name] = {"size": level.size, "params": level.params, "rel_error": level.heldout_rel_error,
+                                  "fit_heldout_r2": f.heldout_r2, "fisher_cost": weight * level.heldout_rel_error}
+        measured[i] = row
+        logger.info("block %d: R²_lin %.4f%s, fisher weight %.4g, rel. error %s", i, prof.r2_lin,
+                    " (outlier-dominated)" if prof.outlier_dominated else "", weight,
+                    {k: round(v["rel_error"], 4) for k, v in row["kinds"].items()})
+        return None  # independent fits: nothing is installed during the walk
+
+    walker.walk(on_layer, hidden="prune" in args.kinds, spike_factor=m.spike_factor,
+                compute_dtype={"float32": torch.float32, "float64": torch.float64}[m.precision],
+                layers=blocks, desc="calibrate")
+    del walker
+    timings["walk_s"] = time.perf_counter() - t0
+
+    result = {
+        "schema": "compressor.bench_rank/v1",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": MODEL,
+        "environment": environment(), "args": vars(args),
+        "calibration": {"recipe": str(RECIPE.relative_to(REPO_ROOT)), "settings": c.model_dump(), **cal_info,
+                        "fit_windows": int(cal.fit.shape[0]), "heldout_windows": int(cal.heldout.shape[0]),
+                        "seq_len": cal.seq_len, "overlap_with_wiki_test": overlap["wiki-test"]},
+        "evaluation": {"cal-heldout": {"data": "the held-out calibration windows, one evaluation window each",
+                                       "seq_len": cal.seq_len, "stride": cal.seq_len},
+                       "wiki-test": {"data": "wikitext-2 test.txt (compressor.data.evaluation_tokens)",
+                                     "seq_len": args.test_seq_len, "stride": args.test_seq_len},
+                       "top_k": args.top_k},
+        "baseline": {k: v.to_json() for k, v in baseline.items()},
+        "definitions": {
+            "dppl": "ppl_swapped / ppl_original - 1 on the same windows; dppl_se = paired (by window) SE of the "
+                    "NLL difference × ppl ratio",
+            "kl": "mean KL(original ‖ swapped) per scored token, nats (top-k + tail coarsening: a lower bound)",
+            "rel_error": "held-out calibration SSE/SST of the replacement's output, from kind.levels: affine = "
+                         "1 − R² of the whole-block affine fit on the held-out rows (the same fit and rows as R²_lin); "
+                         "prune = the OBS path's held-out relative error at the kept size",
+            "fisher_weight": "compress.block_weight('fisher'): Σ_o E[g_o²] Var(y_o), g the loss gradient at the "
+                             f"FFN output over the first {FISHER_MAX_WINDOWS} fit windows",
+            "fisher_cost": "fisher_weight × rel_error (the allocate strategy's predicted cost)",
+            "spearman": "Pearson correlation of average ranks; ci95 = percentile bootstrap over blocks (1000 resamples)",
+        },
+        "blocks": [], "timings": timings,
+    }
+    out_path = Path(args.output)
+
+    def save() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+    # The sweep: each block's replacement alone, measured on both texts, then the original back.
+    t0 = time.perf_counter()
+    for n, i in enumerate(blocks, 1):
+        row = measured[i]
+        for name in args.kinds:
+            model.set_submodule(modules[i], fitted[i, name].build(originals[i]))
+            try:
+                ev = evaluator(model, desc=f"block {i} {name}").domains
+            finally:
+                model.set_submodule(modules[i], originals[i])
+            row["kinds"][name].update({d: _domain(ev[d], baseline[d]) for d in ev})
+            r = row["kinds"][name]
+            logger.info("(%d/%d) block %2d %-6s cal ΔPPL %+7.2f%% KL %.4f | wiki ΔPPL %+7.2f%% ± %.2f%% KL %.4f",
+                        n, len(blocks), i, name, 100 * r["cal-heldout"]["dppl"], r["cal-heldout"]["kl"],
+                        100 * r["wiki-test"]["dppl"], 100 * (r["wiki-test"]["dppl_se"] or float("nan")),
+                        r["wiki-test"]["kl"])
+        result["blocks"].append(row)
+        timings["sweep_s"] = time.perf_counter() - t0
+        save()
+    timings["evaluation_s_mean"] = timings["sweep_s"] / max(1, len(blocks) * len(args.kinds))
+
+    summarise(result, args.kinds)
+    timings["total_s"] = time.perf_counter() - t_start
+    save()
+    log_summary(result, args.kinds)
+    logger.info("wrote %s (%.1f min)", out_path, timings["total_s"] / 60)
+    return 0
+
+
+def summarise(result: dict, kinds: list[str]) -> None:
+    """Add the Spearman tables (``result["spearman"]``) and the ΔPPL range and noise (``result["summary"]``)."""
+    result["spearman"] = {}
+    for name in kinds:
+        table = [{"neg_r2_lin": -b["r2_lin"], "neg_r2_bulk": -b["r2_bulk"], "fisher_weight": b["fisher_weight"],
+                  "rel_error": b["kinds"][name]["rel_error"], "fisher_cost": b["kinds"][name]["fisher_cost"],
+                  "cal_kl": b["kinds"][name]["cal-heldout"]["kl"], "cal_dppl": b["kinds"][name]["cal-heldout"]["dppl"],
+                  "wiki_kl": b["kinds"][name]["wiki-test"]["kl"], "wiki_dppl": b["kinds"][name]["wiki-test"]["dppl"],
+                  "outlier_dominated": b["outlier_dominated"]} for b in result["blocks"]]
+        result["spearman"][name] = {
+            "all": correlations(table, STATISTICS + REFERENCE, TARGETS),
+            "not_outlier_dominated": correlations([t for t in table if not t["outlier_dominated"]],
+                                                  STATISTICS + REFERENCE, TARGETS),
+        }
+        wiki = {b["block"]: b["kinds"][name]["wiki-test"] for b in result["blocks"]}
+        dppl = {i: w["dppl"] for i, w in wiki.items()}
+        se = [w["dppl_se"] for w in wiki.values() if w["dppl_se"] is not None]
+        result.setdefault("summary", {})[name] = {
+            "wiki_dppl_min": min(dppl.values()), "wiki_dppl_min_block": min(dppl, key=dppl.get),
+            "wiki_dppl_max": max(dppl.values()), "wiki_dppl_max_block": max(dppl, key=dppl.get),
+            "wiki_dppl_median": statistics.median(dppl.values()),
+            "wiki_dppl_se_median": statistics.median(se) if se else None, "wiki_dppl_se_max": max(se, default=None),
+            "blocks_within_2se": sum(w["dppl_se"] is not None and abs(w["dppl"]) < 2 * w["dppl_se"]
+                                     for w in wiki.values()),
+        }
+
+def log_summary(result: dict, kinds: list[str]) -> None:
+    """Spearman ρ of each statistic against wiki-test ΔPPL and ΔKL, per kind and block subset."""
+    for subset in ("all", "not_outlier_dominated"):
+        head = "".join(f"{k + ' ' + LABELS[t]:>22}" for k in kinds for t in TARGETS)
+        lines = [f"Spearman ρ, {subset.replace('_', ' ')} blocks (n = "
+                 f"{', '.join(str(result['spearman'][k][subset]['fisher_cost']['wiki_dppl']['n']) for k in kinds)})",
+                 f"{'statistic':<16}{head}"]
+        for s in STATISTICS + REFERENCE:
+            cells = []
+            for k in kinds:
+                for t in TARGETS:
+                    rho = (result["spearman"][k][subset][s].get(t) or {}).get("rho")
+                    cells.append(f"{'—' if rho is None else format(rho, '+.3f'):>22}")
+            lines.append(f"{LABELS[s]:<16}{''.join(cells)}")
+        logger.info("\n%s", "\n".join(lines))
+    for k, s in result["summary"].items():
+        logger.info("%s: wiki ΔPPL from %+.2f%% to %+.2f%% (median %+.2f%%); paired SE median %.2f%%, max %.2f%%; "
+                    "%d blocks within 2 SE of 0", k, 100 * s["wiki_dppl_min"], 100 * s["wiki_dppl_max"],
+                    100 * s["wiki_dppl_median"], 100 * s["wiki_dppl_se_median"], 100 * s["wiki_dppl_se_max"],
+                    s["blocks_within_2se"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
