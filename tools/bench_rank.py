@@ -32,7 +32,7 @@ outlier-dominated. Writes ``tools/results/bench_rank.json`` after every block.
 
 Usage (from the repo root)::
 
-    python tools/bench_rank.py                                  # ≈ 30-60 min on the 2-core CPU
+    python tools/bench_rank.py                                  # ≈ 1 h alone on the 2-core CPU (60 evaluations of ~45 s)
     python tools/bench_rank.py --cal-tokens 2048 --test-tokens 2048 --blocks 0 1   # smoke run
     python tools/bench_rank.py --calibration ../shared/data/wikitext-2/valid.txt
 """
