@@ -50,7 +50,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, quiet_offline_env
+from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, paired_change, quiet_offline_env
 
 logger = logging.getLogger("bench_rank")
 
@@ -159,9 +159,8 @@ def calibration_recipe(calibration: str, cal_tokens: int):
 
 def _domain(ev, base) -> dict:
     """Relative perplexity change (± paired SE) and KL of one evaluation against its baseline."""
-    ratio = ev.ppl / base.ppl
-    return {"ppl": ev.ppl, "dppl": ratio - 1, "dppl_se": None if ev.nll_delta_se is None else ev.nll_delta_se * ratio,
-            "kl": ev.kl, "kl_se": ev.kl_se}
+    dppl, se = paired_change(ev, base)
+    return {"ppl": ev.ppl, "dppl": dppl, "dppl_se": se, "kl": ev.kl, "kl_se": ev.kl_se}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from benchlib import MODEL, RESULTS_DIR, WIKITEXT_DIR, environment, quiet_offline_env
+from benchlib import MODEL, RESULTS_DIR, WIKITEXT_DIR, environment, paired_change, quiet_offline_env
 
 quiet_offline_env()
 
@@ -217,8 +217,9 @@ def _row(judge, after) -> dict:
     row = {}
     for text, ev in after.domains.items():
         b = judge.baseline.domains[text]
-        row[text] = {"ppl_before": b.ppl, "ppl_after": ev.ppl, "relative_delta": ev.ppl / b.ppl - 1,
-                     "relative_delta_se": ev.nll_delta_se * ev.ppl / b.ppl, "kl": ev.kl, "kl_se": ev.kl_se}
+        delta, se = paired_change(ev, b)
+        row[text] = {"ppl_before": b.ppl, "ppl_after": ev.ppl, "relative_delta": delta,
+                     "relative_delta_se": se, "kl": ev.kl, "kl_se": ev.kl_se}
     return row
 
 

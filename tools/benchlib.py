@@ -71,3 +71,10 @@ def environment() -> dict:
         "processor": _cpu_model(),
         "ram_gib": _ram_gib(),
     }
+
+
+def paired_change(ev, base) -> tuple[float, float | None]:
+    """Relative perplexity change of evaluation ``ev`` against ``base`` (same windows) and its
+    standard error, paired by window (``Evaluation.nll_delta_se`` × the perplexity ratio)."""
+    ratio = ev.ppl / base.ppl
+    return ratio - 1, None if ev.nll_delta_se is None else ev.nll_delta_se * ratio
