@@ -28,18 +28,20 @@ import importlib
 import importlib.util
 import sys
 
-__version__ = "0.1.0"
+from compressor.core.version import __version__
 
-# public name -> submodule that defines it
+# public name -> module that defines it
 _PUBLIC = {
-    "ARCHITECTURES": "archs", "UnsupportedModelError": "archs",
-    "EXIT_ERROR": "pipeline", "EXIT_GATE": "pipeline", "EXIT_INVALID": "pipeline", "EXIT_OK": "pipeline",
-    "InputError": "pipeline", "RunResult": "pipeline", "profile": "pipeline", "run": "pipeline",
-    "write_profile": "pipeline",
-    "Recipe": "recipe", "RecipeError": "recipe", "load_recipe": "recipe", "recipe_from_dict": "recipe",
-    "load_compressed": "save", "register_auto_classes": "save",
-    "NonFiniteActivationError": "checks", "NonFiniteWeightsError": "checks", "DataFileError": "checks",
-    "check_weights_finite": "checks", "check_activations_finite": "checks",
+    "ARCHITECTURES": "core.archs",
+    "EXIT_ERROR": "core.errors", "EXIT_GATE": "core.errors", "EXIT_INVALID": "core.errors", "EXIT_OK": "core.errors",
+    "InputError": "core.errors", "UnsupportedModelError": "core.errors", "RecipeError": "core.errors",
+    "NonFiniteActivationError": "core.errors", "NonFiniteWeightsError": "core.errors", "DataFileError": "core.errors",
+    "check_weights_finite": "core.finite", "check_activations_finite": "core.finite",
+    "Recipe": "recipe", "load_recipe": "recipe", "recipe_from_dict": "recipe",
+    "RunResult": "pipeline.runner", "run": "pipeline.runner",
+    "profile": "pipeline.profiler", "write_profile": "pipeline.profiler",
+    "load_compressed": "output.hf", "register_auto_classes": "output.hf",
+    "WRITERS": "output", "get_writer": "output",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -53,8 +55,8 @@ def register_compressed_types() -> None:
     if _registered:
         return
     _registered = True
-    from .archs import ARCHITECTURES
-    from .save import register_auto_classes
+    from compressor.core.archs import ARCHITECTURES
+    from compressor.output.hf import register_auto_classes
 
     register_auto_classes([t for t, spec in ARCHITECTURES.items() if spec.compressible])
 
@@ -63,7 +65,7 @@ def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is None:
         if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            return importlib.import_module(f".{name}", __name__)  # compressor.measure, compressor.fit, …
+            return importlib.import_module(f".{name}", __name__)  # compressor.engine, compressor.fitting, …
         raise AttributeError(f"module 'compressor' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     if "transformers" in sys.modules:  # free now; a recipe-only user never pays for it

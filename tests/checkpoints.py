@@ -13,7 +13,7 @@ def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from compressor.data import _embedded_documents
+    from compressor.inputs.data import _embedded_documents
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -49,6 +49,6 @@ def no_loading(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("compressor.pipeline.load_model", boom)
-    monkeypatch.setattr("compressor.load.load_model", boom)
+    monkeypatch.setattr("compressor.pipeline.stages.load_model", boom)
+    monkeypatch.setattr("compressor.inputs.load.load_model", boom)
     return boom

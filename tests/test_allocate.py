@@ -1,4 +1,4 @@
-"""Allocation of one parameter budget across blocks (compressor.allocate)."""
+"""Allocation of one parameter budget across blocks (compressor.policy.allocate)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from compressor.allocate import BlockCurve, allocate
-from compressor.kinds import Level
+from compressor.policy.allocate import BlockCurve, allocate
+from compressor.fitting.kinds import Level
 
 
 def _curves(seed: int, n_blocks: int = 4, n_levels: int = 5) -> list[BlockCurve]:

@@ -108,7 +108,7 @@ def test_bad_input_before_loading(tmp_path, capsys, monkeypatch, make, code, exp
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("compressor.pipeline.load_model", boom)
+    monkeypatch.setattr("compressor.pipeline.stages.load_model", boom)
     src = save_tiny_checkpoint(tmp_path / "in", "llama")
     d = recipe_dict(src, tmp_path / "out")
     path = make(tmp_path, d)
@@ -179,7 +179,7 @@ def test_profile_also_refuses_nan_weights(tmp_path, capsys):
 def test_activation_overflow_names_block_and_dtype():
     import torch
 
-    from compressor.checks import NonFiniteActivationError, check_activations_finite
+    from compressor.core.finite import NonFiniteActivationError, check_activations_finite
 
     check_activations_finite(0, "FFN input", torch.ones(2, 3), torch.float32)  # finite: no error
     t = torch.tensor([[1.0, float("inf")], [float("nan"), 0.0]], dtype=torch.float16)
@@ -196,8 +196,8 @@ def test_activation_overflow_names_block_and_dtype():
 def test_activation_check_runs_during_measurement(tiny_model):
     import torch
 
-    from compressor.checks import NonFiniteActivationError
-    from compressor.measure import collect
+    from compressor.core.errors import NonFiniteActivationError
+    from compressor.engine.measure import collect
 
     model = tiny_model("llama")
     with torch.no_grad():

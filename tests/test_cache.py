@@ -10,7 +10,7 @@ import torch
 
 from test_cli import isolated  # noqa: F401  (autouse fixture: logging restored, cache in tmp_path)
 
-from compressor import cache
+from compressor.engine import cache
 from compressor.cli import main
 
 
@@ -89,7 +89,7 @@ def test_cli_cache_info_and_clear(cache_here, capsys, monkeypatch):
 
 
 def test_stats_roundtrip_on_top_of_generic_layer(cache_here, tiny_model):
-    from compressor.measure import collect
+    from compressor.engine.measure import collect
 
     model = tiny_model("llama")
     ids = torch.randint(2, 100, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""Data parallelism (:mod:`compressor.distributed`): 2 gloo ranks give the same bits as 1 process.
+"""Data parallelism (:mod:`compressor.core.distributed`): 2 gloo ranks give the same bits as 1 process.
 
 The ranks are spawned by the test (CPU, gloo, one intra-op thread each, a free
 local port); the 1-process reference runs in the test process on one thread
@@ -22,10 +22,10 @@ from checkpoints import save_tiny_checkpoint
 from tiny import random_windows, tiny_model
 
 import compressor
-from compressor.distributed import TREE_DEPTH, TreeReduce, _Stack, tree_nodes
-from compressor.engine import LayerWalker
-from compressor.evaluate import Evaluator, perplexity
-from compressor.sensitivity import output_grad_moments
+from compressor.core.distributed import TREE_DEPTH, TreeReduce, _Stack, tree_nodes
+from compressor.engine.walker import LayerWalker
+from compressor.evaluation.evaluate import Evaluator, perplexity
+from compressor.engine.sensitivity import output_grad_moments
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -1,7 +1,7 @@
-"""The layer-sequential engine (:class:`compressor.engine.LayerWalker`).
+"""The layer-sequential engine (:class:`compressor.engine.walker.LayerWalker`).
 
 Its statistics are checked against the whole-model pass of
-:func:`compressor.measure.collect` and, for the teacher targets, against
+:func:`compressor.engine.measure.collect` and, for the teacher targets, against
 moments computed here from rows captured with forward hooks.
 """
 
@@ -13,11 +13,11 @@ import weakref
 import pytest
 import torch
 
-from compressor.engine import LayerWalker
-from compressor.kinds import BlockData, get_kind
-from compressor.measure import PARTS, collect
+from compressor.engine.walker import LayerWalker
+from compressor.fitting.kinds import BlockData, get_kind
+from compressor.engine.measure import PARTS, collect
 from compressor.recipe import HybridReplacement
-from compressor.stats import Moments
+from compressor.core.stats import Moments
 from tiny import (
     COMPRESSIBLE,
     activation_name,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tiny import VOCAB, tiny_model
 
-from compressor.evaluate import (
+from compressor.evaluation.evaluate import (
     Evaluator, TeacherCache, _windows, evaluate, gate_check, perplexity, ratio_mean_se,
 )
 

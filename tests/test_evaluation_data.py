@@ -12,7 +12,7 @@ import yaml
 
 from checkpoints import save_tiny_checkpoint, tiny_tokenizer
 
-from compressor.data import (
+from compressor.inputs.data import (
     CalibrationSet, OverlapError, TextSource, calibration_set, check_disjoint, evaluation_tokens, same_source,
 )
 from compressor.recipe import RecipeError, recipe_from_dict
@@ -90,8 +90,8 @@ def test_recipe_accepts_one_section_or_a_list_of_domains():
 
 
 def test_too_small_evaluation_set_exits_2_before_the_model_loads(tmp_path, monkeypatch, capsys):
-    from compressor import pipeline
     from compressor.cli import main
+    from compressor.pipeline import stages
 
     src = save_tiny_checkpoint(tmp_path / "ckpt", "llama")
     (tmp_path / "tiny_eval.txt").write_text("alpha beta gamma delta omega river stone cloud light metal\n")
@@ -99,7 +99,7 @@ def test_too_small_evaluation_set_exits_2_before_the_model_loads(tmp_path, monke
     def no_model(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(pipeline, "load_model", no_model)
+    monkeypatch.setattr(stages, "load_model", no_model)
     monkeypatch.setenv("COMPRESSOR_CACHE_DIR", str(tmp_path / "cache"))
     recipe = {"model": {"source": str(src)}, "evaluation": {"dataset": str(tmp_path / "tiny_eval.txt")},
               "output": {"path": str(tmp_path / "out")}}

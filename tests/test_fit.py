@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from compressor.fit import (
+from compressor.fitting.solve import (
     effective_rank,
     fit_r2_at_rank,
     low_rank,
@@ -16,7 +16,7 @@ from compressor.fit import (
     score,
     solve_affine,
 )
-from compressor.stats import Moments
+from compressor.core.stats import Moments
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -19,14 +19,14 @@ import torch
 
 import compressor
 from checkpoints import save_tiny_checkpoint
-from compressor.engine import LayerWalker
-from compressor.fit import subset
-from compressor.hf_modeling import COMPRESSION_FORMAT, HiddenUnitFFN
-from compressor.kinds import BlockData, get_kind
-from compressor.obs import obs_path
+from compressor.engine.walker import LayerWalker
+from compressor.fitting.solve import subset
+from compressor.core.modeling import COMPRESSION_FORMAT, HiddenUnitFFN
+from compressor.fitting.kinds import BlockData, get_kind
+from compressor.fitting.obs import obs_path
 from compressor.recipe import HybridReplacement, PruneReplacement
-from compressor.replace import count_params
-from compressor.stats import Moments
+from compressor.fitting.replace import count_params
+from compressor.core.stats import Moments
 from tiny import (
     COMPRESSIBLE,
     INTERMEDIATE,
@@ -213,7 +213,7 @@ def _cols(kept) -> list[int]:
     return list(range(N_FIXED)) + [N_FIXED + int(j) for j in kept]
 
 
-# The path ridges its running inverse (compressor.obs.PATH_DAMPING, 1e-6 on the
+# The path ridges its running inverse (compressor.fitting.obs.PATH_DAMPING, 1e-6 on the
 # standardized covariance) for stability; "exact" switches the ridge off so the
 # closed-form algebra is checked to rounding, "default" checks the shipped
 # path stays within a small share of SST of the exact refits.
@@ -225,7 +225,7 @@ def obs_tolerance(request, monkeypatch) -> float:
     """Tolerance (in units of SST) of the OBS path for the parametrized damping mode."""
     damping, tol = DAMPING[request.param]
     if damping is not None:
-        monkeypatch.setattr("compressor.obs.PATH_DAMPING", damping)
+        monkeypatch.setattr("compressor.fitting.obs.PATH_DAMPING", damping)
     return tol
 
 
@@ -458,8 +458,8 @@ def test_allocate_recipe_rules():
 def test_obs_path_survives_fewer_rows_than_regressors_with_a_warning(caplog):
     """n < p with float32 chunk products: the default ridge can be too small; the path retries
     with more damping and says the fit is under-determined (instead of failing)."""
-    from compressor.obs import obs_path
-    from compressor.stats import Moments
+    from compressor.fitting.obs import obs_path
+    from compressor.core.stats import Moments
 
     g = torch.Generator().manual_seed(0)
     p, n = 300, 40
@@ -467,7 +467,7 @@ def test_obs_path_survives_fewer_rows_than_regressors_with_a_warning(caplog):
     y = z[:, :5] * 2.0
     m = Moments(p, 5)
     m.update(z, y, torch.float32)
-    with caplog.at_level("WARNING", logger="compressor.obs"):
+    with caplog.at_level("WARNING", logger="compressor.fitting.obs"):
         path = obs_path(m, None, 0, step=30)
     assert path.sizes[0] == p and path.sizes[-1] == 0
     assert any("calibration rows" in r.getMessage() for r in caplog.records)

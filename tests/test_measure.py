@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 
-from compressor.archs import ARCHITECTURES, UnsupportedModelError, arch_for
-from compressor.measure import PARTS, StatsCollector, collect
-from compressor.profiling import block_profile
-from compressor.stats import LogHistogram
+from compressor.core.archs import ARCHITECTURES, UnsupportedModelError, arch_for
+from compressor.engine.measure import PARTS, StatsCollector, collect
+from compressor.engine.profiling import block_profile
+from compressor.core.stats import LogHistogram
 from tiny import ARCH_MATRIX, ffn_reference_modules, random_windows, tiny_model
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")

@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
-from compressor.engine import LayerWalker
-from compressor.memory import LLAMA_SHAPES, estimate, layer_params
-from compressor.replace import count_params
+from compressor.engine.walker import LayerWalker
+from compressor.engine.memory import LLAMA_SHAPES, estimate, layer_params
+from compressor.fitting.replace import count_params
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

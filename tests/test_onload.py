@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from checkpoints import save_tiny_checkpoint
 
 import compressor
-from compressor.load import load_model
-from compressor.onload import execution_device, is_offloaded, named_tensors, tensor
+from compressor.inputs.load import load_model
+from compressor.core.onload import execution_device, is_offloaded, named_tensors, tensor
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -115,7 +115,7 @@ def test_offload_refuses_a_dtype_it_cannot_stream(tmp_path, no_loading):
 
 
 def test_offloaded_nan_weight_is_found(tmp_path):
-    from compressor.checks import NonFiniteWeightsError, check_weights_finite
+    from compressor.core.finite import NonFiniteWeightsError, check_weights_finite
 
     src = save_tiny_checkpoint(tmp_path / "in", "llama")
     model, _, _ = load_model(str(src))
@@ -128,9 +128,9 @@ def test_offloaded_nan_weight_is_found(tmp_path):
 
 
 def test_block_store_spills_statistics_and_gives_them_back(tmp_path):
-    from compressor.kinds.base import BlockData
-    from compressor.spill import BlockStore
-    from compressor.stats import Moments
+    from compressor.fitting.kinds.base import BlockData
+    from compressor.engine.spill import BlockStore
+    from compressor.core.stats import Moments
 
     g = torch.Generator().manual_seed(0)
 

@@ -21,8 +21,8 @@ import torch
 from checkpoints import COMPRESSIBLE, save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
 
 import compressor
-from compressor.hf_modeling import COMPRESSION_FORMAT, AffineFFN, LowRankAffineFFN
-from compressor.replace import count_params
+from compressor.core.modeling import COMPRESSION_FORMAT, AffineFFN, LowRankAffineFFN
+from compressor.fitting.replace import count_params
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -88,7 +88,7 @@ def tried_order(records, n_blocks: int) -> list[int]:
     order = []
     for rec in records:
         m = re.match(r"block (\d+) (kept|rejected):", rec.getMessage())
-        if rec.name == "compressor.gate" and m:
+        if rec.name == "compressor.policy.greedy" and m:
             order.append(int(m.group(1)))
     assert all(0 <= i < n_blocks for i in order)
     return order
@@ -100,7 +100,7 @@ def trained_llama(tmp_path_factory) -> Path:
 
     replacing them raises perplexity (a random model is near-uniform, and its
     perplexity moves either way when an FFN is replaced)."""
-    from compressor.data import _embedded_documents, tokenize_stream
+    from compressor.inputs.data import _embedded_documents, tokenize_stream
 
     folder = tmp_path_factory.mktemp("trained-llama")
     tok = tiny_tokenizer()
@@ -291,8 +291,8 @@ def test_loads_without_compressor_installed(tmp_path):
 def test_rollback_restores_original_blocks(tmp_path, trained_llama):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compressor.data import TextSource, evaluation_tokens
-    from compressor.evaluate import perplexity
+    from compressor.inputs.data import TextSource, evaluation_tokens
+    from compressor.evaluation.evaluate import perplexity
 
     out = tmp_path / "out"
     recipe = make_recipe(trained_llama, out, policy={"ppl_budget": 0.0, "budget_mode": "absolute", "min_blocks": 0,
@@ -468,7 +468,7 @@ def test_removed_refit_option_is_refused_with_its_replacement(tmp_path):
 def test_swap_sweep_and_swap_ppl_order(tmp_path, caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="compressor.gate")
+    caplog.set_level(logging.INFO, logger="compressor.policy.greedy")
     src = save_tiny_checkpoint(tmp_path / "in", "llama")
     res = compressor.run(make_recipe(src, tmp_path / "out", measure={"swap_sweep": True}, policy={"order": "swap_ppl"}))
     assert res.exit_code == 0

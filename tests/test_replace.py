@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.fit import low_rank, solve_affine
-from compressor.hf_modeling import AffineFFN, LowRankAffineFFN
-from compressor.measure import collect
-from compressor.replace import build_module, ffn_path, swap
+from compressor.fitting.solve import low_rank, solve_affine
+from compressor.core.modeling import AffineFFN, LowRankAffineFFN
+from compressor.engine.measure import collect
+from compressor.fitting.replace import build_module, ffn_path, swap
 from tiny import COMPRESSIBLE, PROFILE_ONLY, ffn_reference_modules, random_windows, tiny_model
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")

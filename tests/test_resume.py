@@ -1,4 +1,4 @@
-"""Resume an interrupted run (compressor.resume): a run that failed at layer k or at a gate
+"""Resume an interrupted run (compressor.engine.resume): a run that failed at layer k or at a gate
 evaluation, resumed, gives byte-identical weights and the same decisions as an uninterrupted
 run, measures no finished layer and repeats no recorded evaluation; a state of another
 model, data or recipe is refused (exit 2), as is --resume with nothing to resume."""
@@ -18,10 +18,10 @@ from test_cli import isolated  # noqa: F401  (autouse: undoes main()'s logging c
 
 import compressor
 from compressor.cli import main
-from compressor.engine import LayerWalker
-from compressor.evaluate import Evaluator
-from compressor.kinds.hidden import HiddenUnitKind
-from compressor.resume import ResumeError, RunState, decode, encode, state_dir
+from compressor.engine.walker import LayerWalker
+from compressor.evaluation.evaluate import Evaluator
+from compressor.fitting.kinds.hidden import HiddenUnitKind
+from compressor.engine.resume import ResumeError, RunState, decode, encode, state_dir
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -166,7 +166,7 @@ def _interrupted_cli_run(tmp_path: Path, source: Path, recipe: dict) -> Path:
 
 def test_mismatched_state_is_refused(tmp_path, source, capsys):
     text = tmp_path / "calibration.txt"
-    from compressor.data import _embedded_documents
+    from compressor.inputs.data import _embedded_documents
 
     docs = _embedded_documents("calibration")
     text.write_text("\n\n".join(docs))
@@ -246,7 +246,7 @@ def test_a_foreign_folder_at_the_state_path_is_left_alone(tmp_path):
 
 
 def test_records_round_trip_exactly():
-    from compressor.kinds import Fitted
+    from compressor.fitting.kinds import Fitted
 
     f = Fitted(kind="prune", index=2, config={"units": 3, "act": "silu", "gated": True},
                tensors={"out.weight": torch.randn(4, 3, dtype=torch.float64).T, "out.bias": torch.zeros(0)},

@@ -21,7 +21,7 @@ from checkpoints import save_tiny_checkpoint
 from test_cli import isolated, recipe_dict, write_recipe  # noqa: F401  (isolated is an autouse fixture)
 
 from compressor.cli import main
-from compressor.safety import check_output_folder, clean_stale_temps, is_compressor_output, OutputError
+from compressor.inputs.safety import check_output_folder, clean_stale_temps, is_compressor_output, OutputError
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -149,7 +149,7 @@ def test_bad_report_path_fails_before_loading(project, capsys, no_loading, where
 def test_report_write_failure_after_publishing_is_exit_1(project, capsys, monkeypatch):
     import shutil
 
-    from compressor import pipeline
+    from compressor.pipeline import runner as pipeline
 
     real_run = pipeline.run
     report_dir = project / "reports"
@@ -193,7 +193,7 @@ def test_stale_temp_folders_of_dead_runs_are_removed(project, capsys):
     assert not stale.exists()
     assert alive.is_dir() and other.is_dir()
     err = capsys.readouterr().err
-    assert f"WARNING compressor.safety: removed {stale}" in err and f"process {dead} no longer exists" in err
+    assert f"WARNING compressor.inputs.safety: removed {stale}" in err and f"process {dead} no longer exists" in err
 
 
 def test_clean_stale_temps_ignores_files_and_live_pids(tmp_path):

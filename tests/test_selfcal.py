@@ -8,8 +8,8 @@ import torch
 from checkpoints import tiny_tokenizer
 from tiny import tiny_model
 
-from compressor import selfcal
-from compressor.selfcal import SelfCalSettings, generate_tokens, self_calibration_tokens
+from compressor.inputs import selfcal
+from compressor.inputs.selfcal import SelfCalSettings, generate_tokens, self_calibration_tokens
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

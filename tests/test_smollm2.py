@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import compressor
-from compressor.data import TextSource, calibration_set
-from compressor.load import load_model
-from compressor.pipeline import profile
+from compressor.inputs.data import TextSource, calibration_set
+from compressor.inputs.load import load_model
+from compressor.pipeline.profiler import profile
 
 pytestmark = [
     pytest.mark.slow,
@@ -102,7 +102,7 @@ def test_gated_compress_saves_loadable_checkpoint(tmp_path, monkeypatch):
 
     from transformers import AutoModelForCausalLM
 
-    from compressor.save import rounded_copy
+    from compressor.output.hf import rounded_copy
 
     # A GGUF source is saved as bfloat16 (output.dtype: source): about half the float32 size.
     assert res.report["size"]["output_dtype"] == "bfloat16"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from compressor.stats import LogHistogram, Moments
+from compressor.core.stats import LogHistogram, Moments
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -31,7 +31,7 @@ ARCH_MATRIX = [
     "roberta",
 ]
 
-# Architectures whose FFN is one module that ``compressor.replace`` can swap.
+# Architectures whose FFN is one module that ``compressor.fitting.replace`` can swap.
 PROFILE_ONLY = ("bert", "roberta")
 COMPRESSIBLE = [t for t in ARCH_MATRIX if t not in PROFILE_ONLY]
 
@@ -107,7 +107,7 @@ def random_windows(n: int, seq_len: int, vocab: int = VOCAB, seed: int = 0) -> t
 
 
 def ffn_reference_modules(model: torch.nn.Module, model_type: str, index: int):
-    """``(in_module, out_module)`` of block ``index``, resolved independently of compressor.archs."""
+    """``(in_module, out_module)`` of block ``index``, resolved independently of compressor.core.archs."""
     if model_type in PROFILE_ONLY:
         base = getattr(model, model_type, model)  # BertModel itself, or BertFor*.bert
         layer = base.encoder.layer[index]
@@ -122,7 +122,7 @@ def ffn_reference_modules(model: torch.nn.Module, model_type: str, index: int):
 
 
 def ffn_down_reference(model: torch.nn.Module, model_type: str, index: int) -> torch.nn.Module:
-    """Block ``index``'s down projection (its input is the hidden units), resolved independently of compressor.archs."""
+    """Block ``index``'s down projection (its input is the hidden units), resolved independently of compressor.core.archs."""
     mlp, _ = ffn_reference_modules(model, model_type, index)
     name = {"gpt2": "c_proj", "gpt_neox": "dense_4h_to_h"}.get(model_type, "down_proj")
     return getattr(mlp, name)

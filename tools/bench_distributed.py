@@ -24,10 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, quiet_offline_env
+from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, environment, load_average, quiet_offline_env, utc_now, wikitext, write_json
 
 quiet_offline_env()
 
@@ -35,7 +34,7 @@ OUTPUT = RESULTS_DIR / "bench_distributed.json"
 
 
 def recipe(out: Path, cal_tokens: int, eval_tokens: int) -> dict:
-    valid = str((WIKITEXT_DIR / "valid.txt").resolve())
+    valid = str(wikitext("valid.txt"))
     return {
         "model": {"source": MODEL},
         "calibration": {"dataset": valid, "seq_len": 128, "max_tokens": cal_tokens, "batch_size": 8},
@@ -54,8 +53,9 @@ def worker(args) -> int:
 
     torch.set_num_threads(1)
     import compressor
-    from compressor import compress, distributed
-    from compressor.engine import LayerWalker
+    from compressor.policy import compress
+    from compressor.core import distributed
+    from compressor.engine.walker import LayerWalker
 
     distributed.init_from_env("cpu")
     rank = distributed.rank()
@@ -99,7 +99,7 @@ def launch(world: int, rec: dict, stats_dir: Path) -> tuple[float, float]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *script]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, cwd=REPO_ROOT)
-    return time.perf_counter() - t0, os.getloadavg()[1]  # 5-minute load: how many cores were free
+    return time.perf_counter() - t0, load_average()[1]  # 5-minute load: how many cores were free
 
 
 def max_relative_diff(a: dict, b: dict) -> float:
@@ -143,7 +143,7 @@ def main() -> int:
         ref = one["ranks"][0]
         summary = {
             "schema": "compressor.bench_distributed/v1",
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": utc_now(),
             "environment": environment(),
             "model": MODEL,
             "recipe": recipe(Path("<out>"), args.cal_tokens, args.eval_tokens),
@@ -167,7 +167,7 @@ def main() -> int:
             "load_avg_5min_after": {"1": one["load_avg_5min"], str(args.world): many["load_avg_5min"]},
             "run_ratio": many["ranks"][0]["run_s"] / ref["run_s"],
         }
-        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(args.output, summary)
         print(json.dumps({k: summary[k] for k in ("stats_max_relative_diff", "stats_sha256_equal", "decisions_equal",
                                                    "checkpoint_identical", "wall_s", "wall_ratio", "run_ratio")},
                          indent=2))

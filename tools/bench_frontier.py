@@ -28,27 +28,28 @@ import logging
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from benchlib import MODEL, RESULTS_DIR, WIKITEXT_DIR, environment, quiet_offline_env
+from benchlib import (MODEL, RESULTS_DIR, device_sync, environment, load_bench_model, prefill_decode, quiet_offline_env,
+                      stopwatch, utc_now, wikitext, write_json)
+from bench_frontier_report import best_points, plot
 
 quiet_offline_env()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from compressor.allocate import BlockCurve, allocate  # noqa: E402
-from compressor.compress import _activation, block_weight  # noqa: E402
-from compressor.profiling import block_profile  # noqa: E402
-from compressor.sensitivity import output_grad_moments  # noqa: E402
-from compressor.data import tokenize_stream  # noqa: E402
-from compressor.engine import LayerWalker  # noqa: E402
-from compressor.kinds import BlockData, get_kind  # noqa: E402
-from compressor.load import load_model  # noqa: E402
-from compressor.recipe import AffineReplacement, HybridReplacement, PruneReplacement  # noqa: E402
-from compressor.replace import count_params, ffn_path  # noqa: E402
-from compressor.evaluate import perplexity  # noqa: E402
+from compressor.core.params import count_params  # noqa: E402
+from compressor.engine.profiling import block_profile  # noqa: E402
+from compressor.engine.sensitivity import output_grad_moments  # noqa: E402
+from compressor.engine.walker import LayerWalker  # noqa: E402
+from compressor.evaluation.evaluate import perplexity  # noqa: E402
+from compressor.fitting.kinds import BlockData, get_kind  # noqa: E402
+from compressor.fitting.replace import ffn_path  # noqa: E402
+from compressor.inputs.data import tokenize_stream  # noqa: E402
+from compressor.policy.allocate import BlockCurve, allocate  # noqa: E402
+from compressor.policy.compress import _activation, block_weight  # noqa: E402
+from compressor.recipe.schema import AffineReplacement, HybridReplacement, PruneReplacement  # noqa: E402
 
 logger = logging.getLogger("bench_frontier")
 
@@ -93,10 +94,10 @@ def main() -> int:
     if args.quick:
         args.cal_tokens, args.eval_tokens, args.keeps, args.teacher_keeps = [4096], 1024, [0.8], [0.8]
         args.teacher_variants = ["prune/fisher"]
-    device = args.device
-    model, tok, _ = load_model(MODEL, device=device)
+    device, sync = args.device, device_sync(args.device)
+    model, tok, _, _ = load_bench_model(MODEL, device=device)
     model.requires_grad_(False)
-    valid_docs, test_docs = read_docs(WIKITEXT_DIR / "valid.txt"), read_docs(WIKITEXT_DIR / "test.txt")
+    valid_docs, test_docs = read_docs(wikitext("valid.txt")), read_docs(wikitext("test.txt"))
     test_ids = tokenize_stream(tok, test_docs, args.eval_tokens)
     n_blocks = model.config.num_hidden_layers
     modules = {i: ffn_path(model, i) for i in range(n_blocks)}
@@ -111,7 +112,7 @@ def main() -> int:
     def ppl() -> float:
         return perplexity(model, test_ids, seq_len=512, stride=512, batch_size=16, desc="eval").ppl
 
-    out = {"schema": "compressor.bench_frontier/v1", "date": datetime.now(timezone.utc).isoformat(),
+    out = {"schema": "compressor.bench_frontier/v1", "date": utc_now("auto"),
            "environment": environment(), "device": device, "args": vars(args),
            "eval": {"data": "wikitext-2 test.txt", "tokens": int(test_ids.numel()), "window": 512, "stride": 512},
            "ffn_params_total": ffn_total, "model_params": model_total}
@@ -124,8 +125,7 @@ def main() -> int:
     path = Path(args.output)
 
     def save():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
+        write_json(path, out)
 
     for n_cal in args.cal_tokens:
         stream = tokenize_stream(tok, valid_docs, n_cal)
@@ -138,15 +138,11 @@ def main() -> int:
         run = {"cal_tokens": int(n_win * 128), "series": {}}
         out["runs"].append(run)
         # one plain forward over the calibration windows, for the cost ratio
-        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-        sync(); t0 = time.perf_counter()
-        with torch.no_grad():
+        with stopwatch(run, "plain_forward_s", sync), torch.no_grad():
             for s in range(0, n_win, args.batch_size):
                 model(input_ids=windows[s:s + args.batch_size].to(device), use_cache=False)
-        sync(); run["plain_forward_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        grads = output_grad_moments(model, fit_w[:128], modules, batch_size=args.batch_size)
-        sync(); run["fisher_s"] = time.perf_counter() - t0
+        with stopwatch(run, "fisher_s", sync):
+            grads = output_grad_moments(model, fit_w[:128], modules, batch_size=args.batch_size)
         t0 = time.perf_counter()
         walker = LayerWalker(model, {"fit": fit_w, "heldout": held_w}, batch_size=args.batch_size)
         spec, act = walker.spec, _activation(model, walker.spec)
@@ -180,13 +176,10 @@ def main() -> int:
             variants = {k: v for k, v in variants.items() if k in wanted}
         # the outlier-dominated blocks stay original: the target counts them as kept
         flagged_params = sum(ffn_params[i] for i in flagged)
-        t0 = time.perf_counter()
-        curves = {}
-        for name, (kname, cfg, mode) in variants.items():
-            k = get_kind(kname)
-            curves[name] = [BlockCurve(i, ffn_params[i], k.levels(data[i], cfg), weights[mode][i])
-                            for i in range(n_blocks) if i not in flagged]
-        run["obs_paths_s"] = time.perf_counter() - t0
+        with stopwatch(run, "obs_paths_s"):
+            curves = {name: [BlockCurve(i, ffn_params[i], get_kind(kname).levels(data[i], cfg), weights[mode][i])
+                             for i in range(n_blocks) if i not in flagged]
+                      for name, (kname, cfg, mode) in variants.items()}
         run["weights"] = weights
         logger.info("cal %d: plain forward %.1fs, fisher pass %.1fs, pass A %.1fs, OBS paths (%d variants) %.1fs",
                     run["cal_tokens"], run["plain_forward_s"], run["fisher_s"], run["pass_a_s"], len(variants),
@@ -264,42 +257,29 @@ def main() -> int:
     return 0
 
 
-def best_points(run: dict) -> dict:
-    res = {}
-    for name, pts in run["series"].items():
-        for lim in (0.05, 0.20):
-            ok = [p for p in pts if p["rel_ppl"] <= lim]
-            res.setdefault(name, {})[f"+{int(lim * 100)}%"] = max((p["ffn_removed"] for p in ok), default=0.0)
-    return res
-
-
-@torch.no_grad()
-def speed(model, tok, device) -> dict:
+def speed(model, device) -> dict:
+    """Prefill of 1×512 tokens (mean of 5 after a warm-up) and greedy decoding of 64 tokens."""
     ids = torch.randint(100, 1000, (1, 512), generator=torch.Generator().manual_seed(0)).to(device)
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-    model(input_ids=ids)
-    sync(); t0 = time.perf_counter()
-    for _ in range(5):
-        model(input_ids=ids)
-    sync(); prefill = (time.perf_counter() - t0) / 5
-    t0 = time.perf_counter()
-    gen = model.generate(ids[:, :16], max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
-    sync(); decode = (gen.shape[1] - 16) / (time.perf_counter() - t0)
+    prefill, decode = prefill_decode(model, ids, 5, stat="mean", device=device)
     return {"prefill_512_s": prefill, "decode_tok_s": decode}
+
+
+def bf16_bytes(model) -> int:
+    """Size of the model's state dict as one bfloat16 safetensors file."""
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as d:
+        save_file({n: t.detach().to(torch.bfloat16).cpu().contiguous() for n, t in model.state_dict().items()},
+                  f"{d}/m.safetensors")
+        return Path(f"{d}/m.safetensors").stat().st_size
 
 
 def deploy(model, tok, restore, modules, originals, curves, kind_cfg, data, ffn_total, flagged_params, points,
            device) -> dict:
-    from safetensors.torch import save_file
-
     k, cfg, mode = kind_cfg
     res = {}
     restore()
-    with tempfile.TemporaryDirectory() as d:
-        sd = {n: t.detach().to(torch.bfloat16).cpu().contiguous() for n, t in model.state_dict().items()}
-        save_file(sd, f"{d}/m.safetensors")
-        res["original"] = {"params": count_params(model), "bf16_bytes": Path(f"{d}/m.safetensors").stat().st_size,
-                           **speed(model, tok, device)}
+    res["original"] = {"params": count_params(model), "bf16_bytes": bf16_bytes(model), **speed(model, device)}
     for lim in (0.05, 0.20):
         ok = [p for p in points if p["rel_ppl"] <= lim]
         if not ok:
@@ -310,37 +290,11 @@ def deploy(model, tok, restore, modules, originals, curves, kind_cfg, data, ffn_
         for i, lv in choice.items():
             if lv is not None:
                 model.set_submodule(modules[i], k.fit(data[i], cfg, lv.size).build(originals[i]))
-        with tempfile.TemporaryDirectory() as d:
-            sd = {n: t.detach().to(torch.bfloat16).cpu().contiguous() for n, t in model.state_dict().items()}
-            save_file(sd, f"{d}/m.safetensors")
-            res[f"+{int(lim * 100)}%"] = {"keep_target": best["keep_target"], "ffn_removed": best["ffn_removed"],
-                                          "rel_ppl": best["rel_ppl"], "params": count_params(model),
-                                          "bf16_bytes": Path(f"{d}/m.safetensors").stat().st_size, **speed(model, tok, device)}
+        res[f"+{int(lim * 100)}%"] = {"keep_target": best["keep_target"], "ffn_removed": best["ffn_removed"],
+                                      "rel_ppl": best["rel_ppl"], "params": count_params(model),
+                                      "bf16_bytes": bf16_bytes(model), **speed(model, device)}
     restore()
     return res
-
-
-def plot(out: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = out["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
-    for ax, run in zip(axes[0], runs):
-        for name, pts in sorted(run["series"].items()):
-            pts = sorted(pts, key=lambda p: p["ffn_removed"])
-            ax.plot([100 * p["ffn_removed"] for p in pts], [100 * p["rel_ppl"] for p in pts], marker="o", ms=3, label=name)
-        ax.axhline(5, color="grey", ls="--", lw=0.8)
-        ax.axhline(20, color="grey", ls=":", lw=0.8)
-        ax.set_ylim(-1, 60)
-        ax.set_xlabel("FFN parameters removed (%)")
-        ax.set_ylabel("perplexity change on WikiText-2 test (%)")
-        ax.set_title(f"SmolLM2-135M, {run['cal_tokens']:,} calibration tokens")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ upcast layer by layer as they are read.
 Peak RSS counts the clean file pages of memory-mapped safetensors, which
 transformers maps whole while it loads (reclaimable page cache, not memory
 that must fit); the peak *anonymous* RSS is what must fit, and it is the one
-compared with the memory model (:mod:`compressor.memory`):
+compared with the memory model (:mod:`compressor.engine.memory`):
 resident weights + one decoder layer + activation caches + one layer's
 statistics and solve workspace; the process's own footprint (Python, torch,
 transformers imported, nothing loaded) is measured and reported beside it.
@@ -23,17 +23,12 @@ transformers imported, nothing loaded) is measured and reported beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
-from benchlib import REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, quiet_offline_env
+from benchlib import REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, measure_child, quiet_offline_env, write_json
 
 quiet_offline_env()
 
@@ -41,7 +36,7 @@ SHAPE = dict(d=2048, d_ff=5632, heads=32, kv_heads=4, vocab=49152, tied=False)
 
 BUILD = """
 import torch, transformers, sys
-from compressor.load import resolve_source
+from compressor.inputs.load import resolve_source
 layers, folder = int(sys.argv[1]), sys.argv[2]
 cfg = transformers.LlamaConfig(vocab_size={vocab}, hidden_size={d}, intermediate_size={d_ff},
     num_hidden_layers=layers, num_attention_heads={heads}, num_key_value_heads={kv_heads},
@@ -55,7 +50,7 @@ transformers.AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).sa
 """.format(**SHAPE)
 
 BASELINE = """
-import torch, transformers, compressor.pipeline, compressor.compress, accelerate  # noqa: F401
+import torch, transformers, compressor.pipeline.runner, compressor.policy.compress, accelerate  # noqa: F401
 """
 
 PROFILE = """
@@ -89,45 +84,13 @@ print(json.dumps({"exit_code": res.exit_code, "params_after": res.report["params
 """
 
 
-def _status(pid: int) -> dict[str, int]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
-                    if line.startswith(("VmRSS:", "RssAnon:", "RssFile:"))}
-    except (OSError, ValueError, IndexError):
-        return {}
-
-
 def measured(code: str, *args: str) -> dict:
-    """Run ``code`` in a fresh interpreter: its peak RSS (``wait4``), its peak *anonymous* RSS
-    (sampled every 20 ms from /proc: the memory that must fit, without the clean, reclaimable
-    file pages of memory-mapped checkpoints), wall time and last JSON line."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, stdout=out,
-                                stderr=err, text=True)
-        anon = file = 0
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            st = _status(proc.pid)
-            anon, file = max(anon, st.get("RssAnon", 0)), max(file, st.get("RssFile", 0))
-            time.sleep(0.02)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - t0
-        out.seek(0), err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"child failed ({proc.returncode}):\n{stderr[-4000:]}")
-    last = [line for line in stdout.splitlines() if line.startswith("{")]
-    return {"peak_rss_bytes": usage.ru_maxrss * 1024, "peak_anon_bytes": anon, "peak_file_bytes": file,
-            "wall_s": round(wall, 1), "result": json.loads(last[-1]) if last else None}
+    """``code`` in a fresh interpreter importing this checkout's compressor: peak RSS and anonymous RSS."""
+    return measure_child(code, *args, pythonpath=str(REPO_ROOT))
 
 
 def main() -> None:
-    from compressor.memory import estimate
+    from compressor.engine.memory import estimate
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs=2, default=[22, 11], help="the two depths")
@@ -178,10 +141,8 @@ def main() -> None:
               f"RSS {r['peak_rss_bytes'] / 2**30:5.2f} GiB (model {model_bytes / 2**30:.2f} GiB, "
               f"anon above footprint / model {row['ratio_anon_above_footprint_to_model']}) {r['wall_s']:.0f} s",
               flush=True)
-        Path(args.out).write_text(json.dumps({"benchmark": "bench_memory", "shape": SHAPE,
-                                              "footprint_anon_bytes": base["peak_anon_bytes"],
-                                              "footprint_rss_bytes": base["peak_rss_bytes"], "rows": rows,
-                                              "environment": environment()}, indent=2) + "\n")
+        write_json(args.out, {"benchmark": "bench_memory", "shape": SHAPE, "footprint_anon_bytes": base["peak_anon_bytes"],
+                              "footprint_rss_bytes": base["peak_rss_bytes"], "rows": rows, "environment": environment()})
     print(f"wrote {args.out}")
 
 

@@ -40,112 +40,24 @@ Usage (from the repo root)::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
-import random
-import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, paired_change, quiet_offline_env
+from benchlib import (MODEL, REPO_ROOT, RESULTS_DIR, environment, load_bench_model, paired_change, quiet_offline_env,
+                      stopwatch, utc_now, wikitext, write_json)
+# The rank statistics live in the harness; tests/test_bench_rank.py reaches them through this module.
+from benchlib.stats import average_ranks, bootstrap_interval, correlations, spearman  # noqa: F401
+from bench_rank_report import log_summary, summarise
 
 logger = logging.getLogger("bench_rank")
 
 OUTPUT = RESULTS_DIR / "bench_rank.json"
 RECIPE = REPO_ROOT / "recipes" / "smollm2-135m.yaml"
 KINDS = ("affine", "prune")
-TARGETS = ("wiki_dppl", "wiki_kl")
-# Calibration-side statistics (the question of issue 10), then reference rows.
-STATISTICS = ("neg_r2_lin", "fisher_cost", "cal_kl", "cal_dppl")
-REFERENCE = ("rel_error", "fisher_weight", "neg_r2_bulk", "wiki_kl")
-LABELS = {
-    "neg_r2_lin": "-R²_lin", "fisher_cost": "fisher cost", "cal_kl": "cal ΔKL", "cal_dppl": "cal ΔPPL",
-    "rel_error": "rel. error", "fisher_weight": "fisher weight", "neg_r2_bulk": "-R²_bulk",
-    "wiki_kl": "wiki ΔKL", "wiki_dppl": "wiki ΔPPL",
-}
 
 
-# -- rank statistics (pure; tested in tests/test_bench_rank.py) -----------------------------
-def average_ranks(values: list[float]) -> list[float]:
-    """1-based ranks of ``values``; tied values share the mean of the ranks they span."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-            end += 1
-        for j in range(start, end + 1):
-            ranks[order[j]] = (start + end) / 2 + 1
-        start = end + 1
-    return ranks
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def spearman(x: list[float | None], y: list[float | None]) -> float | None:
-    """Spearman's ρ: the Pearson correlation of average ranks (as ``scipy.stats.spearmanr``).
-
-    Pairs where either value is missing or not finite are dropped; None when
-    fewer than 3 pairs remain or one side is constant.
-
-    >>> spearman([1, 2, 3, 4], [10, 20, 40, 30])
-    0.8
-    """
-    pairs = [(a, b) for a, b in zip(x, y, strict=True) if _finite(a) and _finite(b)]
-    if len(pairs) < 3:
-        return None
-    rx, ry = average_ranks([a for a, _ in pairs]), average_ranks([b for _, b in pairs])
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
-    if sxx == 0 or syy == 0:
-        return None
-    return sxy / math.sqrt(sxx * syy)
-
-
-def bootstrap_interval(x: list[float | None], y: list[float | None], *, resamples: int = 1000,
-                       level: float = 0.95, seed: int = 0) -> tuple[float, float] | None:
-    """Percentile bootstrap interval of :func:`spearman`, resampling (x, y) pairs with replacement."""
-    pairs = [(a, b) for a, b in zip(x, y, strict=True) if _finite(a) and _finite(b)]
-    if len(pairs) < 3:
-        return None
-    rng = random.Random(seed)
-    rhos = []
-    for _ in range(resamples):
-        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        rho = spearman([a for a, _ in sample], [b for _, b in sample])
-        if rho is not None:
-            rhos.append(rho)
-    if not rhos:
-        return None
-    rhos.sort()
-    tail = (1 - level) / 2
-    pick = lambda q: rhos[min(len(rhos) - 1, max(0, round(q * (len(rhos) - 1))))]  # noqa: E731
-    return pick(tail), pick(1 - tail)
-
-
-def correlations(rows: list[dict], statistics: tuple[str, ...], targets: tuple[str, ...]) -> dict:
-    """``{statistic: {target: {"rho", "ci95", "n"}}}`` over ``rows`` (one dict per block)."""
-    out: dict = {}
-    for s in statistics:
-        out[s] = {}
-        for t in targets:
-            if s == t:
-                continue
-            x, y = [r.get(s) for r in rows], [r.get(t) for r in rows]
-            ci = bootstrap_interval(x, y)
-            out[s][t] = {"rho": spearman(x, y), "ci95": list(ci) if ci else None,
-                         "n": sum(_finite(a) and _finite(b) for a, b in zip(x, y))}
-    return out
-
-
-# -- the measurement --------------------------------------------------------------------------
 def calibration_recipe(calibration: str, cal_tokens: int):
     """The offline default recipe with its calibration source and size replaced."""
     import yaml
@@ -182,17 +94,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from compressor.compress import FISHER_MAX_WINDOWS, _activation, block_weight
-    from compressor.data import TextSource, check_disjoint, evaluation_tokens
-    from compressor.engine import LayerWalker
-    from compressor.evaluate import Evaluator
-    from compressor.kinds import BlockData, get_kind
-    from compressor.load import load_model
-    from compressor.pipeline import _calibration
-    from compressor.profiling import block_profile
-    from compressor.recipe import AffineReplacement, PruneReplacement
-    from compressor.replace import ffn_path
-    from compressor.sensitivity import output_grad_moments
+    from compressor.policy.compress import FISHER_MAX_WINDOWS, _activation, block_weight
+    from compressor.inputs.data import TextSource, check_disjoint, evaluation_tokens
+    from compressor.engine.walker import LayerWalker
+    from compressor.evaluation.evaluate import Evaluator
+    from compressor.fitting.kinds import BlockData, get_kind
+    from compressor.inputs.calibration import build_calibration
+    from compressor.engine.profiling import block_profile
+    from compressor.recipe.schema import AffineReplacement, PruneReplacement
+    from compressor.fitting.replace import ffn_path
+    from compressor.engine.sensitivity import output_grad_moments
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -202,18 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             ap.error(f"--calibration {calibration!r}: not mix, self, embedded or an existing text file")
         calibration = str(path.resolve())
-    test_file = (WIKITEXT_DIR / "test.txt").resolve()
+    test_file = wikitext("test.txt")
     if not test_file.is_file():
-        logger.error("WikiText-2 test.txt not found under %s", WIKITEXT_DIR)
+        logger.error("WikiText-2 test.txt not found under %s", test_file.parent)
         return 1
     recipe = calibration_recipe(calibration, args.cal_tokens)
     c, m = recipe.calibration, recipe.measure
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
 
-    t0 = time.perf_counter()
-    model, tok, _ = load_model(MODEL, dtype=recipe.model.dtype, device=recipe.model.device)
-    timings["load_s"] = time.perf_counter() - t0
+    model, tok, _, timings["load_s"] = load_bench_model(MODEL, dtype=recipe.model.dtype, device=recipe.model.device)
     n_blocks = model.config.num_hidden_layers
     blocks = sorted(set(args.blocks)) if args.blocks else list(range(n_blocks))
     if not all(0 <= i < n_blocks for i in blocks):
@@ -221,27 +130,24 @@ def main(argv: list[str] | None = None) -> int:
     modules = {i: ffn_path(model, i) for i in blocks}
     originals = {i: model.get_submodule(p) for i, p in modules.items()}
 
-    t0 = time.perf_counter()
-    cal, cal_info = _calibration(recipe, model, tok, use_cache=True)
-    timings["calibration_s"] = time.perf_counter() - t0
+    with stopwatch(timings, "calibration_s"):
+        cal, cal_info = build_calibration(recipe, model, tok, use_cache=True)
     test_ids = evaluation_tokens(tok, TextSource(str(test_file)), None, max_tokens=args.test_tokens)
     overlap = check_disjoint(cal, {"wiki-test": test_ids})  # raises if a calibration window is in the test text
 
     # Teacher caches on the original model, before anything is swapped.
-    t0 = time.perf_counter()
     domains = {"cal-heldout": cal.heldout.flatten(), "wiki-test": test_ids}
     seq = {"cal-heldout": cal.seq_len, "wiki-test": args.test_seq_len}
-    evaluator = Evaluator.build(model, domains, seq_len=seq, stride=seq,
-                                batch_size={"cal-heldout": c.batch_size, "wiki-test": args.batch_size}, top_k=args.top_k)
+    with stopwatch(timings, "teacher_s"):
+        evaluator = Evaluator.build(model, domains, seq_len=seq, stride=seq, top_k=args.top_k,
+                                    batch_size={"cal-heldout": c.batch_size, "wiki-test": args.batch_size})
     baseline = evaluator.baseline.domains
-    timings["teacher_s"] = time.perf_counter() - t0
     for name, b in baseline.items():
         logger.info("baseline %s: perplexity %.4f over %d tokens (%d windows)", name, b.ppl, b.tokens, b.windows)
 
     # One loss-gradient pass and one layer walk give every calibration-side statistic and both fits.
-    t0 = time.perf_counter()
-    grads = output_grad_moments(model, cal.fit[:FISHER_MAX_WINDOWS], modules, batch_size=c.batch_size)
-    timings["fisher_s"] = time.perf_counter() - t0
+    with stopwatch(timings, "fisher_s"):
+        grads = output_grad_moments(model, cal.fit[:FISHER_MAX_WINDOWS], modules, batch_size=c.batch_size)
     t0 = time.perf_counter()
     walker = LayerWalker(model, {"fit": cal.fit, "heldout": cal.heldout}, batch_size=c.batch_size)
     spec, act = walker.spec, _activation(model, walker.spec)
@@ -283,14 +189,14 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "schema": "compressor.bench_rank/v1",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": MODEL,
+        "date": utc_now(), "model": MODEL,
         "environment": environment(), "args": vars(args),
         "calibration": {"recipe": str(RECIPE.relative_to(REPO_ROOT)), "settings": c.model_dump(), **cal_info,
                         "fit_windows": int(cal.fit.shape[0]), "heldout_windows": int(cal.heldout.shape[0]),
                         "seq_len": cal.seq_len, "overlap_with_wiki_test": overlap["wiki-test"]},
         "evaluation": {"cal-heldout": {"data": "the held-out calibration windows, one evaluation window each",
                                        "seq_len": cal.seq_len, "stride": cal.seq_len},
-                       "wiki-test": {"data": "wikitext-2 test.txt (compressor.data.evaluation_tokens)",
+                       "wiki-test": {"data": "wikitext-2 test.txt (compressor.inputs.data.evaluation_tokens)",
                                      "seq_len": args.test_seq_len, "stride": args.test_seq_len},
                        "top_k": args.top_k},
         "baseline": {k: v.to_json() for k, v in baseline.items()},
@@ -311,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.output)
 
     def save() -> None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(out_path, result)
 
     # The sweep: each block's replacement alone, measured on both texts, then the original back.
     t0 = time.perf_counter()
@@ -341,54 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     log_summary(result, args.kinds)
     logger.info("wrote %s (%.1f min)", out_path, timings["total_s"] / 60)
     return 0
-
-
-def summarise(result: dict, kinds: list[str]) -> None:
-    """Add the Spearman tables (``result["spearman"]``) and the ΔPPL range and noise (``result["summary"]``)."""
-    result["spearman"] = {}
-    for name in kinds:
-        table = [{"neg_r2_lin": -b["r2_lin"], "neg_r2_bulk": -b["r2_bulk"], "fisher_weight": b["fisher_weight"],
-                  "rel_error": b["kinds"][name]["rel_error"], "fisher_cost": b["kinds"][name]["fisher_cost"],
-                  "cal_kl": b["kinds"][name]["cal-heldout"]["kl"], "cal_dppl": b["kinds"][name]["cal-heldout"]["dppl"],
-                  "wiki_kl": b["kinds"][name]["wiki-test"]["kl"], "wiki_dppl": b["kinds"][name]["wiki-test"]["dppl"],
-                  "outlier_dominated": b["outlier_dominated"]} for b in result["blocks"]]
-        result["spearman"][name] = {
-            "all": correlations(table, STATISTICS + REFERENCE, TARGETS),
-            "not_outlier_dominated": correlations([t for t in table if not t["outlier_dominated"]],
-                                                  STATISTICS + REFERENCE, TARGETS),
-        }
-        wiki = {b["block"]: b["kinds"][name]["wiki-test"] for b in result["blocks"]}
-        dppl = {i: w["dppl"] for i, w in wiki.items()}
-        se = [w["dppl_se"] for w in wiki.values() if w["dppl_se"] is not None]
-        result.setdefault("summary", {})[name] = {
-            "wiki_dppl_min": min(dppl.values()), "wiki_dppl_min_block": min(dppl, key=dppl.get),
-            "wiki_dppl_max": max(dppl.values()), "wiki_dppl_max_block": max(dppl, key=dppl.get),
-            "wiki_dppl_median": statistics.median(dppl.values()),
-            "wiki_dppl_se_median": statistics.median(se) if se else None, "wiki_dppl_se_max": max(se, default=None),
-            "blocks_within_2se": sum(w["dppl_se"] is not None and abs(w["dppl"]) < 2 * w["dppl_se"]
-                                     for w in wiki.values()),
-        }
-
-def log_summary(result: dict, kinds: list[str]) -> None:
-    """Spearman ρ of each statistic against wiki-test ΔPPL and ΔKL, per kind and block subset."""
-    for subset in ("all", "not_outlier_dominated"):
-        head = "".join(f"{k + ' ' + LABELS[t]:>22}" for k in kinds for t in TARGETS)
-        lines = [f"Spearman ρ, {subset.replace('_', ' ')} blocks (n = "
-                 f"{', '.join(str(result['spearman'][k][subset]['fisher_cost']['wiki_dppl']['n']) for k in kinds)})",
-                 f"{'statistic':<16}{head}"]
-        for s in STATISTICS + REFERENCE:
-            cells = []
-            for k in kinds:
-                for t in TARGETS:
-                    rho = (result["spearman"][k][subset][s].get(t) or {}).get("rho")
-                    cells.append(f"{'—' if rho is None else format(rho, '+.3f'):>22}")
-            lines.append(f"{LABELS[s]:<16}{''.join(cells)}")
-        logger.info("\n%s", "\n".join(lines))
-    for k, s in result["summary"].items():
-        logger.info("%s: wiki ΔPPL from %+.2f%% to %+.2f%% (median %+.2f%%); paired SE median %.2f%%, max %.2f%%; "
-                    "%d blocks within 2 SE of 0", k, 100 * s["wiki_dppl_min"], 100 * s["wiki_dppl_max"],
-                    100 * s["wiki_dppl_median"], 100 * s["wiki_dppl_se_median"], 100 * s["wiki_dppl_se_max"],
-                    s["blocks_within_2se"])
 
 
 if __name__ == "__main__":

@@ -31,10 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, WIKITEXT_DIR, environment, quiet_offline_env
+from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, environment, quiet_offline_env, utc_now, wikitext, write_json
 
 quiet_offline_env()
 sys.path.insert(0, str(REPO_ROOT))  # this checkout's compressor, as the `python -m compressor.cli` runs below use
@@ -85,13 +84,13 @@ def killed_at(cmd: list[str], record: Path, timeout: float = 3600.0) -> float:
     return time.perf_counter() - t0
 
 
-from compressor.resume import sha256_file as sha256  # noqa: E402
+from compressor.engine.resume import sha256_file as sha256  # noqa: E402
 
 
 def main() -> None:
     import yaml
 
-    from compressor.resume import state_dir
+    from compressor.engine.resume import state_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0, help="draws the layer the run is killed at")
@@ -100,7 +99,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
         tmp = Path(tmp)
         rpath = tmp / "recipe.yaml"
-        rpath.write_text(yaml.safe_dump(recipe(WIKITEXT_DIR.resolve() / "valid.txt", WIKITEXT_DIR.resolve() / "test.txt")))
+        rpath.write_text(yaml.safe_dump(recipe(wikitext("valid.txt"), wikitext("test.txt"))))
         a, b = tmp / "a", tmp / "b"
         print(f"uninterrupted run → {a}", file=sys.stderr)
         t_full = timed(command(rpath, a))
@@ -115,7 +114,7 @@ def main() -> None:
         sha_a, sha_b = sha256(a / "model.safetensors"), sha256(b / "model.safetensors")
         result = {
             "benchmark": "bench_resume",
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": utc_now(),
             "model": MODEL,
             "recipe": {k: v for k, v in recipe(Path("wikitext-2/valid.txt"), Path("wikitext-2/test.txt")).items()
                        if k != "output"},
@@ -135,8 +134,7 @@ def main() -> None:
                        "resumed_run": round(t_resumed, 1), "killed_plus_resumed": round(t_killed + t_resumed, 1)},
             "environment": environment(),
         }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    OUTPUT.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(OUTPUT, result)
     print(json.dumps({k: result[k] for k in ("killed_after_layer", "byte_identical", "decisions_equal", "wall_s")}))
 
 

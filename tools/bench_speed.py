@@ -14,19 +14,17 @@ compared with the ratio of multiply-adds in the forward pass.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 
-from benchlib import RESULTS_DIR, environment, quiet_offline_env
+from benchlib import RESULTS_DIR, environment, interleaved, prefill_decode, quiet_offline_env, ratio_of_medians, write_json
 
 quiet_offline_env()
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from compressor.hf_modeling import HiddenUnitFFN  # noqa: E402
+from compressor.core.modeling import HiddenUnitFFN  # noqa: E402
 
 
 def smollm2_config() -> transformers.LlamaConfig:
@@ -48,20 +46,6 @@ def macs_per_token(model, seq: int) -> float:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-@torch.no_grad()
-def timings(model, ids, reps: int) -> tuple[float, float]:
-    model(input_ids=ids)
-    pre = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        model(input_ids=ids)
-        pre.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    out = model.generate(ids[:, :16], max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
-    dec = (out.shape[1] - 16) / (time.perf_counter() - t0)
-    return statistics.median(pre), dec
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keeps", type=float, nargs="+", default=[0.75, 0.5])
@@ -79,12 +63,9 @@ def main() -> int:
             m = transformers.LlamaForCausalLM(smollm2_config()).eval()
             replace_ffns(m, keep, bypass)
             variants[f"{'hybrid' if bypass else 'prune'}@{keep}"] = m
-    res = {name: {"prefill": [], "decode": []} for name in variants}
-    for _ in range(args.rounds):  # interleaved rounds: noise hits every variant alike
-        for name, m in variants.items():
-            p, d = timings(m, ids, args.reps)
-            res[name]["prefill"].append(p)
-            res[name]["decode"].append(d)
+    # interleaved rounds: noise hits every variant alike; per round the median prefill of --reps runs
+    rounds = interleaved(variants, lambda m: prefill_decode(m, ids, args.reps), args.rounds)
+    res = {name: {"prefill": [p for p, _ in r], "decode": [d for _, d in r]} for name, r in rounds.items()}
     base_macs = macs_per_token(base, 512)
     out = {"schema": "compressor.bench_speed/v1", "environment": environment(), "args": vars(args), "variants": {}}
     for name, m in variants.items():
@@ -93,14 +74,13 @@ def main() -> int:
         out["variants"][name] = {
             "params": sum(p.numel() for p in m.parameters()), "linear_macs_per_token": macs,
             "prefill_512_s": pre, "decode_tok_s": dec,
-            "prefill_speedup": statistics.median(res["original"]["prefill"]) / pre,
+            "prefill_speedup": ratio_of_medians(res["original"]["prefill"], res[name]["prefill"]),
             "macs_ratio": base_macs / macs,
         }
         v = out["variants"][name]
         print(f"{name:12s} prefill {pre * 1000:7.1f} ms  speed-up {v['prefill_speedup']:.3f}  "
               f"MAC ratio {v['macs_ratio']:.3f}  decode {dec:6.1f} tok/s")
-    with open(args.output, "w") as f:
-        json.dump(out, f, indent=2)
+    write_json(args.output, out)
     return 0
 
 

@@ -20,7 +20,7 @@ Two modes (from the repo root)::
     # or compress in-process with the configurations below, then measure
     python tools/bench_transfer.py --configs embedded mix
 
-In ``--outputs`` mode each output is loaded with :func:`compressor.save.load_compressed`
+In ``--outputs`` mode each output is loaded with :func:`compressor.output.hf.load_compressed`
 and its own gate text is read from its ``report.json``.
 
 A third mode traces the *transfer curve* of a calibration source: ``prune`` with
@@ -40,9 +40,9 @@ import json
 import logging
 import sys
 import time
-from datetime import datetime, timezone
 
-from benchlib import MODEL, RESULTS_DIR, WIKITEXT_DIR, environment, paired_change, quiet_offline_env
+from benchlib import (MODEL, RESULTS_DIR, WIKITEXT_DIR, environment, load_bench_model, paired_change,
+                      quiet_offline_env, utc_now, wikitext, write_json)
 
 quiet_offline_env()
 
@@ -99,20 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
 
-    from compressor.compress import compress_model
-    from compressor.data import TextSource, evaluation_tokens
-    from compressor.evaluate import Evaluator
-    from compressor.load import load_model
-    from compressor.pipeline import _calibration
+    from compressor.evaluation.evaluate import Evaluator
+    from compressor.inputs.calibration import build_calibration
+    from compressor.inputs.data import TextSource, evaluation_tokens
+    from compressor.policy.compress import compress_model
     from compressor.recipe import recipe_from_dict
 
-    valid, test = (WIKITEXT_DIR / "valid.txt").resolve(), (WIKITEXT_DIR / "test.txt").resolve()
+    valid, test = wikitext("valid.txt"), wikitext("test.txt")
     if not valid.is_file() or not test.is_file():
         logger.error("WikiText-2 not found under %s", WIKITEXT_DIR)
         return 1
-    t0 = time.perf_counter()
-    model, tok, _ = load_model(MODEL)
-    load_s = time.perf_counter() - t0
+    model, tok, _, load_s = load_bench_model(MODEL)
     if args.curves:
         if args.output == str(OUTPUT):
             args.output = str(CURVES_OUTPUT)
@@ -128,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     judge = Evaluator.build(model, texts, seq_len=args.seq_len, stride=args.seq_len, batch_size=8, top_k=64)
     teacher_s = time.perf_counter() - t0
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": MODEL,
+        "date": utc_now(), "model": MODEL,
         "environment": environment(), "eval_tokens": args.eval_tokens, "seq_len": args.seq_len, "load_s": load_s,
         "teacher_s": teacher_s,
         "baseline": {k: v.to_json() for k, v in judge.baseline.domains.items()}, "runs": {},
@@ -140,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = recipe_from_dict(merge(BASE, configs(str(valid), str(test), args.eval_tokens)[name]))
         m = copy.deepcopy(model)
         t0 = time.perf_counter()
-        cal, cal_info = _calibration(recipe, m, tok, use_cache=False)
+        cal, cal_info = build_calibration(recipe, m, tok, use_cache=False)
         cal_s = time.perf_counter() - t0
         streams = {e.domain_name(): texts["wiki-valid" if e.dataset == str(valid) else "embedded"]
                    for e in recipe.evaluation_domains()}
@@ -157,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         logger.info("%s: kept %s; %s", name, result["runs"][name]["kept"],
                     {t: f"{r['relative_delta']:+.2%} KL {r['kl']:.4f}" for t, r in row.items()})
-        OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output, result)
         del m
     print(json.dumps({k: {t: round(r["relative_delta"], 4) for t, r in v["measured"].items()}
                       for k, v in result["runs"].items()}, indent=1))
@@ -168,13 +163,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _curves(args, model, tok, test, load_s: float) -> int:
     """Per calibration source: gate-text and unseen-text change at the cuts a failing bisection visits."""
-    from pathlib import Path
-
-    from compressor.compress import compress_model
-    from compressor.pipeline import _calibration, evaluation_streams
+    from compressor.inputs.calibration import build_calibration, evaluation_streams
+    from compressor.policy.compress import compress_model
     from compressor.recipe import recipe_from_dict
 
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": MODEL,
+    result = {"date": utc_now(), "model": MODEL,
               "environment": environment(), "load_s": load_s, "curves": {}}
     for cal_name in args.curves:
         recipe = recipe_from_dict({
@@ -191,7 +184,7 @@ def _curves(args, model, tok, test, load_s: float) -> int:
         })
         m = copy.deepcopy(model)
         t0 = time.perf_counter()
-        cal, cal_info = _calibration(recipe, m, tok, use_cache=True)
+        cal, cal_info = build_calibration(recipe, m, tok, use_cache=True)
         cal_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         res = compress_model(m, recipe, cal, evaluation_streams(recipe, tok))
@@ -207,8 +200,7 @@ def _curves(args, model, tok, test, load_s: float) -> int:
                         100 * p["wiki-test"]["relative_delta"], p["wiki-test"]["kl"])
         result["curves"][cal_name] = {"calibration": cal_info, "calibration_s": cal_s,
                                       "compress_s": time.perf_counter() - t0, "baseline": base, "points": points}
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.output, result)
         del m
     return 0
 
@@ -227,7 +219,7 @@ def _measure_outputs(args, judge, result: dict) -> int:
     """Measure finished outputs on the three texts; the gate's own numbers come from report.json."""
     from pathlib import Path
 
-    from compressor.save import load_compressed
+    from compressor.output.hf import load_compressed
 
     for spec in args.outputs:
         name, _, folder = spec.partition("=")
@@ -245,8 +237,7 @@ def _measure_outputs(args, judge, result: dict) -> int:
             "measured": row,
         }
         logger.info("%s: %s", name, {t: f"{r['relative_delta']:+.2%} KL {r['kl']:.4f}" for t, r in row.items()})
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.output, result)
         del m
     return 0
 

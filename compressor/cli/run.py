@@ -1,0 +1,166 @@
+"""``compressor run`` / ``compress`` / ``validate``: a recipe, from a YAML file or from flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from compressor.cli.common import EXIT_CODES_EPILOG, add_common, add_overrides, recipe_option
+
+
+def add_parsers(sub) -> None:
+    from compressor.recipe.schema import (
+        REPLACEMENT_CONFIGS, CalibrationConfig, EvaluationConfig, LowRankReplacement, PolicyConfig,
+    )
+
+    p = sub.add_parser("compress", help="profile, select, replace, validate and save (recipe fields from flags)",
+                       epilog=EXIT_CODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE")
+    p.add_argument("--output", "-o", required=True, help="output folder for the compressed model")
+    recipe_option(p, "--data", CalibrationConfig, "dataset")
+    recipe_option(p, "--eval-data", EvaluationConfig, "dataset")
+    # None = not given: the recipe default applies (shown in the help).
+    recipe_option(p, "--threshold", PolicyConfig, "threshold", type=float, default=None)
+    recipe_option(p, "--ppl-budget", PolicyConfig, "ppl_budget", type=float, default=None)
+    p.add_argument("--kind", choices=list(REPLACEMENT_CONFIGS), default=None,
+                   help="replacement kind: affine, low_rank, prune, hybrid (default: affine)")
+    recipe_option(p, "--rank", LowRankReplacement, "rank", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier compressor output in the output folder (other non-empty folders are refused)")
+    p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
+    p.add_argument("--report", default=None, help="also write report.json here")
+    add_overrides(p)
+    add_common(p)
+    p.set_defaults(handler=handle)
+
+    p = sub.add_parser("run", help="run a YAML recipe", epilog=EXIT_CODES_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="YAML recipe, e.g. recipes/smollm2-135m.yaml")
+    p.add_argument("--output", "-o", default=None, help="output folder (overrides output.path)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier compressor output in the output folder (other non-empty folders are refused)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved plan; load nothing")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run of this recipe and output from its saved state (same result as an "
+                   "uninterrupted run); refused when the model, data, recipe or tool version differ")
+    p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
+    p.add_argument("--report", default=None, help="also write report.json here (also written when the gate fails)")
+    add_overrides(p)
+    add_common(p)
+    p.set_defaults(handler=handle)
+
+    p = sub.add_parser("validate", help="check a YAML recipe without loading anything")
+    p.add_argument("recipe", help="YAML recipe to check")
+    p.add_argument("--output", "-o", default=None, help="output folder to check (overrides output.path)")
+    add_overrides(p)
+    add_common(p)
+    p.set_defaults(handler=handle)
+
+
+
+def _recipe_from_args(args):
+    from compressor.recipe import apply_overrides, load_recipe, recipe_from_dict
+
+    if args.command == "compress":
+        data = {"model": {"source": args.model}, "calibration": {"dataset": args.data},
+                "evaluation": {"dataset": args.eval_data}, "output": {"path": args.output}}
+        if args.threshold is not None:
+            data["policy"] = {"threshold": args.threshold}
+        if args.ppl_budget is not None:
+            data.setdefault("policy", {})["ppl_budget"] = args.ppl_budget
+        if args.kind is not None:
+            data["replacement"] = {"kind": args.kind}
+        if args.rank is not None:
+            data.setdefault("replacement", {})["rank"] = args.rank
+        extra = [f"output.overwrite={str(args.overwrite).lower()}"] + args.overrides
+        return recipe_from_dict(apply_overrides(data, extra))
+    extra = list(args.overrides)
+    if getattr(args, "output", None) is not None:
+        extra.append(f"output.path={json.dumps(_flag_path(args.output, '--output'))}")
+    if getattr(args, "overwrite", False):
+        extra.append("output.overwrite=true")
+    return load_recipe(args.recipe, extra)
+
+
+def handle(args) -> int:
+    from compressor.inputs.validate import check_inputs, run_reads
+
+    recipe = _recipe_from_args(args)
+    report_path = None
+    if getattr(args, "report", None):
+        from compressor.core.errors import RecipeError
+        from compressor.inputs.safety import OutputError, check_report_path
+
+        try:  # before anything is loaded: a bad --report must not cost a whole run
+            report_path = check_report_path(args.report, reads=run_reads(recipe))
+        except OutputError as e:
+            raise RecipeError(str(e)) from None
+    if args.command == "validate" or getattr(args, "dry_run", False):
+        check_inputs(recipe, need_output=args.command != "validate" or recipe.output.path is not None)
+        if args.command == "validate":
+            print(f"recipe OK: {args.recipe}")
+        else:
+            print(recipe.to_yaml(), end="")
+        return 0
+    from compressor.core.distributed import init_from_env, is_main
+    from compressor.pipeline.runner import run
+
+    init_from_env(recipe.model.device)  # under torchrun / accelerate launch: join the process group
+    try:
+        result = run(recipe, use_cache=False if args.no_cache else None, resume=getattr(args, "resume", False))
+    except KeyboardInterrupt:
+        from compressor.engine.resume import state_dir
+
+        kept = state_dir(recipe.output.path)
+        if is_main() and kept.is_dir() and any(kept.iterdir()):
+            print(f"interrupted: the finished steps are kept in {kept}; run the same command with --resume to "
+                  "continue where it stopped (the result is the same as an uninterrupted run)", file=sys.stderr)
+            return 130
+        raise
+    if not is_main():  # rank 0 prints and writes
+        return result.exit_code
+    _print_summary(result)
+    if report_path is not None:
+        try:
+            report_path.write_text(json.dumps(result.report, indent=2) + "\n")
+        except OSError as e:
+            published = f"the model was published at {result.output}, but " if result.output is not None else ""
+            print(f"error: {published}the report could not be written to {report_path}: {e}", file=sys.stderr)
+            return 1
+    return result.exit_code
+
+
+def _print_summary(result) -> None:
+    from compressor.engine.cache import human_bytes
+
+    r = result.report
+    ppl = r["perplexity"]
+    kept = [d["index"] for d in r["blocks"] if d["decision"] == "kept"]
+    print(f"status: {r['status']} — {r['message']}")
+    print(f"perplexity: {ppl['baseline']['ppl']:.4f} → {ppl['final']['ppl']:.4f} (budget {ppl['budget']:.4f}, "
+          f"{ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']}, stride {ppl['final']['stride']})")
+    print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
+    size = r.get("size") or {}
+    if result.output is not None and size:
+        print(f"size: {human_bytes(size.get('source_bytes'))} → {human_bytes(size.get('output_bytes'))} "
+              f"(weights saved as {size.get('output_dtype')})")
+    if result.output is not None:
+        print(f"model:  {result.output}")
+        print(f"report: {result.output / 'report.json'}")
+
+
+
+
+def _flag_path(value: str, flag: str) -> str:
+    """A path given on the command line: not empty, and text that a recipe can hold."""
+    from compressor.core.errors import RecipeError
+
+    if not value.strip():
+        raise RecipeError(f"{flag}: empty; give a folder, e.g. {flag} out/model")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RecipeError(f"{flag}: the path {value.encode('utf-8', 'surrogateescape')!r} is not valid UTF-8; "
+                          "choose a name in UTF-8") from None
+    return value

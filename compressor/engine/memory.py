@@ -1,0 +1,123 @@
+"""The memory model: what a layer-sequential run holds, per layer, on the device and on the host.
+
+With onloading (``model.offload: disk``, :mod:`compressor.core.onload`) the peak is
+one layer's worth of everything, independent of depth:
+
+* **weights**: the resident modules (embeddings, LM head, final norm) plus the
+  one decoder layer being run, in the compute dtype;
+* **activation caches**: the hidden states of every calibration window at the
+  current layer — one stream for ``target: none``, two (teacher and student)
+  for teacher targets — and, while a layer runs, its outputs beside its inputs
+  (stored in the compute dtype, on the host);
+* **statistics of one layer**: the ``x → y`` moments (a fit and three
+  held-out partitions, each a d×d input covariance and a d×d cross term,
+  float64) and, for hidden-unit kinds (``prune``, ``hybrid``), the ``z = [x, h]``
+  moments of the fit and held-out rows ((d+f)² + (d+f)·d each, float64);
+* **accumulation**: while a split's batches stream by, their per-batch
+  partial statistics are merged in the canonical tree order of
+  :mod:`compressor.core.distributed` (bitwise the same for 1 to 8 ranks), which
+  keeps up to ``TREE_DEPTH + 2`` partials alive, beside the reduced fit split;
+* **solve workspace** of that layer: for hidden-unit kinds the OBS path works
+  on (d+f)² float64 matrices (standardised covariance, its Cholesky factor and
+  inverse, the held-out covariance, the shrinking copies): about five of them
+  at the peak; every layer's affine fit and its held-out scoring (the R²_lin
+  profile) take about 13 d×d float64 matrices (measured).
+
+On a GPU (``model.device: cuda``) the weights being run, one batch of
+activations, the statistics and the workspace are on the device; the
+activation caches and the offloaded weights wait on the host (or on disk).
+Without onloading, the whole model's weights are resident instead of one layer.
+
+>>> from compressor.engine.memory import estimate, LLAMA_SHAPES                  # doctest: +SKIP
+>>> estimate(**LLAMA_SHAPES["llama-2-7b"], tokens=131072, kind="hybrid")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+#: Decoder shapes used in the README's table (public configs).
+LLAMA_SHAPES = {
+    "smollm2-135m": dict(d=576, d_ff=1536, layers=30, vocab=49152, heads=9, kv_heads=3, tied=True),
+    "llama-1b-bench": dict(d=2048, d_ff=5632, layers=22, vocab=49152, heads=32, kv_heads=4, tied=False),
+    "llama-2-7b": dict(d=4096, d_ff=11008, layers=32, vocab=32000, heads=32, kv_heads=32, tied=False),
+    "llama-3-70b": dict(d=8192, d_ff=28672, layers=80, vocab=128256, heads=64, kv_heads=8, tied=False),
+}
+
+#: (d+f)² float64 matrices alive at the peak of a hidden-unit kind's OBS path (see module docstring).
+OBS_WORKSPACE_MATRICES = 5
+#: d² float64 matrices alive while a block's affine fit is solved and scored on its held-out partitions
+#: (every layer: the R²_lin profile); measured 12.5 at d = 2048.
+AFFINE_WORKSPACE_MATRICES = 13
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    resident_weights: int
+    layer_weights: int
+    activation_caches: int
+    layer_statistics: int
+    """The layer's reduced statistics (fit and held-out splits)."""
+    accumulation: int
+    """Peak of statistics while accumulating: the reduced fit split plus the tree's live partials."""
+    solve_workspace: int
+    all_weights: int
+    """Every weight of the model (what is resident without onloading)."""
+
+    @property
+    def statistics_peak(self) -> int:
+        return max(self.accumulation, self.layer_statistics + self.solve_workspace)
+
+    @property
+    def onloaded_peak(self) -> int:
+        return self.resident_weights + self.layer_weights + self.activation_caches + self.statistics_peak
+
+    @property
+    def in_memory_peak(self) -> int:
+        return self.all_weights + self.activation_caches + self.statistics_peak
+
+    def device_bytes(self, batch_tokens: int, d: int, dtype_bytes: int) -> int:
+        """On a GPU: the layer being run, one batch of activations (in and out), statistics, workspace."""
+        return (self.resident_weights + self.layer_weights + 2 * batch_tokens * d * dtype_bytes
+                + self.statistics_peak)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "statistics_peak": self.statistics_peak, "onloaded_peak": self.onloaded_peak,
+                "in_memory_peak": self.in_memory_peak}
+
+
+def layer_params(d: int, d_ff: int, heads: int, kv_heads: int, gated: bool = True) -> int:
+    head_dim = d // heads
+    attn = 2 * d * d + 2 * d * kv_heads * head_dim
+    ffn = (3 if gated else 2) * d * d_ff
+    return attn + ffn + 2 * d  # two RMSNorm weights
+
+
+def estimate(*, d: int, d_ff: int, layers: int, vocab: int, heads: int, kv_heads: int, tied: bool,
+             tokens: int, kind: str = "hybrid", teacher_target: bool = False, dtype_bytes: int = 4,
+             gated: bool = True, batches: int | None = None) -> MemoryEstimate:
+    """Bytes per component for a Llama-shaped model and ``tokens`` calibration tokens.
+
+    ``kind``: ``profile`` (x → y statistics only), ``affine``/``low_rank``, or
+    ``prune``/``hybrid`` (adds the z statistics and the OBS workspace).
+    ``batches``: calibration batches in the larger split (default: many).
+    """
+    from compressor.core.distributed import TREE_DEPTH
+
+    f8 = 8
+    resident = (vocab * d * (1 if tied else 2) + d) * dtype_bytes
+    layer = layer_params(d, d_ff, heads, kv_heads, gated) * dtype_bytes
+    streams = 2 if teacher_target else 1
+    acts = 2 * streams * tokens * d * dtype_bytes
+    xy = 4 * (2 * d * d) * f8  # fit + 3 held-out partitions, each cxx and cxy (d_out = d)
+    # A per-batch partial allocates only the partitions its rows reach: the fit, or up to 3 held-out ones.
+    stats, partial = xy, 3 * (2 * d * d) * f8
+    work = AFFINE_WORKSPACE_MATRICES * d * d * f8  # every kind profiles the block first
+    if kind in ("prune", "hybrid"):
+        p = d + d_ff
+        stats += 2 * (p * p + p * d) * f8
+        partial += (p * p + p * d) * f8  # one split's z moments
+        work = max(work, OBS_WORKSPACE_MATRICES * p * p * f8)
+    live = TREE_DEPTH + 2 if batches is None else min(TREE_DEPTH + 2, batches + 1)
+    accumulation = (1 + live) * partial
+    return MemoryEstimate(resident, layer, acts, stats, accumulation, work, resident + layers * layer)

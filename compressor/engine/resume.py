@@ -1,0 +1,425 @@
+"""Resume an interrupted run: checkpoints of every finished step, keyed by what the run depends on.
+
+Where the state lives: ``<parent>/.<name>.compressor-state/`` beside the
+output folder ``<parent>/<name>`` (:func:`state_dir`). It depends only on the
+resolved output path, so ``--resume`` finds it from the same recipe; it sits on
+the output's file system, so ``os.replace`` makes every record atomic; it is
+outside the output folder, so the output's safety rules (empty folder or an
+earlier compressor output, :mod:`compressor.inputs.safety`) never see it, and its name
+does not match the ``.<name>.tmp-<pid>`` leftovers those rules clean. It is not
+something the run reads from the user: a run refuses to start when one of its
+inputs lies inside it (the folder is deleted when the run ends). The statistics
+cache was the other candidate; it is evicted by size and shared by runs, and
+the state of one run is neither.
+
+What is in it:
+
+* ``state.json``: the run's key (:func:`run_key`): the model's source files
+  (path, name, size and mtime of each weight/config file, sha256 of
+  ``config.json``: cheap, and safe when the model is offloaded), the
+  calibration and evaluation token fingerprints, the recipe's sha256 (without
+  its ``output`` section) and the tool version. ``--resume`` refuses a state
+  whose key differs, naming what differs.
+* one record per finished step, ``<name>.safetensors`` (tensors + the rest as
+  JSON in the metadata; written to a temporary file, then ``os.replace``):
+  ``walkNN-layerIIII`` for each layer of each layer walk (what the layer's step
+  produced: profile, fit, error curve, kept statistics), ``sensitivity``,
+  ``baseline`` (the teacher caches of the evaluation domains) and ``evalNNNN``
+  for each gate evaluation, in the order the run makes them.
+
+A resumed run repeats every deterministic step (installing fits, rolling
+back, bisecting) and takes recorded results instead of measuring or
+evaluating again; hidden states are recomputed by forwarding through the
+finished layers, so the result is bitwise that of an uninterrupted run on the
+same machine and thread count.
+
+>>> state = RunState.open(out, run_key(recipe, src, streams), resume=True)   # doctest: +SKIP
+>>> state.bind_calibration(cal.fingerprint())                                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compressor.core.distributed import is_main
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "compressor.run-state/v1"
+STATE_FILE = "state.json"
+SUFFIX = ".safetensors"
+# Files of a model folder whose size and mtime identify the model (weights, configs, tokenizer).
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt", ".py")
+KEY_LABELS = {
+    "model": "model", "calibration": "calibration data", "evaluation": "evaluation data", "recipe": "recipe",
+    "tool_version": "tool version",
+}
+
+
+class ResumeError(ValueError):
+    """Nothing to resume, or a saved state that does not belong to this run (an input error: exit 2)."""
+
+
+def state_dir(output: str | Path) -> Path:
+    """The run-state folder of an output folder (see the module docstring)."""
+    out = Path(output).expanduser().resolve()
+    return out.parent / f".{out.name}.compressor-state"
+
+
+# --------------------------------------------------------------------------------------------------
+# The key
+# --------------------------------------------------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_identity(src, revision: str | None = None) -> dict:
+    """What identifies the model's source files, without reading the weights.
+
+    ``src`` is a :class:`compressor.inputs.load.ResolvedSource`. A hub id resolves to
+    its snapshot in the local Hugging Face cache when it is there; otherwise
+    the id and revision are all there is."""
+    folder: Path | None = None
+    if src.is_local:
+        folder = Path(src.path).resolve()
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(src.path, src.gguf_file or "config.json", revision=revision)
+            if isinstance(found, str):
+                folder = Path(found).parent
+        except Exception:  # noqa: BLE001 - no hub client or no cache: the id is the identity
+            folder = None
+    ident: dict[str, Any] = {"source": src.describe(), "revision": revision}
+    if folder is None:
+        return ident
+    if src.gguf_file:
+        files = [folder / src.gguf_file]
+    else:
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES)
+    ident["path"] = str(folder)
+    ident["files"] = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    config = folder / "config.json"
+    ident["config_sha256"] = sha256_file(config) if config.is_file() else None
+    return ident
+
+
+def tokens_fingerprint(streams: dict[str, torch.Tensor]) -> str:
+    """sha256 over the evaluation token streams, per domain name."""
+    h = hashlib.sha256()
+    for name, ids in streams.items():
+        t = ids.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_key(recipe, src, eval_streams: dict[str, torch.Tensor]) -> dict:
+    """The key of a run before its calibration data is known (see :meth:`RunState.bind_calibration`)."""
+    from compressor.core.version import __version__
+
+    return {"model": model_identity(src, recipe.model.revision), "evaluation": tokens_fingerprint(eval_streams),
+            "recipe": recipe.sha256(), "tool_version": __version__}
+
+
+# --------------------------------------------------------------------------------------------------
+# Records: nested dataclasses / dicts / lists of tensors and plain values ↔ (JSON, tensors)
+# --------------------------------------------------------------------------------------------------
+
+
+#: Record types of the layers above the engine (policy, evaluation), registered by their own
+#: modules with :func:`register_record`; the engine never imports upward.
+_REGISTERED: dict[str, type] = {}
+
+
+def register_record(*types: type) -> None:
+    """Let the run state record and restore instances of these dataclasses."""
+    for t in types:
+        _REGISTERED[t.__name__] = t
+
+
+def _record_types() -> dict[str, type]:
+    from compressor.core.stats import Moments
+    from compressor.engine.profiling import BlockProfile
+    from compressor.fitting.kinds import BlockData, Fitted, Level
+    from compressor.fitting.obs import ObsPath
+    from compressor.fitting.solve import AffineFit
+
+    own = (AffineFit, BlockData, Fitted, Level, ObsPath, BlockProfile, Moments)
+    return {**{t.__name__: t for t in own}, **_REGISTERED}
+
+
+# Fields that hold live objects of the model (re-attached by whoever loads the record).
+_SKIP = {"BlockData": ("ffn", "spec")}
+
+
+def encode(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``value`` as JSON-able data plus the tensors it refers to (by name)."""
+    tensors: dict[str, torch.Tensor] = {}
+    return _enc(value, tensors, _record_types()), tensors
+
+
+# Module-level recursion, not nested closures: a recursive closure is a reference cycle that would
+# keep each record's tensors (a layer's statistics, hundreds of MB at 1B scale) alive until the
+# cyclic garbage collector happens to run.
+def _enc(v, tensors: dict[str, torch.Tensor], types: dict[str, type]):
+    if isinstance(v, torch.Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = v.detach().cpu().contiguous().clone()  # clone: no shared storage in safetensors
+        return {"__tensor__": name}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        name = type(v).__name__
+        if types.get(name) is not type(v):
+            raise TypeError(f"run state cannot record a {type(v).__qualname__}")
+        skip = _SKIP.get(name, ())
+        return {"__type__": name, "fields": {f.name: _enc(getattr(v, f.name), tensors, types)
+                                             for f in dataclasses.fields(v) if f.name not in skip}}
+    if isinstance(v, dict):
+        return {"__dict__": [[_enc(k, tensors, types), _enc(x, tensors, types)] for k, x in v.items()]}
+    if isinstance(v, tuple):
+        return {"__tuple__": [_enc(x, tensors, types) for x in v]}
+    if isinstance(v, list):
+        return [_enc(x, tensors, types) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"run state cannot record a {type(v).__qualname__}")
+
+
+def decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`encode` (skipped fields come back as None)."""
+    return _dec(data, tensors, _record_types())
+
+
+def _dec(v, tensors: dict[str, torch.Tensor], types: dict[str, type]):
+    if isinstance(v, list):
+        return [_dec(x, tensors, types) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if "__tensor__" in v:
+        return tensors[v["__tensor__"]]
+    if "__tuple__" in v:
+        return tuple(_dec(x, tensors, types) for x in v["__tuple__"])
+    if "__dict__" in v:
+        return {_hashable(_dec(k, tensors, types)): _dec(x, tensors, types) for k, x in v["__dict__"]}
+    cls = types.get(v["__type__"])
+    if cls is None:
+        raise ResumeError(f"the saved run state holds a {v['__type__']!r} record that nothing registered; "
+                          "it was written by another compressor version: run without --resume")
+    kwargs = {k: _dec(x, tensors, types) for k, x in v["fields"].items()}
+    kwargs.update({k: None for k in _SKIP.get(v["__type__"], ())})
+    return cls(**kwargs)
+
+
+def _hashable(k):
+    return tuple(k) if isinstance(k, list) else k
+
+
+# --------------------------------------------------------------------------------------------------
+# The state folder
+# --------------------------------------------------------------------------------------------------
+
+_NAME = re.compile(r"^[a-z0-9-]+$")
+
+
+class RunState:
+    """Checkpoints of one run (see the module docstring); ``RunState()`` records nothing."""
+
+    def __init__(self, folder: Path | None = None, key: dict | None = None, *, resumed: bool = False) -> None:
+        self.folder = folder
+        self.key = dict(key or {})
+        self.resumed = resumed
+        self._walks = 0
+        self._evals = 0
+
+    # -- opening ------------------------------------------------------------
+    @classmethod
+    def open(cls, output: str | Path, key: dict, *, resume: bool,
+             reads: Iterable[tuple[str, str | Path]] = ()) -> "RunState":
+        """The state of the run writing ``output``: the saved one (``resume``; checked
+        against ``key``) or a fresh one (an earlier state for that output is discarded)."""
+        folder = state_dir(output)
+        for what, path in reads:
+            p = Path(path).expanduser().resolve()
+            if p == folder or p.is_relative_to(folder):
+                raise ResumeError(f"{what} ({p}) lies in {folder}, where this run keeps its resume state and which "
+                                  "it deletes when it ends; move it elsewhere")
+        saved = cls._read_state(folder)
+        if not resume:
+            if saved is not None and is_main():
+                logger.info("discarding the saved state of an earlier interrupted run at %s (run with --resume to "
+                            "continue it instead)", folder)
+                shutil.rmtree(folder)
+            return cls(folder, key)
+        if saved is None:
+            raise ResumeError(f"--resume: there is no saved run state for output {Path(output).expanduser().resolve()} "
+                              f"(looked for {folder / STATE_FILE}); nothing to resume. Run without --resume to start "
+                              "a fresh run.")
+        state = cls(folder, saved.get("key", {}), resumed=True)
+        state._compare(key)
+        n = sum(1 for p in folder.iterdir() if p.suffix == SUFFIX)
+        logger.info("resuming from %s: %d step(s) recorded by the interrupted run", folder, n)
+        return state
+
+    @staticmethod
+    def _read_state(folder: Path) -> dict | None:
+        if not folder.exists():
+            return None
+        try:
+            saved = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            saved = None
+        if isinstance(saved, dict) and saved.get("format") == STATE_FORMAT:
+            return saved
+        if folder.is_dir() and not any(folder.iterdir()):
+            return None
+        raise ResumeError(f"{folder} exists but is not a compressor run state (no readable {STATE_FILE} of format "
+                          f"{STATE_FORMAT}); this run keeps its resume state there. Remove it or choose another "
+                          "output folder")
+
+    def _compare(self, key: dict) -> None:
+        differ = [k for k in key if self.key.get(k) != key[k]]
+        if not differ:
+            return
+        names = [KEY_LABELS.get(k, k) for k in differ]
+        what = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        detail = "; ".join(self._explain(k, self.key.get(k), key[k]) for k in differ)
+        raise ResumeError(f"--resume: the saved run state at {self.folder} is of a different {what} than this run "
+                          f"({detail}). Run without --resume to start over (the saved state is then discarded), or "
+                          "restore the inputs of the interrupted run.")
+
+    @staticmethod
+    def _explain(k: str, old, new) -> str:
+        if k == "model" and isinstance(old, dict) and isinstance(new, dict):
+            changed = sorted(f for f in set(old) | set(new) if old.get(f) != new.get(f))
+            return f"model: its {', '.join(changed)} changed"
+        short = (lambda v: v[:12] if isinstance(v, str) and len(v) == 64 else v)
+        return f"{KEY_LABELS.get(k, k)}: saved {short(old)}, now {short(new)}"
+
+    def bind_calibration(self, fingerprint: str) -> None:
+        """Complete the key with the calibration data: checked when resuming, written otherwise."""
+        if self.folder is None:
+            return
+        if self.resumed:
+            self._compare({"calibration": fingerprint})
+            return
+        self.key["calibration"] = fingerprint
+        if not is_main():  # under a process group rank 0 alone writes (every rank's records are equal)
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        blob = {"format": STATE_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "key": self.key}
+        self._atomic(self.folder / STATE_FILE, lambda tmp: tmp.write_text(json.dumps(blob, indent=2) + "\n"))
+
+    def discard(self) -> None:
+        """Delete the state (the run ended: published, or refused by the gate)."""
+        if self.folder is not None and self.folder.is_dir() and is_main():
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    # -- records ------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.folder is not None and (self.folder / STATE_FILE).is_file()
+
+    def _atomic(self, path: Path, write: Callable[[Path], None]) -> None:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def put(self, name: str, what: str, value: Any) -> None:
+        """Record ``value`` as step ``name`` (``what``: a description checked on reading)."""
+        if not self.enabled or not is_main():
+            return
+        from safetensors.torch import save_file
+
+        assert _NAME.match(name), name
+        data, tensors = encode(value)
+        meta = {"record": json.dumps({"what": what, "value": data})}
+        self._atomic(self.folder / f"{name}{SUFFIX}", lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+    def get(self, name: str, what: str) -> tuple[bool, Any]:
+        """``(True, value)`` when step ``name`` was recorded, else ``(False, None)``."""
+        if not (self.resumed and self.enabled):
+            return False, None
+        path = self.folder / f"{name}{SUFFIX}"
+        if not path.is_file():
+            return False, None
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                rec = json.loads((f.metadata() or {})["record"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - an unreadable record is redone, never fatal
+            logger.warning("ignoring unreadable run-state record %s (%s); redoing that step", path, e)
+            return False, None
+        if rec.get("what") != what:
+            raise ResumeError(f"--resume: the saved run state at {self.folder} is out of step with this run: its "
+                              f"step {name} was {rec.get('what')!r}, this run's is {what!r}. Run without --resume "
+                              "to start over.")
+        return True, decode(rec["value"], tensors)
+
+    def once(self, name: str, what: str, compute: Callable[[], Any]) -> Any:
+        """The recorded result of step ``name``, or ``compute()`` (then recorded)."""
+        found, value = self.get(name, what)
+        if found:
+            logger.info("resume: %s taken from the saved run state", what)
+            return value
+        value = compute()
+        self.put(name, what, value)
+        return value
+
+    def evaluation(self, desc: str, compute: Callable[[], Any]) -> Any:
+        """The next gate evaluation of the run (recorded ones are not run again)."""
+        self._evals += 1
+        return self.once(f"eval{self._evals:04d}", desc, compute)
+
+    def walk(self, desc: str) -> "WalkRecords":
+        """The records of the next layer walk of the run."""
+        self._walks += 1
+        return WalkRecords(self, f"walk{self._walks:02d}", desc)
+
+
+class WalkRecords:
+    """Per-layer records of one layer walk."""
+
+    def __init__(self, state: RunState, prefix: str, desc: str) -> None:
+        self.state, self.prefix, self.desc = state, prefix, desc
+        self.done: set[int] = set()
+        if state.resumed and state.enabled:
+            pat = re.compile(rf"^{prefix}-layer(\d+){re.escape(SUFFIX)}$")
+            self.done = {int(m[1]) for p in state.folder.iterdir() if (m := pat.match(p.name))}
+
+    def _name(self, i: int) -> str:
+        return f"{self.prefix}-layer{i:04d}"
+
+    def save(self, i: int, value: Any) -> None:
+        self.state.put(self._name(i), f"{self.desc}: layer {i}", value)
+
+    def load(self, i: int) -> Any:
+        found, value = self.state.get(self._name(i), f"{self.desc}: layer {i}")
+        if not found:
+            raise ResumeError(f"--resume: the record of layer {i} ({self.desc}) in {self.state.folder} could not be "
+                              "read. Run without --resume to start over.")
+        return value

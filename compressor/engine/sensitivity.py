@@ -1,0 +1,74 @@
+"""How much the language-model loss cares about each FFN's output.
+
+One forward + backward pass per calibration batch accumulates, per block,
+the diagonal of ``M = E[g gᵀ]`` with ``g = ∂ loss / ∂ y`` the gradient of the
+next-token loss at the FFN output (the empirical Fisher of the block output,
+Hassibi & Stork's curvature proxy). Two uses:
+
+* **loss-aware selection** (``replacement.selection: loss``): the OBS cost of
+  dropping unit ``j`` becomes ``Σ_o M_oo B_jo² / [S⁻¹]_jj`` — least squares
+  gives the same coefficients under any output weighting, but *which* units
+  to keep depends on it;
+* **allocation** (``policy.allocation: fisher``): a block's sensitivity is
+  ``Σ_o M_oo Var(y_o)``, the expected loss change per unit of relative
+  output error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compressor.core import distributed as dist
+from compressor.core.progress import progress
+
+
+def output_grad_moments(model: nn.Module, windows: torch.Tensor, modules: dict[int, str], *,
+                        batch_size: int = 8) -> dict[int, torch.Tensor]:
+    """Per block index: mean of ``g²`` over calibration tokens (float64, [d_out], CPU).
+
+    Under a process group each rank runs a contiguous share of the batches; the
+    per-batch sums are gathered and added in batch order, as one process would."""
+    per_batch: dict[int, dict[int, torch.Tensor]] = {}  # batch → block → Σ g²
+    sums: dict[int, torch.Tensor] = {}  # the current batch's
+    handles = []
+
+    def make_hook(i: int):
+        def fwd(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+
+            def grad_hook(g):
+                g2 = g.detach().double().pow(2).sum(dim=tuple(range(g.dim() - 1))).cpu()
+                sums[i] = g2 if i not in sums else sums[i] + g2
+            out.register_hook(grad_hook)
+        return fwd
+
+    for i, path in modules.items():
+        handles.append(model.get_submodule(path).register_forward_hook(make_hook(i)))
+    device = model.get_input_embeddings().weight.device
+    was_training = model.training
+    model.eval()
+    req = {n: p.requires_grad for n, p in model.named_parameters()}
+    model.requires_grad_(False)
+    starts = range(0, windows.shape[0], batch_size)
+    try:
+        for b in progress(dist.shard(len(starts)), desc="sensitivity: loss gradients", unit="batch"):
+            sums = per_batch[b] = {}
+            ids = windows[starts[b]:starts[b] + batch_size].to(device)
+            emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            logits = model(inputs_embeds=emb, use_cache=False).logits
+            # summed over tokens: g_t is then the gradient of the total loss at token t
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for n, p in model.named_parameters():
+            p.requires_grad_(req[n])
+        model.train(was_training)
+    total: dict[int, torch.Tensor] = {}
+    for batch in dist.gather_items(per_batch, len(starts)):
+        for i, g2 in batch.items():
+            total[i] = g2 if i not in total else total[i] + g2
+    return {i: s / max(windows.numel(), 1) for i, s in total.items()}

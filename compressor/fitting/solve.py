@@ -1,0 +1,245 @@
+"""Closed-form affine and reduced-rank fits, and their held-out scores.
+
+All from :class:`~compressor.core.stats.Moments`: the exact least-squares map
+``y ≈ Wᵀx + b`` solves ``Cxx W = Cxy`` (centred covariances), ``b = μy − Wᵀμx``.
+Never trained by gradient descent: on ill-conditioned activations SGD
+under-converges, and the closed form is both exact and cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from compressor.core.stats import Moments
+
+_F64 = torch.float64
+
+# A column whose variance is below this fraction of the mean variance carries
+# no information (e.g. a dimension the pre-norm zeroes); it is left out of the
+# solve and gets a zero weight. 1e-16 is a standard-deviation ratio of 1e-8,
+# below float32 resolution; small-scale but live channels stay in.
+DEAD_COLUMN_RTOL = 1e-16
+# Eigenvalues of the input *correlation* matrix below this fraction of the
+# largest one count as exactly singular directions, left out of the solve
+# (like lstsq's rcond); float32 rounding noise sits near 1e-14, real
+# directions far above. Judging on the correlation, not the covariance, keeps
+# small-scale but informative channels (measured on SmolLM2 blocks 21 and 24).
+RANK_RTOL = 1e-10
+# Damping ladder if Cholesky still fails on a full-rank covariance: λ = step × mean diagonal.
+DAMPING_STEPS = (0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2, 1e-1)
+
+
+@dataclass
+class AffineFit:
+    """The full-rank fit ``y ≈ Wᵀx + b`` (float64) and how it was obtained."""
+
+    W: torch.Tensor  # [d_in, d_out]
+    b: torch.Tensor  # [d_out]
+    n_fit: int
+    damping: float = 0.0
+    dead_inputs: int = 0
+    truncated: int = 0
+    """Input directions dropped as numerically singular."""
+    warnings: list[str] = field(default_factory=list)
+    # Eigen-decomposition of the explained-output covariance Wᵀ Cxx W (fit
+    # rows), descending: drives reduced-rank fits and the effective rank.
+    explained_eigvals: torch.Tensor | None = None
+    explained_eigvecs: torch.Tensor | None = None
+    fit_sse: float = float("nan")
+    fit_sst: float = float("nan")
+
+    @property
+    def d_in(self) -> int:
+        return self.W.shape[0]
+
+    @property
+    def d_out(self) -> int:
+        return self.W.shape[1]
+
+
+def solve_affine(m: Moments, device: torch.device | str | None = None) -> AffineFit:
+    """Exact least squares from fit-row statistics (Cholesky, damped only if needed).
+
+    The factorisations run on ``device`` (default: where the sums are); the
+    result is on the CPU."""
+    if device is not None and m.cxx.device != torch.device(device):
+        fit = solve_affine(m.to(device))
+        return AffineFit(
+            W=fit.W.cpu(), b=fit.b.cpu(), n_fit=fit.n_fit, damping=fit.damping, dead_inputs=fit.dead_inputs,
+            truncated=fit.truncated, warnings=fit.warnings, explained_eigvals=fit.explained_eigvals.cpu(),
+            explained_eigvecs=fit.explained_eigvecs.cpu(), fit_sse=fit.fit_sse, fit_sst=fit.fit_sst,
+        )
+    if m.n == 0:
+        raise ValueError("no calibration rows were collected for this block; give more calibration data")
+    warnings: list[str] = []
+    n_params = m.d_in + 1
+    if m.n < n_params:
+        warnings.append(
+            f"only {m.n} fit rows for {n_params} parameters per output: the fit is underdetermined "
+            "and damped; raise calibration max_tokens"
+        )
+    cxx = m.cxx / m.n
+    cxy = m.cxy / m.n
+    diag = torch.diagonal(cxx)
+    mean_diag = float(diag.mean()) if diag.numel() else 0.0
+    if mean_diag <= 0:
+        raise ValueError("the FFN input has zero variance on the calibration rows; check the calibration data")
+    live = diag > DEAD_COLUMN_RTOL * mean_diag
+    dead = int((~live).sum())
+    if dead:
+        warnings.append(f"{dead} dead input column(s) (zero variance) left out of the solve")
+    c_live = cxx[live][:, live]
+    rhs = cxy[live]
+    # Rank check first: Cholesky often "succeeds" on an exactly rank-deficient
+    # covariance (LayerNorm outputs are rank d-1; float32 rounding leaves a
+    # ~1e-14 eigenvalue), and the solve then amplifies noise along that
+    # direction. Such directions are dropped. Check and truncated solve run on
+    # the correlation matrix R = D^-½ C D^-½ (D = diag C), so a channel that is
+    # merely small in scale is neither dropped nor solved with the squared
+    # condition number of raw normal equations. The result is the minimum-norm
+    # solution in standardized inputs; on inputs in the span of the fit rows
+    # its predictions equal lstsq's.
+    scale = diag[live].sqrt()
+    eigvals, eigvecs = torch.linalg.eigh(c_live / scale[:, None] / scale[None, :])
+    cutoff = RANK_RTOL * float(eigvals[-1])
+    truncated = int((eigvals <= cutoff).sum())
+    damping = 0.0
+    if truncated:
+        warnings.append(
+            f"input covariance rank-deficient: {truncated} direction(s) below {RANK_RTOL:g} × largest eigenvalue "
+            "of the input correlation dropped (minimum-norm solution in standardized inputs)"
+        )
+        V, lam = eigvecs[:, truncated:], eigvals[truncated:]
+        solved = (V @ ((V.T @ (rhs / scale[:, None])) / lam[:, None])) / scale[:, None]
+    else:
+        for step in DAMPING_STEPS:
+            lam = step * mean_diag
+            a = c_live + lam * torch.eye(c_live.shape[0], dtype=_F64, device=c_live.device) if lam else c_live
+            chol, info = torch.linalg.cholesky_ex(a)
+            if int(info) == 0:
+                damping = step
+                break
+        else:
+            raise RuntimeError(
+                "the input covariance is singular even with damping 0.1 × mean diagonal; "
+                "the calibration data is degenerate (e.g. all windows identical)"
+            )
+        if damping:
+            warnings.append(f"input covariance singular: damped by {damping:g} × mean diagonal")
+        solved = torch.cholesky_solve(rhs, chol)
+    W = torch.zeros(m.d_in, m.d_out, dtype=_F64, device=m.cxx.device)
+    W[live] = solved
+    b = m.my - W.T @ m.mx
+    if not (torch.isfinite(W).all() and torch.isfinite(b).all()):
+        raise FloatingPointError("the affine solve produced non-finite weights; calibration activations overflowed")
+    explained = W.T @ cxx @ W
+    eigvals, eigvecs = torch.linalg.eigh((explained + explained.T) / 2)
+    order = torch.argsort(eigvals, descending=True)
+    sse = m.sse(W, b)
+    return AffineFit(
+        W=W, b=b, n_fit=m.n, damping=damping, dead_inputs=dead, truncated=truncated, warnings=warnings,
+        explained_eigvals=eigvals[order].clamp_min(0), explained_eigvecs=eigvecs[:, order],
+        fit_sse=float(sse.sum()), fit_sst=m.sst(),
+    )
+
+
+@dataclass
+class LowRankFit:
+    """Reduced-rank map ``y ≈ Bᵀ(Aᵀx) + b``: A [d_in, r], B [r, d_out]."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    b: torch.Tensor
+    rank: int
+
+    @property
+    def W(self) -> torch.Tensor:
+        return self.A @ self.B
+
+
+def low_rank(fit: AffineFit, m: Moments, rank: int) -> LowRankFit:
+    """Closed-form reduced-rank regression: project the full solution onto the
+    top-``rank`` principal directions of its fitted outputs (Izenman 1975)."""
+    if not 1 <= rank <= min(fit.d_in, fit.d_out):
+        raise ValueError(f"rank must be in [1, {min(fit.d_in, fit.d_out)}], got {rank}")
+    V = fit.explained_eigvecs[:, :rank]  # [d_out, r]
+    A = fit.W @ V
+    B = V.T.contiguous()
+    b = m.my - B.T @ (A.T @ m.mx)
+    return LowRankFit(A=A, B=B, b=b, rank=rank)
+
+
+def fit_r2_at_rank(fit: AffineFit, rank: int) -> float:
+    """Fit-row R² of the rank-``rank`` map, without refitting.
+
+    The reduced-rank residual is the full residual plus the dropped explained
+    directions, orthogonal on the fit rows, so SSE_r = SSE + n Σ_{i>r} λ_i.
+    """
+    dropped = float(fit.explained_eigvals[rank:].sum()) * fit.n_fit
+    return 1.0 - (fit.fit_sse + dropped) / fit.fit_sst if fit.fit_sst > 0 else float("nan")
+
+
+def rank_for_fraction(fit: AffineFit, fraction: float) -> int:
+    """Smallest rank whose fit-row R² keeps ``fraction`` of the full-rank R²."""
+    full = fit_r2_at_rank(fit, fit.explained_eigvals.numel())
+    target = fraction * full
+    total = float(fit.explained_eigvals.sum()) * fit.n_fit
+    tail = total - torch.cumsum(fit.explained_eigvals, 0) * fit.n_fit  # dropped after keeping r=1..
+    r2 = 1.0 - (fit.fit_sse + tail) / fit.fit_sst
+    ok = torch.nonzero(r2 >= target - 1e-12)
+    return int(ok[0]) + 1 if ok.numel() else int(fit.explained_eigvals.numel())
+
+
+def affine_params(d_in: int, d_out: int, rank: int | None = None) -> int:
+    """Parameters of the replacement (weights + bias)."""
+    if rank is None:
+        return d_in * d_out + d_out
+    return rank * (d_in + d_out) + d_out
+
+
+@dataclass
+class Score:
+    """Held-out quality of one affine map."""
+
+    r2: float  # pooled: 1 − ΣSSE / ΣSST
+    r2_median_feature: float
+    sse: float
+    sst: float
+
+
+def score(m: Moments, W: torch.Tensor, b: torch.Tensor) -> Score:
+    """Held-out R²: 1 − SSE/SST pooled over output features, SST about the held-out mean."""
+    if m.n == 0:
+        nan = float("nan")
+        return Score(nan, nan, nan, nan)
+    sse_f = m.sse(W, b)
+    sst_f = m.cyy_diag
+    sse, sst = float(sse_f.sum()), float(sst_f.sum())
+    live = sst_f > 0
+    per_feature = 1.0 - sse_f[live] / sst_f[live]
+    # quantile interpolates: the usual median for an even number of features
+    med = float(torch.quantile(per_feature, 0.5)) if per_feature.numel() else float("nan")
+    r2 = 1.0 - sse / sst if sst > 0 else float("nan")
+    return Score(r2=r2, r2_median_feature=med, sse=sse, sst=sst)
+
+
+def effective_rank(values: torch.Tensor) -> float:
+    """exp(entropy) of the normalised non-negative ``values`` (Roy & Vetterli 2007)."""
+    v = values.clamp_min(0).to(_F64)
+    total = float(v.sum())
+    if total <= 0:
+        return 0.0
+    p = v[v > 0] / total
+    return math.exp(float(-(p * p.log()).sum()))
+
+
+def subset(m: Moments, cols: torch.Tensor) -> Moments:
+    """The statistics of the regression restricted to input columns ``cols``."""
+    cols = torch.as_tensor(cols, dtype=torch.long)
+    return Moments(
+        d_in=int(cols.numel()), d_out=m.d_out, full_cyy=m.full_cyy, n=m.n, mx=m.mx[cols], my=m.my,
+        cxx=m.cxx[cols][:, cols], cxy=m.cxy[cols], cyy_diag=m.cyy_diag, cyy=m.cyy,
+    )

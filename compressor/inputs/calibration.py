@@ -1,0 +1,91 @@
+"""The calibrate stage's inputs: calibration windows and evaluation token streams from a recipe.
+
+* :func:`evaluation_streams` — token ids per evaluation domain, disjoint from
+  calibration text; needs only the tokenizer, so a too-small evaluation set
+  fails before the model loads;
+* :func:`build_calibration` — the calibration windows (``mix`` and ``self``
+  have the model write text, :mod:`compressor.inputs.selfcal`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from compressor.core.errors import InputError
+from compressor.inputs.data import CalibrationSet, TextSource, calibration_set, evaluation_tokens
+from compressor.inputs.load import load_tokenizer as _load_tokenizer
+from compressor.inputs.load import resolve_source
+from compressor.recipe.schema import ModelConfig, Recipe
+
+
+class DataInput:
+    """Turn a data problem found while reading/tokenizing text (too few tokens,
+    missing column…) into an :class:`InputError` naming the recipe field."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if typ is not None and issubclass(typ, ValueError) and not issubclass(typ, InputError):
+            raise InputError(f"{self.field}: {exc}") from exc
+        return False
+
+
+def source_text(cfg) -> TextSource:
+    return TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column)
+
+
+def load_tokenizer(mc: ModelConfig):
+    """The tokenizer alone (no weights): enough to size the evaluation text before the model loads."""
+    return _load_tokenizer(resolve_source(mc.source, mc.gguf_file), trust_remote_code=mc.trust_remote_code,
+                           revision=mc.revision)
+
+
+def calibration_text(recipe: Recipe) -> TextSource:
+    """The text part of the calibration: ``mix`` reads the embedded text, ``self`` none."""
+    c = recipe.calibration
+    return TextSource("embedded") if c.dataset in ("mix", "self") else source_text(c)
+
+
+def evaluation_streams(recipe: Recipe, tokenizer) -> dict[str, torch.Tensor]:
+    """Token ids per evaluation domain, disjoint from calibration text; raises :class:`InputError`
+    when a domain is below ``evaluation.min_tokens`` (needs only the tokenizer)."""
+    cal_src = calibration_text(recipe) if recipe.calibration.dataset != "self" else None
+    out = {}
+    for e in recipe.evaluation_domains():
+        ids = evaluation_tokens(tokenizer, source_text(e), cal_src, max_tokens=e.max_tokens)
+        if ids.numel() < e.min_tokens:
+            raise InputError(
+                f"evaluation domain {e.domain_name()!r} ({e.dataset}) has {ids.numel()} tokens, fewer than "
+                f"evaluation.min_tokens={e.min_tokens}: a perplexity on so little text is noise. Give more "
+                "evaluation text (or lower min_tokens knowingly)."
+            )
+        out[e.domain_name()] = ids
+    return out
+
+
+def build_calibration(recipe: Recipe, model, tokenizer, use_cache: bool) -> tuple[CalibrationSet, dict]:
+    """Calibration windows for ``calibration.dataset`` (``mix`` / ``self`` generate text with the model)."""
+    from compressor.inputs.selfcal import SelfCalSettings, self_calibration_tokens
+
+    c = recipe.calibration
+    info = {"dataset": c.dataset, "self_tokens": 0}
+    extra, text_tokens = None, c.max_tokens
+    if c.dataset in ("mix", "self"):
+        n_self = c.max_tokens if c.dataset == "self" else min(c.self_tokens or c.max_tokens // 2, c.max_tokens)
+        text_tokens = c.max_tokens - n_self
+        t0 = time.perf_counter()
+        extra = self_calibration_tokens(
+            model, tokenizer, SelfCalSettings(n_tokens=n_self, seq_len=c.seq_len, seed=c.seed), use_cache=use_cache,
+        )
+        info.update(self_tokens=int(extra.numel()), self_s=time.perf_counter() - t0)
+    evaluation = [source_text(e) for e in recipe.evaluation_domains()]
+    cal = calibration_set(tokenizer, calibration_text(recipe), seq_len=c.seq_len, max_tokens=text_tokens,
+                          heldout_fraction=c.heldout_fraction, seed=c.seed, evaluation=evaluation, extra=extra)
+    info["text_tokens"] = int(cal.fit.numel() + cal.heldout.numel()) - info["self_tokens"]
+    return cal, info

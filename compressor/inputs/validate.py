@@ -1,0 +1,191 @@
+"""The input-validation stage: everything about a run's inputs that can be
+checked with the file system alone, before any model loads.
+
+* :func:`run_reads` — every local file or folder a run reads (the output must
+  never be, contain or replace one of them);
+* :func:`check_inputs` — sources exist and are readable, data files are
+  usable, the output location is safe to write.
+
+``run``, ``profile`` and ``validate`` call it first; every failure is a
+:class:`~compressor.core.errors.RecipeError` naming the field (exit 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from compressor.core.errors import InputError, RecipeError
+from compressor.recipe.schema import Recipe
+
+
+def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
+    """``(description, path)`` of every local file or folder a run reads: the
+    output must never be, contain or replace any of them."""
+    from compressor.engine.cache import cache_dir
+    from compressor.inputs.data import EMBEDDED
+
+    reads: list[tuple[str, Path]] = []
+    if recipe._source_file is not None:
+        reads.append(("the recipe", recipe._source_file))
+    sections = recipe.data_sections()
+    for section, cfg in sections:
+        ds = cfg.dataset
+        if ds != EMBEDDED and Path(ds).expanduser().exists():
+            reads.append((f"{section}.dataset", Path(ds).expanduser()))
+    src = Path(recipe.model.source).expanduser()
+    if not recipe.model.source.startswith("pkg:") and src.exists():
+        reads.append(("model.source", src))
+    if recipe.measure.cache:
+        reads.append(("the statistics cache", cache_dir()))
+    return reads
+
+
+def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
+    """Checks that need the file system but no model: sources exist and are
+    readable, data files are usable, the output is safe to write.
+
+    Raises :class:`RecipeError` naming the field.
+    """
+    from compressor.engine.cache import cache_dir
+    from compressor.inputs.checks import DataFileError, check_data_source
+    from compressor.inputs.modelfiles import check_model_files
+    from compressor.inputs.data import TextSource
+    from compressor.inputs.load import resolve_source
+
+    try:
+        src = resolve_source(recipe.model.source, recipe.model.gguf_file)
+    except FileNotFoundError as e:
+        raise RecipeError(f"model.source: {e}") from None
+    try:
+        check_model_files(src)
+    except InputError as e:
+        raise RecipeError(f"model.source: {e}") from None
+    if recipe.calibration.dataset in ("self", "mix"):
+        check_writable_dir(cache_dir(), "calibration.dataset: self-written calibration text is cached in the "
+                           "statistics cache folder", fix="set COMPRESSOR_CACHE to a writable folder")
+    sections = recipe.data_sections()
+    for section, cfg in sections:
+        try:
+            check_data_source(TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column))
+        except (FileNotFoundError, DataFileError) as e:
+            raise RecipeError(f"{section}.dataset: {e}") from None
+    if not need_output:
+        return
+    if recipe.output.path is None:
+        raise RecipeError("output.path: required; set it in the recipe or pass --output DIR")
+    check_path_text(recipe.output.path, "output.path")
+    from compressor.inputs.safety import OutputError, check_output_folder
+
+    try:
+        check_output_folder(recipe.output.path, overwrite=recipe.output.overwrite, reads=run_reads(recipe),
+                            model_dir=src.path if src.is_local else None)
+    except OutputError as e:
+        raise RecipeError(f"output.path: {e}") from None
+
+
+def check_writable_dir(path: Path, what: str, *, fix: str) -> None:
+    """``path`` is (or can be created as) a folder this process may write into; else a RecipeError."""
+    import os
+
+    probe = Path(path).expanduser()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise RecipeError(f"{what} ({path}), which cannot be written here; {fix}")
+
+
+def check_profile_inputs(model: str, data, *, seq_len: int, max_tokens: int, heldout_fraction: float, seed: int,
+                         batch_size: int, blocks: str | list[int] | None, dtype: str = "float32",
+                         device: str = "cpu", offload: str = "none", output: str | None = None,
+                         flags: bool = True) -> list[int] | None:
+    """``profile``'s inputs, checked like a run's before the model loads; returns the parsed block list.
+
+    ``data`` is a :class:`~compressor.inputs.data.TextSource`. Errors name the command-line flag
+    (``flags=True``) or the keyword argument."""
+    from pydantic import ValidationError
+
+    from compressor.inputs.checks import DataFileError, check_data_source
+    from compressor.inputs.load import resolve_source
+    from compressor.inputs.modelfiles import check_model_files
+    from compressor.recipe.schema import CalibrationConfig, ModelConfig
+
+    def name(field: str) -> str:
+        return "--" + field.replace("_", "-") if flags else field
+
+    values = dict(seq_len=seq_len, max_tokens=max_tokens, heldout_fraction=heldout_fraction, seed=seed,
+                  batch_size=batch_size)
+    for section, fields in ((CalibrationConfig, values), (ModelConfig, dict(dtype=dtype, device=device,
+                                                                            offload=offload))):
+        try:
+            section(**fields)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            from compressor.recipe.yamlsafe import shorten
+
+            raise RecipeError(f"{name(field)}: {err['msg']} (got {shorten(err.get('input'))})") from None
+    if max_tokens // seq_len < 2:
+        raise RecipeError(f"{name('max_tokens')} {max_tokens} holds fewer than two windows of {name('seq_len')} "
+                          f"{seq_len}: one is fitted on and one held out; give at least {2 * seq_len} tokens")
+    parsed = parse_blocks(blocks, name("blocks"))
+    try:
+        src = resolve_source(model, None)
+        check_model_files(src)
+    except FileNotFoundError as e:
+        raise RecipeError(f"model: {e}") from None
+    except InputError as e:
+        raise RecipeError(f"model: {e}") from None
+    try:
+        check_data_source(data)
+    except (FileNotFoundError, DataFileError) as e:
+        raise RecipeError(f"{name('data')}: {e}") from None
+    if output is not None:
+        if not str(output).strip():
+            raise RecipeError(f"{name('output')}: empty; give a folder for profile.json, profile.md and profile.png")
+        out = Path(output).expanduser()
+        if out.exists() and not out.is_dir():
+            raise RecipeError(f"{name('output')}: {out} is a file; give a folder")
+        check_writable_dir(out, f"{name('output')}: the profile is written into {out}",
+                           fix="choose a folder you can write to")
+    return parsed
+
+
+def parse_blocks(blocks: str | list[int] | None, flag: str = "--blocks") -> list[int] | None:
+    """``"0,3,7"`` (or a list) → ``[0, 3, 7]``; anything else is a RecipeError naming ``flag``."""
+    if blocks is None:
+        return None
+    items = blocks.split(",") if isinstance(blocks, str) else list(blocks)
+    out = []
+    for item in items:
+        try:
+            i = int(str(item).strip())
+        except ValueError:
+            i = -1
+        if i < 0:
+            from compressor.recipe.yamlsafe import shorten
+
+            raise RecipeError(f"{flag}: expected comma-separated block indices ≥ 0, such as 0,3,7 "
+                              f"(got {shorten(blocks)})")
+        out.append(i)
+    if not out:
+        raise RecipeError(f"{flag}: empty; give block indices such as 0,3,7, or leave it out for all blocks")
+    return sorted(set(out))
+
+
+# Linux limits: a name of at most 255 bytes, a path of at most 4095.
+NAME_MAX, PATH_MAX = 255, 4095
+
+
+def check_path_text(path: str, field: str) -> None:
+    """A path the file system can take: not empty, valid UTF-8, names and length within the limits."""
+    if not str(path).strip():
+        raise RecipeError(f"{field}: empty; give a folder such as out/model")
+    try:
+        raw = str(Path(path).expanduser().absolute()).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RecipeError(f"{field}: the path is not valid UTF-8; choose a name in UTF-8") from None
+    long = [part for part in raw.split(b"/") if len(part) > NAME_MAX]
+    if long or len(raw) > PATH_MAX:
+        what = (f"a name of {len(long[0])} bytes (the limit is {NAME_MAX})" if long
+                else f"{len(raw)} bytes (the limit is {PATH_MAX})")
+        raise RecipeError(f"{field}: the path is too long for the file system: {what}; choose a shorter one")

@@ -1,0 +1,147 @@
+"""What every output writer provides, and the shared, atomic publishing.
+
+A writer turns the compressed in-memory model into one output format inside a
+*staging folder* beside the output, then reloads what it wrote and compares it
+with the in-memory model (its verification). Every requested writer writes
+into the same staging folder; only when all of them have verified is the
+folder renamed into place (:func:`publish`), so an output is either the old
+one or the complete new one, never a mix.
+
+A new format is one new module with one ``@register_writer`` class, the shape
+llama.cpp's ``convert_hf_to_gguf.py`` uses for architectures
+(``@ModelBase.register(...)``): it declares what it can represent
+(:meth:`Writer.unsupported`, asked before the model loads), writes, and
+verifies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+logger = logging.getLogger(__name__)
+
+#: format name -> writer class; filled by ``@register_writer`` in each writer's module.
+WRITERS: dict[str, type[Writer]] = {}
+
+
+@dataclass
+class WriteRequest:
+    """Everything a writer may need, built once by the pipeline's write stage."""
+
+    model: Any
+    """The compressed model, in memory (or onloaded)."""
+    tokenizer: Any
+    compression: dict
+    """The ``compression`` section: which blocks were replaced, by what."""
+    source: Any
+    """The :class:`~compressor.inputs.load.ResolvedSource` the model came from."""
+    dtype: Any
+    """The torch dtype to save floating weights in."""
+    extra_files: dict[str, str] = field(default_factory=dict)
+    """Text files written beside the weights (recipe, model card)."""
+    probe_tokens: Any = None
+    """1-D token ids the verification compares logits and perplexity on."""
+    probe_seq_len: int = 256
+    probe_stride: int = 256
+    probe_batch_size: int = 8
+    expected_ppl: float | None = None
+    """The in-memory model's perplexity on ``probe_tokens`` (the gate's final number)."""
+    offload: str = "none"
+    device: str = "cpu"
+    options: dict = field(default_factory=dict)
+    """Writer-specific options from the recipe's ``output`` section."""
+
+
+class VerificationError(RuntimeError):
+    """A writer's reloaded output disagrees with the in-memory model: nothing is published (exit 1)."""
+
+
+class Writer:
+    """One output format. Subclasses set :attr:`format` and implement :meth:`write` and :meth:`verify`."""
+
+    format: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def unsupported(self, model_type: str, kind: str) -> str | None:
+        """Why this format cannot represent ``kind`` replacements of a ``model_type`` model
+        (with the alternative), or None when it can. Asked before the model loads."""
+        return None
+
+    def write(self, request: WriteRequest, folder: Path) -> list[Path]:
+        """Write this format's files into the staging ``folder``; return their paths."""
+        raise NotImplementedError
+
+    def verify(self, request: WriteRequest, folder: Path) -> dict:
+        """Reload what :meth:`write` wrote, compare it with ``request.model`` and return the
+        report entry; raise :class:`VerificationError` on a mismatch."""
+        raise NotImplementedError
+
+
+def register_writer(cls: type[Writer]) -> type[Writer]:
+    """Class decorator: make ``cls`` the writer of ``cls.format``."""
+    if not cls.format:
+        raise ValueError(f"{cls.__name__} sets no format")
+    WRITERS[cls.format] = cls
+    return cls
+
+
+def get_writer(name: str) -> Writer:
+    """The writer registered for format ``name``; the error lists the formats that exist."""
+    import compressor.output  # noqa: F401  (imports the writer modules, which register themselves)
+
+    if name not in WRITERS:
+        raise ValueError(f"unknown output format {name!r}; known formats: {', '.join(sorted(WRITERS))}")
+    return WRITERS[name]()
+
+
+# --------------------------------------------------------------------------------------------------
+# Staging and publishing
+# --------------------------------------------------------------------------------------------------
+
+
+def staging_folder(out: Path) -> Path:
+    """A fresh, empty staging folder beside ``out`` (``.<name>.tmp-<pid>``); leftovers of
+    killed runs are removed first (see :func:`compressor.inputs.safety.clean_stale_temps`)."""
+    from compressor.inputs.safety import clean_stale_temps
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def apply_umask(folder: Path) -> None:
+    """Give every file the permissions the user's umask asks for.
+
+    ``save_pretrained`` writes weights through a private temporary file
+    (mode 0600); a published checkpoint should be as readable as any other
+    file the user creates.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
+def publish(tmp: Path, out: Path) -> Path:
+    """Rename the finished staging folder into place; an earlier output (already
+    judged safe to replace) is moved aside first and removed after."""
+    apply_umask(tmp)
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+    logger.info("published %s", out)
+    return out

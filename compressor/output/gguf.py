@@ -1,0 +1,735 @@
+"""The ``gguf`` writer: one ``model.gguf`` that an unmodified llama.cpp runs.
+
+Every FFN (replaced or not) is written as a gated MLP with biases
+(:mod:`compressor.output.gated`), of the width its replacement needs. What
+llama.cpp can load decides the architecture written (verified against the
+llama.cpp vendored by llama-cpp-python 0.3.36, ``src/models/*.cpp``):
+
+* ``llama`` loads optional ``ffn_gate/up/down`` biases but creates every
+  layer's FFN with layer 0's width (``hparams.n_ff()``), so it is written only
+  when all widths are equal;
+* ``qwen2`` creates every FFN at layer 0's width and loads no FFN bias (an
+  extra tensor fails the load), so it is written only for an unchanged model;
+* ``deci`` (Nemotron-NAS) creates each layer's FFN at ``n_ff(il)`` from the
+  ``feed_forward_length`` array, loads optional FFN and q/k/v biases, and runs
+  the Llama graph (RMSNorm, SiLU-gated FFN, "normal" RoPE). Llama-family models
+  with unequal widths become ``deci``; so do Qwen2 models, whose q/k rows (and
+  biases) are permuted from the NeoX RoPE layout to the normal one, as
+  llama.cpp's converter does for Llama. A deci layer with width 0 also skips
+  its attention residual, so no width is ever 0 (a constant FFN is one dead unit).
+
+Tensors and metadata of a GGUF source are copied as they are (same
+quantization) unless ``quant`` asks for another type; for a Hugging Face
+source the tokenizer metadata is built from a byte-level BPE ``tokenizer.json``
+(the common case; others are refused with the alternative).
+
+Quantization (``quant``): ``source`` — a GGUF source's own types, tensor by
+tensor (unchanged tensors copied byte for byte, new FFN tensors quantized by
+ggml to the type the source used for that tensor); a Hugging Face source's
+dtype. ``bf16``/``f16`` — written directly. ``q8_0``/``q4_k_m`` — written in
+F16, then quantized by llama.cpp's own quantizer (``llama_model_quantize``,
+its per-tensor mix rules). GGML quantizes in blocks along a row; the down
+projection's rows are the layer's width, so a width that is not a multiple of
+the block (32, or 256 for k-quants) is an error naming the layers, unless
+``unquantizable`` is ``f16`` (those down projections stay F16, reported) or
+``pad`` (dead units pad the width up: exact, but bytes and compute for nothing).
+
+Verification runs the file in llama.cpp (llama-cpp-python) and compares its
+perplexity on the probe text with the in-memory model's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from compressor.core.archs import arch_for, find_blocks
+from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
+from compressor.output.base import VerificationError, WriteRequest, Writer, register_writer
+from compressor.output.gated import GatedMLP, NotRepresentableError, as_gated
+
+logger = logging.getLogger(__name__)
+
+FILE_NAME = "model.gguf"
+QUANTS = ("source", "bf16", "f16", "q8_0", "q4_k_m")
+UNQUANTIZABLE = ("error", "f16", "pad")
+#: Relative perplexity tolerance of the llama.cpp check at unquantized types. Measured: see docs/gguf.md.
+PPL_TOLERANCE = 5e-3
+LLAMA_CPP_PIN = "llama-cpp-python==0.3.36"
+
+
+@dataclass(frozen=True)
+class ArchRow:
+    """How one Hugging Face model type is written."""
+
+    native: str
+    """llama.cpp architecture when every layer has one width."""
+    native_ffn_bias: bool
+    """Whether ``native`` loads FFN biases."""
+    per_layer: str = "deci"
+    """llama.cpp architecture for per-layer widths (and FFN biases)."""
+
+
+#: Hugging Face model type → how it is written; a new architecture is a row here and a test.
+ARCHS: dict[str, ArchRow] = {
+    "llama": ArchRow("llama", native_ffn_bias=True),
+    "mistral": ArchRow("llama", native_ffn_bias=True),
+    "qwen2": ArchRow("qwen2", native_ffn_bias=False),
+}
+#: llama.cpp architecture → RoPE row layout of attn_q/attn_k: "norm" (pairs interleaved; Hugging Face
+#: rows are permuted) or "neox" (Hugging Face order).
+ROPE_LAYOUT = {"llama": "norm", "deci": "norm", "qwen2": "neox"}
+#: Why the architectures outside :data:`ARCHS` are refused, with the alternative.
+REFUSED = {
+    "qwen3": "llama.cpp's qwen3 builds every FFN at layer 0's width with no FFN bias, and its only "
+             "per-layer-width Llama-like architecture (deci) has no q/k norm",
+    "gemma3_text": "llama.cpp's gemma3 builds every FFN at layer 0's width with no FFN bias, and its FFN is "
+                   "GELU-gated with a post-FFN norm, which deci does not have",
+    "gpt2": "its FFN is a plain GELU MLP (no gate); llama.cpp's gpt2 has one width for all layers",
+    "gpt_neox": "its FFN is a plain GELU MLP (no gate); llama.cpp's gptneox has one width for all layers",
+}
+_REPLACEMENTS = (AffineFFN, LowRankAffineFFN, HiddenUnitFFN)
+_FFN_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)$")
+_HF_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2"}  # gguf-py tensor-name maps
+
+
+class GGUFWidthError(ValueError):
+    """An FFN width is not a multiple of the quantization block of its down projection (exit 2)."""
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("the gguf format needs gguf-py: pip install 'compressor[gguf]'") from None
+    return gguf
+
+
+def runtime_missing() -> str | None:
+    """Why gguf-py or llama-cpp-python cannot be used (None when both can)."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return "the gguf format needs gguf-py: pip install 'compressor[gguf]' (or bash tools/setup.sh)"
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a broken build fails its import with anything
+        return (f"the gguf format verifies its file in llama.cpp, but llama-cpp-python is not importable ({e}). "
+                f"Install it with `bash tools/setup.sh` (builds {LLAMA_CPP_PIN} from source; cmake and a C++ "
+                "compiler needed), or leave gguf out of output.formats")
+    return None
+
+
+def check_options(options: dict) -> str | None:
+    """Why the writer options are invalid (None when valid)."""
+    quant = options.get("quant", "source")
+    if quant not in QUANTS:
+        return f"gguf quant {quant!r} is not one of {', '.join(QUANTS)}"
+    how = options.get("unquantizable", "error")
+    if how not in UNQUANTIZABLE:
+        return f"gguf unquantizable {how!r} is not one of {', '.join(UNQUANTIZABLE)}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning: architecture, widths, tensor types
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What will be written: the llama.cpp architecture, every layer's gated FFN and the tensor types."""
+
+    model_type: str
+    arch: str
+    ffns: list[GatedMLP]
+    replaced: list[bool]
+    quant: str
+    """source | bf16 | f16 | f32 | q8_0 | q4_k_m (``source`` only for a GGUF source)."""
+    source_gguf: Path | None
+    kept_f16: list[int] = field(default_factory=list)
+    """Layers whose down projection stays F16 (``unquantizable: f16``)."""
+    padded: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Layer → (fitted width, written width) for ``unquantizable: pad``."""
+
+    @property
+    def widths(self) -> list[int]:
+        return [g.width for g in self.ffns]
+
+
+def resolve_quant(quant: str, request: WriteRequest) -> str:
+    """``source`` stays ``source`` for a GGUF source; for a Hugging Face source it is the saved dtype."""
+    if quant != "source" or request.source.gguf_file:
+        return quant
+    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(request.dtype, "f32")
+
+
+def _down_block(plan: Plan, reader, layer: int) -> int:
+    """The quantization block (elements per row multiple) the down projection of ``layer`` needs."""
+    gguf = _gguf()
+    if plan.quant == "source":
+        t = _tensor_types(reader).get(f"blk.{layer}.ffn_down.weight", gguf.GGMLQuantizationType.F16)
+        return gguf.GGML_QUANT_SIZES[t][0]
+    return {"q8_0": 32, "q4_k_m": 256}.get(plan.quant, 1)
+
+
+def plan_for(request: WriteRequest, options: dict) -> Plan:
+    """Convert every FFN to a gated MLP, fit the widths to the quantization and choose the architecture."""
+    model = request.model
+    model_type, spec = arch_for(model)
+    if model_type not in ARCHS:
+        raise NotRepresentableError(_refusal(model_type))
+    _, blocks = find_blocks(model, spec)
+    hidden = model.config.hidden_size
+    modules = [b.get_submodule(spec.ffn_out) for b in blocks]
+    ffns = [as_gated(m, spec.ffn_up, spec.ffn_down, in_features=hidden) for m in modules]
+    replaced = [isinstance(m, _REPLACEMENTS) for m in modules]
+    quant = resolve_quant(options.get("quant", "source"), request)
+    src = Path(request.source.path) / request.source.gguf_file if quant == "source" else None
+    plan = Plan(model_type, "", ffns, replaced, quant, src)
+    reader = _gguf().GGUFReader(src) if src is not None else None
+    how = options.get("unquantizable", "error")
+    bad = []
+    for i, g in enumerate(ffns):
+        block = _down_block(plan, reader, i)
+        if not replaced[i] or g.width % block == 0:
+            continue
+        if how == "pad":
+            plan.ffns[i] = g.padded(block)
+            plan.padded[i] = (g.width, plan.ffns[i].width)
+        elif how == "f16":
+            plan.kept_f16.append(i)
+        else:
+            bad.append((i, g.width, block))
+    if bad:
+        listed = ", ".join(f"layer {i} width {w} (needs a multiple of {b})" for i, w, b in bad)
+        raise GGUFWidthError(
+            f"gguf quant {options.get('quant', 'source')!r}: GGML quantizes the down projection in blocks along "
+            f"its rows, whose length is the layer's FFN width; {listed}. Choose widths in those multiples, or set "
+            "the gguf option unquantizable to f16 (keep those down projections in F16) or pad (append dead "
+            "units up to the multiple), or use quant f16/bf16")
+    if plan.padded:
+        logger.warning("gguf: padded FFN widths with dead units to the quantization block: %s",
+                       ", ".join(f"layer {i} {a}→{b}" for i, (a, b) in plan.padded.items()))
+    if plan.kept_f16:
+        logger.warning("gguf: down projections kept in F16 (width not a multiple of the block): layers %s",
+                       plan.kept_f16)
+    row = ARCHS[model_type]
+    needs_bias = any(any(g.has_bias.values()) for g in plan.ffns)
+    equal = len(set(plan.widths)) == 1
+    plan.arch = row.native if equal and (row.native_ffn_bias or not needs_bias) else row.per_layer
+    return plan
+
+
+def _refusal(model_type: str) -> str:
+    why = REFUSED.get(model_type, "no llama.cpp architecture for it is mapped here")
+    return (f"model type {model_type!r} cannot be written as GGUF: {why}. Supported: {', '.join(sorted(ARCHS))}. "
+            "Use output.formats: [hf] for this model")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors
+# --------------------------------------------------------------------------------------------------
+
+
+def _tensor_types(reader) -> dict:
+    return {t.name: t.tensor_type for t in reader.tensors}
+
+
+def rope_permutation(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order taking attn_q/attn_k from the NeoX (Hugging Face) RoPE layout to the normal one:
+    within each head, the first and second halves interleave."""
+    half = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, 2, half).swapaxes(1, 2).reshape(-1)
+
+
+@dataclass
+class Tensor:
+    name: str
+    data: np.ndarray
+    """float32 values, or raw bytes ``[rows, row_bytes]`` of ``raw_type``."""
+    raw_type: object = None
+
+
+def _permute_qk(name: str, data: np.ndarray, config) -> np.ndarray:
+    n_head = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    heads = n_head if ".attn_q." in name else n_kv
+    return data[rope_permutation(data.shape[0], heads)]
+
+
+def _needs_permute(name: str, from_layout: str, to_layout: str) -> bool:
+    return from_layout != to_layout and (".attn_q." in name or ".attn_k." in name)
+
+
+def model_tensors(model: nn.Module, plan: Plan, skip_ffn: bool = True) -> list[Tensor]:
+    """Every tensor of the in-memory model except the FFNs, GGUF-named, float32."""
+    gguf = _gguf()
+    model_type, spec = arch_for(model)
+    path, blocks = find_blocks(model, spec)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _HF_ARCH[model_type]), len(blocks))
+    ffn_prefixes = tuple(f"{path}.{i}.{spec.ffn_out}." for i in range(len(blocks)))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    out = []
+    for hf_name, t in model.state_dict().items():
+        if skip_ffn and hf_name.startswith(ffn_prefixes):
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise NotRepresentableError(f"no GGUF tensor name for {hf_name!r} of a {model_type} model")
+        if name == "output.weight" and tied:
+            continue  # llama.cpp falls back to token_embd
+        data = t.detach().float().cpu().numpy()
+        if _needs_permute(name, "neox", ROPE_LAYOUT[plan.arch]):
+            data = _permute_qk(name, data, model.config)
+        out.append(Tensor(name, data))
+    return out
+
+
+def source_tensors(reader, plan: Plan, config) -> list[Tensor]:
+    """The source GGUF's tensors as raw bytes, except the FFNs of replaced layers."""
+    src_arch = _field(reader, "general.architecture")
+    out = []
+    for t in reader.tensors:
+        m = _FFN_TENSOR.match(t.name)
+        if m and plan.replaced[int(m.group(1))]:
+            continue
+        data = np.asarray(t.data)
+        if _needs_permute(t.name, ROPE_LAYOUT.get(src_arch, "norm"), ROPE_LAYOUT[plan.arch]):
+            data = _permute_qk(t.name, data, config)
+        out.append(Tensor(t.name, data, t.tensor_type))
+    return out
+
+
+def ffn_tensors(plan: Plan, layers) -> list[Tensor]:
+    out = []
+    for i in layers:
+        g = plan.ffns[i]
+        for role, w, b in (("gate", g.gate_w, g.gate_b), ("up", g.up_w, g.up_b), ("down", g.down_w, g.down_b)):
+            out.append(Tensor(f"blk.{i}.ffn_{role}.weight", w.detach().float().cpu().numpy()))
+            if g.has_bias[f"{role}_b"]:
+                out.append(Tensor(f"blk.{i}.ffn_{role}.bias", b.detach().float().cpu().numpy()))
+    return out
+
+
+def _target_type(t: Tensor, plan: Plan, source_types: dict):
+    """The GGML type tensor ``t`` (float32 values) is written in."""
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    if t.data.ndim == 1:
+        return Q.F32
+    if (m := _FFN_TENSOR.match(t.name)) and m.group(2) == "down" and int(m.group(1)) in plan.kept_f16:
+        return Q.F16
+    if plan.quant == "source":
+        return source_types.get(t.name, Q.F16)
+    # q8_0 / q4_k_m: F16 first, llama.cpp's quantizer after
+    return {"f32": Q.F32, "bf16": Q.BF16}.get(plan.quant, Q.F16)
+
+
+def encode(data: np.ndarray, qtype) -> np.ndarray:
+    """float32 ``data`` in GGML type ``qtype``: numpy for float types, ggml's own quantizer
+    (from llama-cpp-python's libggml) for quantized ones."""
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    if qtype == Q.F32:
+        return data
+    if qtype == Q.F16:
+        return data.astype(np.float16)
+    if qtype == Q.BF16:
+        return gguf.quants.quantize(data, Q.BF16)
+    return ggml_quantize(data, qtype)
+
+
+def ggml_quantize(data: np.ndarray, qtype) -> np.ndarray:
+    """Quantize rows with ggml's ``ggml_quantize_chunk`` (the code llama.cpp quantizes with)."""
+    gguf = _gguf()
+    import llama_cpp._ggml as ggml_lib
+
+    lib = ggml_lib.libggml
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    if lib.ggml_quantize_requires_imatrix(int(qtype)):
+        raise ValueError(f"GGML type {qtype.name} needs an importance matrix; use quant q4_k_m or q8_0")
+    rows, n = data.reshape(-1, data.shape[-1]).shape
+    block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    if n % block:
+        raise GGUFWidthError(f"row length {n} is not a multiple of {block} ({qtype.name})")
+    out = np.empty((rows, n // block * type_bytes), dtype=np.uint8)
+    src = np.ascontiguousarray(data.reshape(rows, n))
+    written = lib.ggml_quantize_chunk(int(qtype), src.ctypes.data, out.ctypes.data, 0, rows, n, None)
+    if written != out.nbytes:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, expected {out.nbytes}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Metadata
+# --------------------------------------------------------------------------------------------------
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def copy_source_metadata(writer, reader, arch: str, skip: set[str]) -> None:
+    """Every key of the source GGUF (tokenizer and chat template included), the architecture's keys
+    renamed to ``arch``; ``skip`` (after renaming) is left for the caller to write."""
+    gguf = _gguf()
+    src_arch = _field(reader, "general.architecture")
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        name = arch + key[len(src_arch):] if key.startswith(src_arch + ".") else key
+        if name in skip:
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), vtype, sub_type=sub)
+
+
+def hf_hparams(writer, config) -> list[Tensor]:
+    """The architecture keys from a Hugging Face config; returns extra tensors (RoPE factors)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = (rope.get("rope_type") or rope.get("type") or "default").lower()
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope_type == "default":
+        return []
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(_gguf().RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        return []
+    if rope_type == "llama3":
+        return [Tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))]
+    raise NotRepresentableError(f"RoPE scaling {rope_type!r} is not written by the gguf writer (default, linear, "
+                                "llama3 are); start from a GGUF of the model instead")
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """Per-frequency divisors of Llama 3's RoPE scaling (transformers' ``_compute_llama3_parameters``)."""
+    base, factor = float(rope["rope_theta"]), float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old_ctx = float(rope.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, mid))
+    return out.astype(np.float32)
+
+
+#: tokenizer.json pre-tokenizer (normalised) → llama.cpp's ``tokenizer.ggml.pre``.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {
+    (("ByteLevel", True),): "gpt-2",
+    (("Digits", True), ("ByteLevel", True)): "smollm",
+    (("Split", _LLAMA3_SPLIT), ("ByteLevel", False)): "llama-bpe",
+    (("Split", _QWEN2_SPLIT), ("ByteLevel", False)): "qwen2",
+}
+
+
+def _pre_signature(pre: dict | None) -> tuple:
+    items = (pre or {}).get("pretokenizers") if (pre or {}).get("type") == "Sequence" else [pre or {}]
+    sig = []
+    for p in items:
+        kind = p.get("type")
+        if kind == "ByteLevel":
+            if p.get("add_prefix_space"):
+                sig.append(("ByteLevel+prefix",))
+            else:
+                sig.append((kind, bool(p.get("use_regex", True))))
+        elif kind == "Digits":
+            sig.append((kind, bool(p.get("individual_digits"))))
+        elif kind == "Split":
+            pattern = p.get("pattern") or {}
+            sig.append((kind, pattern.get("Regex", pattern.get("String"))))
+        else:
+            sig.append((kind,))
+    return tuple(sig)
+
+
+def tokenizer_problem(tokenizer) -> str | None:
+    """Why a Hugging Face tokenizer cannot be written as GGUF metadata (None when it can)."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    alternative = ("start from a GGUF of the model (its tokenizer metadata is copied), or convert the "
+                   "original with llama.cpp's convert_hf_to_gguf.py for the tokenizer")
+    if backend is None:
+        return f"the gguf writer builds byte-level BPE tokenizers only; {type(tokenizer).__name__} is not one: {alternative}"
+    spec = json.loads(backend.to_str())
+    if (spec.get("model") or {}).get("type") != "BPE":
+        return f"the tokenizer model is {(spec.get('model') or {}).get('type')!r}, not BPE: {alternative}"
+    sig = _pre_signature(spec.get("pre_tokenizer"))
+    if sig not in PRE_TOKENIZERS:
+        return (f"the tokenizer's pre-tokenizer {sig} is not one the gguf writer maps to llama.cpp "
+                f"({', '.join(sorted(PRE_TOKENIZERS.values()))}): {alternative}")
+    return None
+
+
+def hf_tokenizer_metadata(writer, tokenizer, vocab_size: int) -> None:
+    """``tokenizer.ggml.*`` and the chat template for a byte-level BPE tokenizer (llama.cpp's
+    ``gpt2`` tokenizer model), as llama.cpp's converter writes them."""
+    import json
+
+    gguf = _gguf()
+    if (problem := tokenizer_problem(tokenizer)) is not None:
+        raise NotRepresentableError(problem)
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = tokenizer.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise NotRepresentableError(f"the tokenizer has ids up to {max(vocab.values())}, the model {vocab_size} rows")
+    by_id = {i: tok for tok, i in vocab.items()}
+    added = {t.content: t for t in tokenizer.added_tokens_decoder.values()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        tok = by_id.get(i)
+        if tok is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif tok in added:
+            tokens.append(tok)
+            types.append(gguf.TokenType.CONTROL if added[tok].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(tok)
+            types.append(gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(PRE_TOKENIZERS[_pre_signature(spec.get("pre_tokenizer"))])
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for attr, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                      ("unk_token_id", writer.add_unk_token_id), ("pad_token_id", writer.add_pad_token_id)):
+        if (value := getattr(tokenizer, attr, None)) is not None:
+            add(int(value))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    ids = tokenizer("a").input_ids
+    writer.add_add_bos_token(bool(bos is not None and ids and ids[0] == bos))
+    if isinstance(getattr(tokenizer, "chat_template", None), str):
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+
+_FTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+           "q4_k_m": "MOSTLY_Q4_K_M"}
+
+
+def _sort_key(name: str):
+    m = re.match(r"blk\.(\d+)\.", name)
+    return (1, int(m.group(1)), name) if m else ((0, 0, name) if name.startswith(("token_embd", "rope")) else (2, 0, name))
+
+
+def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan:
+    """Write ``request.model`` to ``path``; returns the plan written."""
+    gguf = _gguf()
+    plan = plan_for(request, options)
+    model, config, source = request.model, request.model.config, request.source
+    n = len(plan.ffns)
+    meta = gguf.GGUFReader(Path(source.path) / source.gguf_file) if source.gguf_file else None
+    final_quant = plan.quant in ("q8_0", "q4_k_m")
+    tmp = path.with_name(path.name + ".f16.tmp") if final_quant else path
+    writer = gguf.GGUFWriter(str(tmp), plan.arch)
+    tensors: list[Tensor] = []
+    if meta is not None:  # a GGUF source: its metadata, tokenizer and chat template as they are
+        copy_source_metadata(writer, meta, plan.arch, {f"{plan.arch}.feed_forward_length", "general.file_type",
+                                                       "general.quantization_version"})
+    else:
+        if request.tokenizer is None:
+            raise NotRepresentableError("the gguf format needs the tokenizer; none was loaded")
+        writer.add_name(Path(source.path).name or "compressed")
+        tensors += hf_hparams(writer, config)
+        hf_tokenizer_metadata(writer, request.tokenizer, config.vocab_size)
+    writer.add_feed_forward_length(plan.widths if plan.arch == "deci" else plan.widths[0])
+    if plan.quant == "source":  # only for a GGUF source: its tensors as they are, new FFNs in its types
+        writer.add_file_type(int(_field(meta, "general.file_type") or 0))
+        tensors += source_tensors(meta, plan, config) + ffn_tensors(plan, [i for i in range(n) if plan.replaced[i]])
+        types = _tensor_types(meta)
+    else:
+        writer.add_file_type(int(getattr(gguf.LlamaFileType, _FTYPES["f16" if final_quant else plan.quant])))
+        tensors += model_tensors(model, plan) + ffn_tensors(plan, range(n))
+        if meta is not None:  # tensors that are not model weights (Llama 3's rope_freqs)
+            have = {t.name for t in tensors}
+            tensors += [t for t in source_tensors(meta, plan, config) if t.name not in have
+                        and not _FFN_TENSOR.match(t.name) and t.raw_type == gguf.GGMLQuantizationType.F32]
+        types = {}
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for t in sorted(tensors, key=lambda t: _sort_key(t.name)):
+        if t.raw_type is not None:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.raw_type)
+        else:
+            qtype = _target_type(t, plan, types)
+            writer.add_tensor(t.name, encode(t.data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if final_quant:
+        try:
+            llama_quantize(tmp, path, plan)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return plan
+
+
+def llama_quantize(src: Path, dst: Path, plan: Plan) -> None:
+    """llama.cpp's own quantizer (its per-tensor mix for the file type); down projections of
+    ``plan.kept_f16`` stay F16."""
+    import llama_cpp
+
+    gguf = _gguf()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(getattr(gguf.LlamaFileType, _FTYPES[plan.quant]))
+    params.nthread = max(1, torch.get_num_threads())
+    keep = [llama_cpp.llama_model_tensor_override(f"^blk\\.{i}\\.ffn_down\\.weight$".encode(), int(gguf.GGMLQuantizationType.F16))
+            for i in plan.kept_f16]
+    if keep:
+        arr = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))(*keep)  # last entry: NULL pattern
+        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) turning {src.name} into {plan.quant}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Verification in llama.cpp
+# --------------------------------------------------------------------------------------------------
+
+
+def llama_cpp_perplexity(path: Path, tokens: torch.Tensor, seq_len: int, stride: int) -> tuple[float, int]:
+    """Perplexity of the GGUF at ``path`` in llama.cpp on ``tokens``, windowed exactly as
+    :func:`compressor.evaluation.evaluate.perplexity` windows (only tokens the previous window did
+    not score count). Returns (perplexity, scored tokens)."""
+    import llama_cpp
+
+    from compressor.evaluation.evaluate import _windows
+
+    tokens = tokens.flatten().tolist()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=seq_len, n_batch=seq_len, n_ubatch=seq_len,
+                          logits_all=True, n_threads=max(1, torch.get_num_threads()), verbose=False)
+    try:
+        total, count = 0.0, 0
+        for begin, end, scored in _windows(len(tokens), seq_len, stride):
+            ids = tokens[begin:end]
+            llm.reset()
+            llm.eval(ids)
+            logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
+            logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+            nll = logz - logits[np.arange(len(ids) - 1), ids[1:]]
+            k = min(scored, len(ids) - 1)
+            total += float(nll[-k:].sum())
+            count += k
+    finally:
+        llm.close()
+    return math.exp(total / count), count
+
+
+def gguf_summary(path: Path) -> dict:
+    """Architecture, widths and tensor types read back from a written GGUF."""
+    gguf = _gguf()
+    reader = gguf.GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    ff = reader.fields[f"{arch}.feed_forward_length"].contents()
+    types = _tensor_types(reader)
+    ftype = int(_field(reader, "general.file_type") or 0)
+    try:
+        ftype_name = gguf.LlamaFileType(ftype).name
+    except ValueError:
+        ftype_name = str(ftype)
+    down = {int(m.group(1)): types[name].name for name in types if (m := _FFN_TENSOR.match(name)) and
+            m.group(2) == "down" and m.group(3) == "weight"}
+    return {"architecture": arch, "ffn_widths": ff if isinstance(ff, list) else [ff] * len(down),
+            "file_type": ftype_name, "ffn_down_types": [down[i] for i in sorted(down)]}
+
+
+@register_writer
+class GGUFWriter(Writer):
+    """``gguf``: ``model.gguf`` for llama.cpp and Ollama (Llama-family and Qwen2 models), verified by
+    running it in llama.cpp. Options (``request.options``): ``quant`` (:data:`QUANTS`),
+    ``unquantizable`` (:data:`UNQUANTIZABLE`)."""
+
+    format = "gguf"
+    description = "one GGUF file for llama.cpp/Ollama (llama, mistral, qwen2), checked in llama.cpp"
+
+    def unsupported(self, model_type: str, kind: str) -> str | None:
+        if model_type not in ARCHS:
+            return _refusal(model_type)
+        return runtime_missing()
+
+    def check_options(self, options: dict) -> str | None:
+        return check_options(options)
+
+    def check_tokenizer(self, tokenizer, source) -> str | None:
+        """Asked before the model loads: a GGUF source's tokenizer is copied; a Hugging Face one must be
+        a byte-level BPE."""
+        return None if source.gguf_file else tokenizer_problem(tokenizer)
+
+    def write(self, request: WriteRequest, folder: Path) -> list[Path]:
+        options = _options(request)
+        if (problem := check_options(options)) is not None:
+            raise ValueError(problem)
+        path = Path(folder) / options.get("file", FILE_NAME)
+        plan = write_gguf(request, path, options)
+        logger.info("gguf: wrote %s (%s, %s, %.1f MB)", path.name, plan.arch, plan.quant, path.stat().st_size / 1e6)
+        return [path]
+
+    def verify(self, request: WriteRequest, folder: Path) -> dict:
+        """Perplexity in llama.cpp against the in-memory model's: within :data:`PPL_TOLERANCE` at
+        f32/f16/bf16; recorded (finite required) at a quantized type."""
+        import llama_cpp
+
+        options = _options(request)
+        path = Path(folder) / options.get("file", FILE_NAME)
+        quant = resolve_quant(options.get("quant", "source"), request)
+        ppl, n = llama_cpp_perplexity(path, request.probe_tokens, request.probe_seq_len, request.probe_stride)
+        expected = request.expected_ppl
+        rel = abs(ppl - expected) / expected if expected else None
+        exact = quant in ("f32", "f16", "bf16")
+        passed = math.isfinite(ppl) and (not exact or (rel is not None and rel <= PPL_TOLERANCE))
+        check = {"runtime": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, **gguf_summary(path),
+                 "quant": quant, "perplexity": ppl, "expected_perplexity": expected, "scored_tokens": n,
+                 "relative_ppl_diff": rel, "relative_ppl_tolerance": PPL_TOLERANCE if exact else None,
+                 "passed": passed, "file_bytes": path.stat().st_size}
+        if not passed:
+            raise VerificationError(
+                f"llama.cpp check failed: {path.name} ({check['architecture']}, {quant}) has perplexity {ppl:.5f} "
+                f"in llama.cpp, the in-memory model {expected:.5f} (relative tolerance {PPL_TOLERANCE:g}); "
+                "nothing was published")
+        return check
+
+
+def _options(request: WriteRequest) -> dict:
+    """The gguf options: ``request.options['gguf']`` if given as a section, else the flat keys."""
+    opts = dict(request.options or {})
+    return dict(opts.get("gguf", opts))

@@ -1,0 +1,90 @@
+"""``run``: a whole recipe as a short composition of the named stages in :mod:`.stages`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from compressor.core import distributed as dist
+from compressor.core.errors import EXIT_GATE, EXIT_OK, exit_code_for
+from compressor.pipeline import stages
+from compressor.policy.compress import CompressionResult
+from compressor.recipe.schema import Recipe
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    report: dict
+    output: Path | None = None
+    result: CompressionResult | None = field(default=None, repr=False)
+
+
+def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) -> RunResult:
+    """Run a whole recipe. Raises :class:`~compressor.core.errors.RecipeError` /
+    :class:`~compressor.core.errors.InputError` for bad input.
+
+    Returns a :class:`RunResult`; ``exit_code`` is :data:`EXIT_GATE` when the
+    perplexity gate failed (then nothing is written).
+
+    Every finished layer and evaluation is checkpointed beside the output
+    (:mod:`compressor.engine.resume`); ``resume=True`` continues a run that was
+    interrupted, with the same result as an uninterrupted one. Without it, an
+    earlier run's state for this output is discarded.
+
+    Under a process group (``torchrun``; see :mod:`compressor.core.distributed`) every
+    rank calls it: calibration and evaluation are sharded, the decisions come out
+    the same on every rank, and rank 0 alone writes; the others wait for it and
+    return its report, or raise :class:`~compressor.core.distributed.RankFailed`.
+
+    >>> import compressor                                                          # doctest: +SKIP
+    >>> res = compressor.run(compressor.load_recipe("recipes/smollm2-135m.yaml"))  # doctest: +SKIP
+    >>> res.exit_code, res.output                                                  # doctest: +SKIP
+    """
+    t_start = time.perf_counter()
+    use_cache = recipe.measure.cache if use_cache is None else use_cache
+    checked = stages.check(recipe, resume=resume)
+    try:
+        return _run_checked(recipe, checked, use_cache, t_start)
+    finally:
+        checked.release()
+
+
+def _run_checked(recipe: Recipe, checked: stages.Checked, use_cache: bool, t_start: float) -> RunResult:
+    loaded = stages.load(recipe.model)
+    stages.check_loaded(recipe, loaded)
+    calibrated = stages.calibrate(recipe, loaded, checked, use_cache=use_cache)
+    result = stages.compress(recipe, loaded, calibrated, checked)
+    report = stages.report(recipe, loaded, calibrated, checked, result)
+    if not result.gate_passed:
+        report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
+        logger.error("perplexity gate failed: %s; nothing was written", result.gate_message)
+        checked.state.discard()
+        return RunResult(EXIT_GATE, report, None, result)
+    if not dist.is_main():
+        return _wait_for_main(result)
+    try:
+        request = stages.write_request(recipe, loaded, checked, result, report)
+        tmp = stages.write(recipe.output, request, checked)
+        stages.verify(recipe.output, request, tmp, report)
+        out = stages.publish_output(tmp, checked.out, report, t_start)
+    except BaseException as err:
+        dist.broadcast_object(((exit_code_for(err), f"{type(err).__name__}: {err}"), None))
+        raise
+    dist.broadcast_object((None, report))
+    checked.state.discard()
+    logger.info("saved compressed model to %s", out)
+    logger.info("%s", result.gate_message)
+    return RunResult(EXIT_OK, report, out, result)
+
+
+def _wait_for_main(result: CompressionResult) -> RunResult:
+    """A rank other than 0: wait for rank 0's write and return its report (or its failure)."""
+    failed, report = dist.broadcast_object()
+    if failed is not None:
+        raise dist.RankFailed(*failed)
+    return RunResult(EXIT_OK, report, Path(report["output"]), result)

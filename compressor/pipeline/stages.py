@@ -1,0 +1,271 @@
+"""The named stages of :func:`compressor.run`, in order:
+
+check inputs → load → calibrate → compress → report → write → verify → publish.
+
+Each stage is one function that takes what it needs (its config section and
+the previous stages' products) and returns what the next ones need. Input
+problems surface as :class:`~compressor.core.errors.InputError` (exit 2), as
+early as they can be known: everything :func:`check` finds, it finds before
+the model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compressor.core import distributed as dist
+from compressor.core.archs import ArchSpec, arch_for
+from compressor.core.errors import InputError, UnsupportedModelError
+from compressor.core.finite import check_weights_finite
+from compressor.core.modeling import COMPRESSION_FORMAT
+from compressor.core.version import __version__
+from compressor.engine.resume import ResumeError, RunState, run_key
+from compressor.inputs.calibration import DataInput, build_calibration, evaluation_streams, load_tokenizer
+from compressor.inputs.data import CalibrationSet, OverlapError, check_disjoint
+from compressor.inputs.load import ResolvedSource, load_model, resolve_source
+from compressor.inputs.safety import OutputLock
+from compressor.inputs.validate import check_inputs, run_reads
+from compressor.output import VerificationError, WriteRequest, get_writer, publish, staging_folder
+from compressor.output.hf import folder_weight_bytes, output_dtype, source_weight_bytes
+from compressor.policy.compress import CompressionResult, compress_model
+from compressor.recipe.schema import ModelConfig, OutputConfig, Recipe
+from compressor.reports.render import model_card
+from compressor.reports.report import build_report, evaluation_report
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Checked:
+    """What :func:`check` established before anything heavy ran."""
+
+    out: Path
+    eval_streams: dict[str, torch.Tensor]
+    state: RunState
+    reads: list[tuple[str, Path]]
+    lock: OutputLock | None = None
+    """Held until the run ends: one run per output (rank 0 holds it under a process group)."""
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    tokenizer: object
+    source: ResolvedSource
+    model_type: str
+    spec: ArchSpec
+
+
+@dataclass
+class Calibrated:
+    cal: CalibrationSet
+    info: dict
+    overlap: dict = field(default_factory=dict)
+
+
+def check(recipe: Recipe, *, resume: bool) -> Checked:
+    """Check inputs: files, data, output safety, evaluation text size, dtype rules and the
+    resume state — everything that can be known before the model loads."""
+    check_inputs(recipe)
+    mc = recipe.model
+    for name in recipe.output.formats:
+        try:
+            get_writer(name)
+        except ValueError as err:
+            raise InputError(f"output.formats: {err}") from None
+    # Size the evaluation text with the tokenizer alone: a too-small set fails before the model loads.
+    try:
+        streams = evaluation_streams(recipe, load_tokenizer(mc))
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    _check_offload_dtype(mc, recipe.output)
+    out = Path(recipe.output.path).expanduser().resolve()
+    reads = run_reads(recipe)
+    # Before the resume state is touched: a second run must not discard the first one's.
+    lock = OutputLock(out).acquire() if dist.is_main() else None
+    try:  # a run that cannot resume fails at once
+        state = RunState.open(out, run_key(recipe, resolve_source(mc.source, mc.gguf_file), streams),
+                              resume=resume, reads=reads)
+    except ResumeError as err:
+        if lock is not None:
+            lock.release()
+        raise InputError(str(err)) from None
+    return Checked(out, streams, state, reads, lock)
+
+
+def _check_offload_dtype(mc: ModelConfig, oc: OutputConfig) -> None:
+    """An onloaded model is saved shard by shard in its compute dtype (see :mod:`compressor.output.hf`)."""
+    if mc.offload == "none" or mc.dtype == "auto":
+        return
+    wanted = str(output_dtype(oc.dtype, resolve_source(mc.source, mc.gguf_file), revision=mc.revision))
+    wanted = wanted.removeprefix("torch.")
+    if wanted != mc.dtype:
+        raise InputError(
+            f"model.offload: {mc.offload} saves the weights in the compute dtype (model.dtype: {mc.dtype}), but "
+            f"output.dtype resolves to {wanted}; set output.dtype: {mc.dtype} or model.dtype: {wanted}"
+        )
+
+
+def load(mc: ModelConfig) -> Loaded:
+    """Load the model and tokenizer; refuse corrupt weights and architectures that cannot be compressed."""
+    model, tokenizer, src = load_model(
+        mc.source, gguf_file=mc.gguf_file, dtype=mc.dtype, device=mc.device, offload=mc.offload,
+        trust_remote_code=mc.trust_remote_code, revision=mc.revision,
+    )
+    check_weights_finite(model)
+    try:
+        model_type, spec = arch_for(model)
+    except UnsupportedModelError as e:
+        raise InputError(str(e)) from None
+    if not spec.compressible:
+        raise InputError(
+            f"{model_type} models are profile-only ({spec.note}); `compress` refuses them. Use `compressor profile`."
+        )
+    return Loaded(model, tokenizer, src, model_type, spec)
+
+
+def check_loaded(recipe: Recipe, loaded: Loaded) -> None:
+    """What needs the model's shape but no calibration: blocks named by the policy exist, and some are left."""
+    from compressor.core.archs import find_blocks
+
+    _, blocks = find_blocks(loaded.model, loaded.spec)
+    n = len(blocks)
+    pol = recipe.policy
+    for name, given in (("policy.include", pol.include), ("policy.exclude", pol.exclude)):
+        bad = sorted(i for i in given if i >= n)
+        if bad:
+            raise InputError(f"{name}: block(s) {bad} do not exist; this model has {n} blocks (0..{n - 1})")
+    if set(range(n)) <= set(pol.exclude):
+        raise InputError(f"policy.exclude names every block (0..{n - 1}): nothing is left to compress; "
+                         "exclude fewer blocks")
+
+
+def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bool) -> Calibrated:
+    """Calibration windows (self-written text where the recipe asks), checked disjoint from the evaluation text."""
+    t0 = time.perf_counter()
+    with DataInput("calibration.dataset"):
+        cal, info = build_calibration(recipe, loaded.model, loaded.tokenizer, use_cache)
+    info["calibration_s"] = time.perf_counter() - t0
+    try:
+        overlap = check_disjoint(cal, checked.eval_streams)
+        checked.state.bind_calibration(cal.fingerprint())
+    except (OverlapError, ResumeError) as err:
+        raise InputError(str(err)) from None
+    return Calibrated(cal, info, overlap)
+
+
+def compress(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Checked) -> CompressionResult:
+    """The policy engine: measure, fit, select and gate (:func:`compressor.policy.compress.compress_model`)."""
+    try:
+        result = compress_model(loaded.model, recipe, calibrated.cal, checked.eval_streams, state=checked.state)
+    except ResumeError as err:  # a saved state out of step with this run
+        raise InputError(str(err)) from None
+    result.timings = {"calibration_s": calibrated.info.pop("calibration_s"), **result.timings}
+    return result
+
+
+def report(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Checked,
+           result: CompressionResult) -> dict:
+    """The run report (``report.json``) as far as it is known before writing."""
+    cache_info = {"enabled": False, "hit": False, "key": None}  # the engine measures as it goes
+    rep = build_report(recipe, loaded.source, loaded.model_type, result, calibrated.cal, cache_info, checked.out)
+    rep["calibration"].update(calibrated.info)
+    rep["resumed"] = checked.state.resumed
+    rep["evaluation"] = evaluation_report(recipe, result, checked.eval_streams, calibrated.overlap)
+    for w in rep["evaluation"]["warnings"]:
+        logger.warning("%s", w)
+    dtype = output_dtype(recipe.output.dtype, loaded.source, revision=recipe.model.revision)
+    rep["size"] = {"source_bytes": source_weight_bytes(loaded.source), "output_bytes": None,
+                   "output_dtype": str(dtype).removeprefix("torch.")}
+    return rep
+
+
+def write_request(recipe: Recipe, loaded: Loaded, checked: Checked, result: CompressionResult,
+                  rep: dict) -> WriteRequest:
+    """What every writer gets: the model, its ``compression`` section, files, and the verification probe."""
+    compression = {
+        "format": COMPRESSION_FORMAT,
+        "tool": "compressor",
+        "tool_version": __version__,
+        "source_model": loaded.source.describe(),
+        "recipe_sha256": rep["recipe_sha256"],
+        "blocks": result.compression_blocks(),
+        "params_before": result.params_before,
+        "params_after": result.params_after,
+        "perplexity": rep["perplexity"],
+    }
+    e = recipe.evaluation_domains()[0]  # the primary domain: the verification probe
+    mc = recipe.model
+    return WriteRequest(
+        model=loaded.model, tokenizer=loaded.tokenizer, compression=compression, source=loaded.source,
+        dtype=output_dtype(recipe.output.dtype, loaded.source, revision=mc.revision),
+        extra_files={"recipe.yaml": recipe.to_yaml(), "README.md": model_card(rep)},
+        probe_tokens=checked.eval_streams[e.domain_name()], probe_seq_len=e.seq_len, probe_stride=e.stride,
+        probe_batch_size=e.batch_size, expected_ppl=result.final.ppl, offload=mc.offload, device=mc.device,
+    )
+
+
+def write(oc: OutputConfig, request: WriteRequest, checked: Checked) -> Path:
+    """Every requested format into one staging folder beside the output; returns the folder.
+
+    The output location is checked again first: it may have changed during the run."""
+    from compressor.inputs.safety import check_output_folder
+
+    src = request.source
+    check_output_folder(checked.out, overwrite=oc.overwrite, reads=checked.reads,
+                        model_dir=src.path if src.is_local else None)
+    tmp = staging_folder(checked.out)
+    try:
+        for name in oc.formats:
+            get_writer(name).write(request, tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return tmp
+
+
+def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> None:
+    """Each writer reloads its own output and compares it with the in-memory model; a mismatch
+    removes the staging folder and raises (nothing is published)."""
+    try:
+        for name in oc.formats:
+            check = get_writer(name).verify(request, tmp)
+            rep.setdefault("verification", {})[name] = check
+            if name == "hf":
+                rep["reload_check"] = check  # the field report.json readers know
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def publish_output(tmp: Path, out: Path, rep: dict, t_start: float) -> Path:
+    """Write ``report.json`` into the verified staging folder and rename it into place."""
+    try:
+        rep["size"]["output_bytes"] = folder_weight_bytes(tmp)
+        rep["timings"]["total_s"] = time.perf_counter() - t_start
+        (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+        return publish(tmp, out)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(tmp: Path) -> None:
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = ["Calibrated", "Checked", "Loaded", "VerificationError", "calibrate", "check", "check_loaded", "compress", "load",
+           "publish_output", "report", "verify", "write", "write_request"]

@@ -1,0 +1,415 @@
+"""The policy engine: one layer-sequential pass → fits → a strategy → the gate.
+
+* pass A (:class:`~compressor.engine.walker.LayerWalker`): per layer, the statistics
+  the kind needs, the R²_lin profile, and either the kind's fit at its
+  configured level (``greedy``) or its error curve (``allocate``);
+* ``greedy`` (:mod:`compressor.policy.greedy`): whole-block swaps tried one at a time;
+* ``allocate`` (:mod:`compressor.policy.allocate`): one global FFN-parameter target
+  split across blocks, validated, backed off by bisection until the gate holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from compressor.policy.allocate import BlockCurve, allocate
+from compressor.inputs.data import CalibrationSet
+from compressor.engine.walker import LayerStats, LayerWalker
+from compressor.policy.greedy import greedy_gate
+from compressor.fitting.kinds import BlockData, Fitted, Level, get_kind
+from compressor.engine.profiling import BlockProfile, block_profile
+from compressor.recipe.schema import Recipe
+from compressor.engine.resume import RunState
+from compressor.fitting.replace import count_params, ffn_path
+from compressor.core.onload import is_offloaded
+from compressor.engine.sensitivity import output_grad_moments
+from compressor.engine.spill import BlockStore
+from compressor.evaluation.evaluate import DomainEvaluations, Evaluator, gate_check, ppl_limit
+from compressor.engine.resume import register_record
+
+logger = logging.getLogger(__name__)
+
+# Keep every block's statistics in RAM for the allocate strategy (a back-off
+# step re-solves instead of re-running calibration) while they take less than
+# this share of the available memory; beyond it they are spilled to disk.
+KEEP_STATS_MEMORY_SHARE = 0.3
+# Calibration windows that feed the loss-gradient statistics (a diagonal
+# second moment settles long before the fit statistics do).
+FISHER_MAX_WINDOWS = 128
+# allocate without policy.ffn_keep: the bisection searches kept fractions above this.
+MIN_FFN_KEEP = 0.3
+
+
+@dataclass
+class BlockDecision:
+    index: int
+    module: str
+    r2_lin: float
+    r2_bulk: float
+    outlier_sst_share: float
+    outlier_dominated: bool
+    decision: str = "not a candidate"  # kept | rejected | not a candidate | not tried | not replaced
+    reason: str = ""
+    kind: str | None = None
+    size: int | None = None
+    """Kept hidden units (prune, hybrid) or rank (low_rank) of the replacement."""
+    ffn_params: int = 0
+    replacement_params: int = 0
+    r2_replacement: float | None = None
+    """Held-out R² of the replacement's output."""
+    swap_ppl: float | None = None
+    """Perplexity with only this block replaced (single-swap sweep)."""
+    ppl_when_tried: float | None = None
+    delta_ppl: float | None = None
+    """Perplexity increase this block caused when it was kept (greedy)."""
+    predicted_cost: float | None = None
+    """Sensitivity-weighted error the allocation expected (allocate)."""
+
+
+@dataclass
+class CompressionResult:
+    model: nn.Module
+    profiles: list[BlockProfile]
+    decisions: list[BlockDecision]
+    baseline: DomainEvaluations
+    final: DomainEvaluations
+    budget_ppl: float
+    params_before: int
+    params_after: int
+    gate_passed: bool
+    gate_message: str
+    strategy: str = "greedy"
+    timings: dict[str, float] = field(default_factory=dict)
+    fitted: dict[int, Fitted] = field(default_factory=dict)
+    attempts: list[dict] = field(default_factory=list)
+    """allocate: every global target tried, with its perplexity and verdict."""
+
+    @property
+    def kept(self) -> list[BlockDecision]:
+        return [d for d in self.decisions if d.decision == "kept"]
+
+    def compression_blocks(self) -> list[dict]:
+        """Entries for the checkpoint's ``config.compression.blocks``."""
+        out = []
+        for d in self.kept:
+            entry = self.fitted[d.index].entry(d.module)
+            entry.update({"r2_lin": self.profiles[d.index].r2_lin, "ffn_params": d.ffn_params,
+                          "delta_ppl": d.delta_ppl, "swap_ppl": d.swap_ppl})
+            out.append(entry)
+        return out
+
+    def decisions_json(self) -> list[dict]:
+        return [asdict(d) for d in self.decisions]
+
+
+@dataclass
+class LayerResult:
+    """What one layer's step of a walk produced; serialisable (:mod:`compressor.engine.resume`
+    checkpoints it, and a resumed run takes it instead of measuring the layer again)."""
+
+    index: int
+    profile: BlockProfile | None = None
+    fitted: Fitted | None = None
+    curve: BlockCurve | None = None
+    data: BlockData | None = None
+    """allocate: the block's statistics kept for re-solves at other levels (None when memory is short)."""
+
+
+def checkpointed_walk(walker: LayerWalker, state: RunState, desc: str,
+                      step: Callable[[int, LayerStats], LayerResult],
+                      apply: Callable[[LayerResult], nn.Module | None], **kwargs) -> None:
+    """One layer walk: ``step`` turns a layer's statistics into a :class:`LayerResult`,
+    which is recorded, then ``apply`` takes it in (and may return a replacement to install).
+    Layers an interrupted run finished are not measured again: their records are applied."""
+    records = state.walk(desc)
+
+    def on_layer(i: int, st: LayerStats):
+        result = step(i, st)
+        records.save(i, result)
+        return apply(result)
+
+    walker.walk(on_layer, done=records.done, replay=lambda i: apply(records.load(i)), desc=desc, **kwargs)
+
+
+def _activation(model: nn.Module, spec) -> str | None:
+    cfg = model.config
+    for attr in spec.act_attrs:
+        value = getattr(cfg, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def block_weight(mode: str, st: LayerStats, grad_moment: torch.Tensor | None) -> float:
+    """The block's sensitivity: cost per unit of held-out relative output error (see compressor.policy.allocate)."""
+    if mode == "fisher":
+        if grad_moment is None:
+            raise ValueError("fisher allocation needs the loss-gradient statistics")
+        return float((grad_moment * st.xy.fit.cyy_diag).sum()) / max(st.xy.fit.n, 1)
+    if mode == "residual":
+        bulk = st.xy.heldout["bulk"]
+        energy = float(bulk.cyy_diag.sum()) / max(bulk.n, 1)
+        return energy / st.resid_energy if st.resid_energy > 0 else 1.0
+    return 1.0
+
+
+def compress_model(
+    model: nn.Module, recipe: Recipe, calibration: CalibrationSet, eval_tokens: torch.Tensor | dict[str, torch.Tensor],
+    *, state: RunState | None = None,
+) -> CompressionResult:
+    """Run measure → fit → select → replace → validate on ``model`` in place.
+
+    ``eval_tokens``: one id stream, or ``{domain name: ids}`` for the
+    recipe's evaluation domains (the gate must hold on each). ``state``
+    checkpoints every finished layer and evaluation, and skips those an
+    interrupted run recorded (:mod:`compressor.engine.resume`)."""
+    state = state or RunState()
+    rc, m, pol = recipe.replacement, recipe.measure, recipe.policy
+    kind = get_kind(rc.kind)
+    strategy = recipe.strategy()
+    timings: dict[str, float] = {}
+    compute_dtype = {"float32": torch.float32, "float64": torch.float64}[m.precision]
+
+    t0 = time.perf_counter()
+    walker = LayerWalker(model, {"fit": calibration.fit, "heldout": calibration.heldout},
+                         batch_size=recipe.calibration.batch_size)
+    spec, n_blocks = walker.spec, len(walker.layers)
+    if kind.needs_hidden and not (spec.ffn_up and spec.ffn_down):
+        raise ValueError(f"replacement kind {rc.kind} needs the FFN's hidden units, which "
+                         f"compressor/archs.py does not locate for {walker.model_type}")
+    act = _activation(model, spec)
+    modules = {i: ffn_path(model, i) for i in range(n_blocks)}
+    ffn_params = {i: count_params(model.get_submodule(modules[i])) for i in range(n_blocks)}
+    profiles: list[BlockProfile | None] = [None] * n_blocks
+    fitted: dict[int, Fitted] = {}
+    curves: list[BlockCurve] = []
+    # allocate re-solves blocks from their statistics: in RAM while they fit, else spilled to
+    # disk (always when the model is onloaded: memory then stays flat in depth).
+    kept_data = BlockStore(n_blocks, spill=True if is_offloaded(model) else None,
+                           memory_share=KEEP_STATS_MEMORY_SHARE)
+
+    grad_moments: dict[int, torch.Tensor] = {}
+    needs_grad = strategy == "allocate" and pol.allocation == "fisher" or getattr(rc, "selection", "obs") == "loss"
+    if needs_grad and is_offloaded(model):
+        logger.warning("the loss-gradient pass (allocation: fisher / selection: loss) holds every layer's weights "
+                       "for its backward, so an onloaded model is materialised whole for it; for models larger "
+                       "than memory use policy.allocation: residual")
+    if needs_grad:
+        t1 = time.perf_counter()
+        grad_moments = state.once("sensitivity", "loss-gradient statistics", lambda: output_grad_moments(
+            model, calibration.fit[:FISHER_MAX_WINDOWS], modules, batch_size=recipe.calibration.batch_size))
+        timings["sensitivity_s"] = time.perf_counter() - t1
+
+    def block_data(i: int, st: LayerStats) -> BlockData:
+        return BlockData(i, model.get_submodule(modules[i]), spec, act, st.xy.fit, st.xy.heldout_total(),
+                         st.zfit, st.zheld, output_weight=grad_moments.get(i))
+
+    def step(i: int, st: LayerStats) -> LayerResult:
+        """Pass A on one layer: its profile, and its fit (greedy) or error curve (allocate)."""
+        prof, _ = block_profile(st.xy, outlier_share_flag=m.outlier_share_flag)
+        prof.ffn_params, prof.affine_params = ffn_params[i], prof.d_in * prof.d_out + prof.d_out
+        data = block_data(i, st)
+        if strategy == "greedy":
+            return LayerResult(i, prof, fitted=kind.fit(data, rc, kind.default_level(data, rc)))
+        levels = kind.levels(data, rc)
+        weight = block_weight(pol.allocation, st, grad_moments.get(i))
+        data.zheld = None  # the curve holds what the held-out rows had to say
+        return LayerResult(i, prof, curve=BlockCurve(i, ffn_params[i], levels, weight), data=data)
+
+    def take(r: LayerResult) -> None:
+        profiles[r.index] = r.profile
+        if r.fitted is not None:
+            fitted[r.index] = kept_data.keep_fit(r.fitted)
+        if r.curve is not None:
+            curves.append(r.curve)
+        if r.data is not None:
+            r.data.ffn, r.data.spec = model.get_submodule(modules[r.index]), spec  # not recorded: live objects
+            kept_data[r.index] = r.data
+        return None
+
+    checkpointed_walk(walker, state, "calibrate", step, take, hidden=kind.needs_hidden, spike_factor=m.spike_factor,
+                      compute_dtype=compute_dtype)
+    timings["measure_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    # The teacher pass over the evaluation windows (original model: nothing is
+    # installed yet) is the baseline; later evaluations compare with it.
+    cfgs = {c.domain_name(): c for c in recipe.evaluation_domains()}
+    streams = eval_tokens if isinstance(eval_tokens, dict) else {next(iter(cfgs)): eval_tokens}
+    evaluator = Evaluator(state.once("baseline", "baseline evaluation (teacher caches)", lambda: Evaluator.build(
+        model, streams, seq_len={n: cfgs[n].seq_len for n in streams}, stride={n: cfgs[n].stride for n in streams},
+        batch_size={n: cfgs[n].batch_size for n in streams}, top_k=min(cfgs[n].kl_top_k for n in streams),
+    ).teachers))
+    baseline = evaluator.baseline
+    limit = ppl_limit(baseline.ppl, pol.ppl_budget, pol.budget_mode)
+    logger.info("baseline perplexity %.4f over %d tokens; budget ≤ %.4f", baseline.ppl, baseline.tokens, limit)
+    timings["baseline_s"] = time.perf_counter() - t0
+
+    def evaluate(desc: str) -> DomainEvaluations:
+        return state.evaluation(desc, lambda: evaluator(model, desc))
+
+    def check(candidate: DomainEvaluations) -> tuple[bool, str]:
+        ok, why, _ = gate_check(baseline, candidate, pol)
+        return ok, why
+
+    decisions = [
+        BlockDecision(index=p.index, module=modules[p.index], r2_lin=p.r2_lin, r2_bulk=p.r2_bulk,
+                      outlier_sst_share=p.outlier_sst_share, outlier_dominated=p.outlier_dominated,
+                      ffn_params=p.ffn_params, kind=rc.kind)
+        for p in profiles
+    ]
+    params_before = count_params(model)
+    t0 = time.perf_counter()
+    attempts: list[dict] = []
+    if strategy == "greedy":
+        for d in decisions:
+            f = fitted[d.index]
+            d.size, d.replacement_params, d.r2_replacement = f.config.get("units", f.config.get("rank")), f.params, f.heldout_r2
+        final, accepted = greedy_gate(model, fitted, profiles, decisions, pol, baseline, evaluate, check,
+                                      sweep_all=m.swap_sweep)
+    else:
+        final, accepted, attempts = _allocate_and_gate(
+            model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
+            baseline, evaluate, check, compute_dtype, m.spike_factor, state)
+    timings["gate_s"] = time.perf_counter() - t0
+    kept_data.close()
+
+    within, why = check(final)
+    if len(accepted) < pol.min_blocks:
+        passed, msg = False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"
+    elif not within:
+        passed, msg = False, f"final model {why}" + ("" if pol.gate else " (gate off)")
+    else:
+        passed, msg = True, f"{len(accepted)} block(s) replaced; {why}"
+    return CompressionResult(
+        model=model, profiles=profiles, decisions=decisions, baseline=baseline, final=final, budget_ppl=limit,
+        params_before=params_before, params_after=count_params(model), gate_passed=passed, gate_message=msg,
+        strategy=strategy, timings=timings, fitted={i: fitted[i] for i in accepted}, attempts=attempts,
+    )
+
+
+def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
+                       baseline, evaluate, check, compute_dtype, spike_factor, state):
+    """Allocate a global FFN target, validate, bisect the target until the gate holds."""
+    excluded = set(pol.exclude)
+    if pol.skip_outlier_dominated:
+        excluded |= {d.index for d in decisions if d.outlier_dominated}
+    for d in decisions:
+        if d.index in excluded:
+            d.decision = "not a candidate"
+            d.reason = "excluded by policy.exclude" if d.index in pol.exclude else (
+                "outlier-dominated; set policy.skip_outlier_dominated: false to allow it")
+    active = [c for c in curves if c.index not in excluded]
+    ffn_total = sum(c.ffn_params for c in active)
+    originals = {i: model.get_submodule(modules[i]) for i in range(len(decisions))}
+
+    def restore() -> None:
+        for i, mod in originals.items():
+            model.set_submodule(modules[i], mod)
+
+    def install(keep: float, target: str) -> tuple[dict[int, Level | None], dict[int, Fitted]]:
+        restore()
+        choice = allocate(active, int(keep * ffn_total), pol.allocation)
+        fits: dict[int, Fitted] = {}
+        if target == "none" and all(i in kept_data for i, lv in choice.items() if lv is not None):
+            for i, lv in choice.items():
+                if lv is not None:
+                    f = kind.fit(kept_data[i], rc, lv.size)
+                    model.set_submodule(modules[i], f.build(originals[i]))
+                    fits[i] = kept_data.keep_fit(f)
+        else:
+            def step(i: int, st: LayerStats) -> LayerResult:
+                return LayerResult(i, fitted=kind.fit(block_data(i, st), rc, choice[i].size))
+
+            def take(r: LayerResult) -> nn.Module:
+                mod = r.fitted.build(originals[r.index])
+                fits[r.index] = kept_data.keep_fit(r.fitted)
+                return mod
+
+            checkpointed_walk(walker, state, f"fit ({target}) at ffn_keep {keep!r}", step, take,
+                              hidden=kind.needs_hidden, target=target, spike_factor=spike_factor,
+                              compute_dtype=compute_dtype, layers=[i for i, lv in choice.items() if lv is not None])
+        return choice, fits
+
+    attempts: list[dict] = []
+
+    def attempt(keep: float, target: str = "none"):
+        choice, fits = install(keep, target)
+        r = evaluate(f"gate: keep {keep:.1%} of FFN parameters")
+        kept_params = sum(c.ffn_params if choice[c.index] is None else choice[c.index].params for c in active)
+        ok, why = check(r)
+        attempts.append({"ffn_keep_target": keep, "target": target, "ffn_params_kept": kept_params,
+                         "ffn_params_total": ffn_total, "blocks_replaced": sum(lv is not None for lv in choice.values()),
+                         "ppl": r.ppl, "passed": ok, "gate": why,
+                         "domains": {n: {"ppl": ev.ppl, "kl": ev.kl} for n, ev in r.domains.items()}})
+        logger.info("keep %.1f%% of FFN parameters (%d blocks replaced): %s",
+                    100 * kept_params / ffn_total, attempts[-1]["blocks_replaced"], why)
+        return r, ok, choice, fits
+
+    # Bisection on the kept fraction: `failed` is the largest known failing
+    # target (or the floor), `passed` the smallest known passing one (1.0:
+    # the original model passes trivially).
+    best = None
+    failed, passed = MIN_FFN_KEEP, 1.0
+    if pol.ffn_keep is not None:
+        r, ok, choice, fits = attempt(pol.ffn_keep)
+        if ok or not pol.gate:
+            best = (pol.ffn_keep, r, choice, fits)
+        else:
+            failed = pol.ffn_keep
+    if pol.gate and best is None:
+        for _ in range(pol.max_backoff):
+            mid = (failed + passed) / 2
+            r, ok, choice, fits = attempt(mid)
+            if ok:
+                best, passed = (mid, r, choice, fits), mid
+            else:
+                failed = mid
+    if best is None:
+        restore()
+        for d in decisions:
+            if d.index not in excluded:
+                d.decision, d.reason = "rejected", "no allocated target tried passed the gate"
+        return baseline, [], attempts
+    keep, r, choice, fits = best
+    target = "none"
+    if rc.target != "none":
+        # The search ran on independent fits (each step a re-solve, no
+        # calibration pass); the teacher-target fit, one more pass over the
+        # calibration data, is tried at the level found and kept if it passes.
+        r_t, ok, choice_t, fits_t = attempt(keep, rc.target)
+        if ok or not pol.gate:
+            r, choice, fits, target = r_t, choice_t, fits_t, rc.target
+        else:
+            logger.warning("target %s at ffn_keep %.3f failed the gate (%s); keeping the independent fits",
+                           rc.target, keep, attempts[-1]["gate"])
+    last = attempts[-1]
+    if (last["ffn_keep_target"], last["target"]) != (keep, target):
+        choice, fits = install(keep, target)  # deterministic: the same fits as when it was measured
+    gate_said = next(a["gate"] for a in reversed(attempts) if (a["ffn_keep_target"], a["target"]) == (keep, target))
+    fitted.clear()
+    fitted.update(fits)
+    curve_of = {c.index: c for c in active}
+    for d in decisions:
+        if d.index in excluded:
+            continue
+        lv = choice.get(d.index)
+        if lv is None:
+            d.decision, d.reason = "not replaced", f"allocation kept the original at ffn_keep {keep:.3f}"
+            continue
+        f = fits[d.index]
+        d.decision = "kept"
+        d.reason = f"allocated {lv.size} units at ffn_keep {keep:.3f} (target {target}); {gate_said}"
+        d.size, d.replacement_params = lv.size, f.params
+        d.r2_replacement = f.heldout_r2 if f.heldout_r2 == f.heldout_r2 else 1.0 - lv.heldout_rel_error
+        d.predicted_cost = curve_of[d.index].weight * lv.heldout_rel_error
+    return r, sorted(fits), attempts
+
+
+register_record(LayerResult)

@@ -1,0 +1,124 @@
+"""The greedy gate: whole-block swaps tried one at a time, rolled back over budget.
+
+High R²_lin alone is not trusted. Candidates are swapped in one at a time, in
+the policy's order, and each is kept only if the whole model's perplexity on
+the evaluation windows stays within budget; otherwise it is rolled back.
+Every block's decision and its reason end up in the report.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from torch import nn
+
+from compressor.fitting.kinds import Fitted
+from compressor.engine.profiling import BlockProfile
+from compressor.recipe.schema import PolicyConfig
+from compressor.fitting.replace import count_params, swap
+from compressor.policy.select import candidates
+from compressor.evaluation.evaluate import DomainEvaluations
+
+logger = logging.getLogger(__name__)
+
+
+def greedy_gate(
+    model: nn.Module,
+    fitted: dict[int, Fitted],
+    profiles: list[BlockProfile],
+    decisions: list,
+    policy: PolicyConfig,
+    baseline: DomainEvaluations,
+    evaluate: Callable[[str], DomainEvaluations],
+    check: Callable[[DomainEvaluations], tuple[bool, str]],
+    *,
+    sweep_all: bool = False,
+) -> tuple[DomainEvaluations, list[int]]:
+    """Apply the greedy policy in place; returns (final evaluation, kept blocks).
+
+    ``check(evaluation) -> (within budget on every domain, why)`` is the gate."""
+    modules = {i: d.module for i, d in enumerate(decisions)}
+
+    def install(i: int):
+        return swap(model, i, fitted[i].build(model.get_submodule(modules[i])))
+
+    swap_delta: dict[int, float] | None = None
+    swap_evals: dict[int, DomainEvaluations] = {}
+    if sweep_all or policy.order == "swap_ppl":
+        swap_delta = {}
+        by_index = policy.model_copy(update={"order": "index"})
+        sweep = range(len(profiles)) if sweep_all else candidates(profiles, by_index)[0]
+        for k, i in enumerate(sweep):
+            s = install(i)
+            try:
+                r = evaluate(f"single-swap sweep ({k + 1}/{len(sweep)})")
+            finally:
+                s.undo()
+            decisions[i].swap_ppl = r.ppl
+            swap_evals[i] = r
+            swap_delta[i] = r.ppl - baseline.ppl
+            logger.info("block %d alone: perplexity %.4f (Δ %+.4f)", i, r.ppl, swap_delta[i])
+
+    order, reasons = candidates(profiles, policy, swap_delta)
+    for i, why in reasons.items():
+        decisions[i].reason = why
+    for i in order:
+        decisions[i].decision = "not tried"
+    logger.info("%d candidate block(s) in order %s", len(order), order)
+
+    params_before = count_params(model)
+    params_now = params_before
+    current = baseline
+    accepted: list[int] = []
+    rejected_in_a_row = 0
+
+    def stop_reason() -> str | None:
+        if policy.max_blocks is not None and len(accepted) >= policy.max_blocks:
+            return f"policy.max_blocks={policy.max_blocks} reached"
+        if policy.target_ratio is not None and params_now <= policy.target_ratio * params_before:
+            return f"policy.target_ratio={policy.target_ratio} reached"
+        if policy.patience is not None and rejected_in_a_row >= policy.patience:
+            return f"policy.patience={policy.patience}: stopped after {rejected_in_a_row} rejections in a row"
+        return None
+
+    for k, i in enumerate(order):
+        d = decisions[i]
+        why = stop_reason()
+        if why:
+            d.reason = why
+            continue
+        if not policy.gate:
+            install(i)
+            params_now = count_params(model)
+            accepted.append(i)
+            d.decision, d.reason = "kept", "R²_lin threshold rule (no per-block gate)"
+            continue
+        if i in swap_evals:
+            alone_ok, alone_why = check(swap_evals[i])
+            if not alone_ok:
+                # Alone it already breaks the budget; on top of kept blocks it would too.
+                d.decision = "rejected"
+                d.reason = f"single swap alone exceeds the budget ({alone_why})"
+                rejected_in_a_row += 1
+                continue
+        s = install(i)
+        r = evaluate(f"gate: block {i} ({k + 1}/{len(order)})")
+        d.ppl_when_tried = r.ppl
+        ok, why = check(r)
+        if ok:
+            d.decision, d.delta_ppl, d.reason = "kept", r.ppl - current.ppl, why
+            params_now = count_params(model)
+            current = r
+            accepted.append(i)
+            rejected_in_a_row = 0
+            logger.info("block %d kept: %s", i, why)
+        else:
+            s.undo()
+            d.decision = "rejected"
+            d.reason = f"{why}: rolled back"
+            rejected_in_a_row += 1
+            logger.info("block %d rejected: %s", i, why)
+    if not policy.gate:
+        current = evaluate("final perplexity") if accepted else baseline
+    return current, accepted

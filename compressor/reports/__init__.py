@@ -1,0 +1,1 @@
+"""Views for people and pipelines: report.json (report), Markdown, plots and the model card (render)."""

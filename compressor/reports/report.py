@@ -1,0 +1,103 @@
+"""The run report (``report.json``): what was done, measured and decided, for people and pipelines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from compressor.core.errors import EXIT_GATE, EXIT_OK
+from compressor.core.version import __version__
+from compressor.evaluation.evaluate import POOR_RELATIVE_SE, gate_check
+from compressor.inputs.calibration import calibration_text, source_text
+from compressor.inputs.data import CalibrationSet, TextSource
+from compressor.policy.compress import CompressionResult
+from compressor.recipe.schema import Recipe
+
+REPORT_SCHEMA = "compressor.report/v1"
+
+
+def build_report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal: CalibrationSet, cache_info: dict, out: Path) -> dict:
+    e = recipe.evaluation_domains()[0]
+    return {
+        "schema": REPORT_SCHEMA,
+        "tool_version": __version__,
+        "status": "success" if r.gate_passed else "rejected",
+        "exit_code": EXIT_OK if r.gate_passed else EXIT_GATE,
+        "message": r.gate_message,
+        "output": str(out),
+        "model": {"source": recipe.model.source, "resolved": src.describe(), "model_type": model_type,
+                  "dtype": recipe.model.dtype, "device": recipe.model.device},
+        "recipe_sha256": recipe.sha256(),
+        "recipe": recipe.to_dict(),
+        "calibration": {"data": recipe.calibration.dataset, "seq_len": cal.seq_len,
+                        "fit_windows": int(cal.fit.shape[0]), "heldout_windows": int(cal.heldout.shape[0]),
+                        "tokens": int(cal.fit.numel() + cal.heldout.numel())},
+        "cache": cache_info,
+        "perplexity": {
+            "data": e.dataset, "baseline": r.baseline.to_json(), "final": r.final.to_json(),
+            "budget": r.budget_ppl, "ppl_budget": recipe.policy.ppl_budget, "budget_mode": recipe.policy.budget_mode,
+            "delta": r.final.ppl - r.baseline.ppl, "relative_delta": r.final.ppl / r.baseline.ppl - 1,
+        },
+        "params": {"before": r.params_before, "after": r.params_after, "removed": r.params_before - r.params_after,
+                   "ratio": r.params_after / r.params_before},
+        "strategy": r.strategy,
+        "allocation_attempts": r.attempts,
+        "blocks": r.decisions_json(),
+        "profile": [p.to_json() for p in r.profiles],
+        "timings": dict(r.timings),
+    }
+
+
+def source_id(source: TextSource) -> str:
+    kind = source.kind()
+    if kind in ("file", "disk"):
+        return str(Path(source.dataset).expanduser().resolve())
+    return source.dataset if kind != "hub" else f"{source.dataset}:{source.config}"
+
+
+def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, torch.Tensor], overlap: dict) -> dict:
+    """What the gate was measured on, per domain, and the warnings a reader needs."""
+    pol = recipe.policy
+    passed, message, per = gate_check(r.baseline, r.final, pol)
+    first = recipe.evaluation_domains()[0].domain_name()
+    base_d = getattr(r.baseline, "domains", None) or {first: r.baseline}
+    final_d = getattr(r.final, "domains", None) or {first: r.final}
+    warnings, domains = [], []
+    for cfg in recipe.evaluation_domains():
+        name = cfg.domain_name()
+        b, f = base_d[name], final_d[name]
+        delta_se = getattr(f, "nll_delta_se", None)
+        domains.append({
+            "name": name, "dataset": cfg.dataset, "split": cfg.split, "tokens": int(streams[name].numel()),
+            "scored_tokens": f.tokens, "windows": f.windows, "seq_len": f.seq_len, "stride": f.stride,
+            "baseline": b.to_json(), "final": f.to_json(), **per[name],
+            # paired by window: the noise of the change itself, by the delta method
+            "relative_delta_se": None if delta_se is None else delta_se * f.ppl / b.ppl,
+            "overlap": overlap.get(name),
+        })
+        for label, ev in (("baseline", b), ("final", f)):
+            if ev.relative_se is not None and ev.relative_se > POOR_RELATIVE_SE:
+                warnings.append(
+                    f"evaluation domain {name!r}: the {label} perplexity's relative standard error is "
+                    f"{ev.relative_se:.1%} (> {POOR_RELATIVE_SE:.0%}) over {ev.windows} windows; give more "
+                    "evaluation text for a trustworthy gate"
+                )
+                break
+    cal = recipe.calibration
+    cal_ids = {source_id(calibration_text(recipe))} if cal.dataset != "self" else set()
+    ev_ids = {source_id(source_text(c)) for c in recipe.evaluation_domains()}
+    one_domain = bool(ev_ids) and ev_ids <= cal_ids
+    if one_domain:
+        what = "the embedded Python reference text" if cal_ids == {"embedded"} else sorted(cal_ids)[0]
+        also = " (which calibration also used)" if cal.dataset == "mix" else ""
+        warnings.append(
+            f"calibration and evaluation come from one domain: the gate was measured only on {what}{also}; its "
+            "promise holds on this kind of text, and on other text the compressed model may be much worse "
+            "(measured on SmolLM2: 3-12x the gated change). Calibrate on other text (calibration.dataset: self) "
+            "or add evaluation domains like your use."
+        )
+    return {
+        "metric": pol.metric, "ppl_budget": pol.ppl_budget, "budget_mode": pol.budget_mode, "kl_budget": pol.kl_budget,
+        "passed": passed, "message": message, "domains": domains, "one_domain": one_domain, "warnings": warnings,
+    }

@@ -1,0 +1,150 @@
+"""The documentation stays a short README plus pages in ``docs/``, and stays wired.
+
+* the README is a page (≤ 200 lines) and keeps its two commands, which CI runs;
+* every relative link in the README and in ``docs/*.md`` points to a file that
+  exists, and a ``#anchor`` to a heading of that file (GitHub's slug rules);
+* every ``compressor.<name>`` used in the README's Python examples exists.
+  Nothing is executed: the examples load models.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+
+FENCE = re.compile(r"^(```|~~~)")
+INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$")
+CODE_SPAN = re.compile(r"(`+).*?\1")
+HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def _blocks(text: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The lines outside fenced code, and every fenced block as (info string, body)."""
+    prose, blocks = [], []
+    fence, info, body = None, "", []
+    for line in text.splitlines():
+        m = FENCE.match(line.strip())
+        if fence is None and m:
+            fence, info, body = m.group(1), line.strip()[3:].strip(), []
+        elif fence is not None and line.strip().startswith(fence):
+            blocks.append((info, "\n".join(body)))
+            fence = None
+        elif fence is not None:
+            body.append(line)
+        else:
+            prose.append(line)
+    return prose, blocks
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: rendered text, lowercase, spaces → '-',
+    punctuation dropped except '-' and '_'."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links → their text
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())  # drops `code` and *emphasis* marks too
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    prose, _ = _blocks(path.read_text(encoding="utf-8"))
+    seen: dict[str, int] = {}
+    out = set()
+    for line in prose:
+        m = HEADING.match(line)
+        if not m:
+            continue
+        base = slug(m.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(path: Path) -> list[str]:
+    prose, _ = _blocks(path.read_text(encoding="utf-8"))
+    out = []
+    for line in prose:
+        line = CODE_SPAN.sub("", line)
+        out += INLINE_LINK.findall(line)
+        m = REFERENCE_DEF.match(line)
+        if m:
+            out.append(m.group(1))
+    return out
+
+
+def test_slug_follows_github():
+    assert slug("Does the gate transfer?") == "does-the-gate-transfer"
+    assert slug("Large models: onloading, the memory model") == "large-models-onloading-the-memory-model"
+    assert slug("What is measured (`profile.json`, per block)") == "what-is-measured-profilejson-per-block"
+    assert slug("keep_fraction and R²_lin") == "keep_fraction-and-r²_lin"
+
+
+def test_readme_is_a_page():
+    n = len(README.read_text(encoding="utf-8").splitlines())
+    assert n <= 200, f"README.md has {n} lines; keep it ≤ 200 and move reference material to docs/"
+
+
+def test_readme_keeps_its_two_commands():
+    _, blocks = _blocks(README.read_text(encoding="utf-8"))
+    lines = {line.split(" #")[0].strip() for info, body in blocks if info in ("bash", "sh", "") for line in body.splitlines()}
+    for command in ("bash tools/quickstart.sh", "bash tools/test.sh"):
+        assert command in lines, f"README.md must show the command `{command}` on a line of its own (CI runs it)"
+
+
+def test_docs_exist():
+    assert DOCS, "docs/ has no pages"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path):
+    bad = []
+    for target in links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto:, …
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (page.parent / file_part).resolve() if file_part else page
+        if not dest.exists():
+            bad.append(f"{target}: {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest} does not exist")
+            continue
+        if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{target}: no heading with anchor #{anchor} in {dest.name} "
+                       f"(has: {', '.join(sorted(anchors(dest)))})")
+    assert not bad, f"broken links in {page.relative_to(ROOT)}:\n" + "\n".join(bad)
+
+
+def test_every_doc_page_is_linked_from_the_readme():
+    linked = {(README.parent / t.partition("#")[0]).resolve() for t in links(README)}
+    missing = [p.name for p in DOCS if p.resolve() not in linked]
+    assert not missing, f"docs pages not linked from README.md: {missing}"
+
+
+def _readme_names() -> set[str]:
+    """Every ``compressor.<name>`` and ``from compressor import <name>`` in the README's Python blocks."""
+    _, blocks = _blocks(README.read_text(encoding="utf-8"))
+    names = set()
+    for info, body in blocks:
+        if info not in ("python", "py"):
+            continue
+        for node in ast.walk(ast.parse(body)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "compressor":
+                names.add(node.attr)
+            elif isinstance(node, ast.ImportFrom) and node.module == "compressor":
+                names.update(a.name for a in node.names)
+    return names
+
+
+def test_readme_python_names_exist():
+    import compressor
+
+    names = _readme_names()
+    assert names, "README.md shows no compressor.<name> in a python block"
+    missing = sorted(n for n in names if not hasattr(compressor, n))
+    assert not missing, f"README.md uses compressor.{missing} which do not exist"
