@@ -173,7 +173,7 @@ def test_control_and_corpora_use_the_same_rows(setup, tmp_path, monkeypatch):
     tok = tiny_tokenizer()
     a = run(model, cal, tokenizer=tok, parts=("corpora", "control"), domain_tokens=16 * SEQ, domains=("data", "stdlib"))
     fit_rows = a["control"]["fit_rows"]
-    assert fit_rows == 12 * SEQ == a["corpora"]["domains"]["data"]["fit_rows"]
+    assert fit_rows == 12 * SEQ == a["corpora"]["domains"]["data"]["fit_rows"] == a["corpora"]["domains"]["stdlib"]["fit_rows"]
     assert a["control"]["random_r2_lin"] != pytest.approx(a["control"]["trained_r2_lin"], abs=1e-3)
     X, Xh = rows["x", 1][0][:fit_rows], rows["x", 1][1]
     Y, Yh = rows["y", 1][0][:fit_rows], rows["y", 1][1]

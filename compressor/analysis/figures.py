@@ -83,7 +83,7 @@ def trained(a: dict, path: Path) -> Path:
     plt = _plt()
     rows = a["trained"]["blocks"]
     idx = [r["index"] for r in rows]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.6))
     ax.plot(idx, [_v(r["r2_closed_form"]) for r in rows], "k-o", ms=3, label="closed form (ceiling)")
     steps = a["trained"]["steps"]
     for name, style in (("adam", "s--"), ("gd", "^:")):
@@ -99,6 +99,12 @@ def trained(a: dict, path: Path) -> Path:
     ax2.set_xlabel("condition number of the input covariance")
     ax2.set_ylabel("ceiling − trained R²")
     ax2.legend(fontsize=7)
+    for name, m in (("adam", "s"), ("gd", "^")):
+        ax3.scatter([_v(r["r2_closed_form"]) for r in rows], [_v(r[name]["gap"]) for r in rows], marker=m, s=14,
+                    label=name)
+    ax3.set_xlabel("closed-form R² (the ceiling)")
+    ax3.set_ylabel("ceiling − trained R²")
+    ax3.legend(fontsize=7)
     return _save(fig, path)
 
 

@@ -146,3 +146,12 @@ def reading(res: dict) -> str:
         verdict = ("This contradicts the paper: a low-rank bilinear term recovers a sizeable part of what the affine "
                    "map misses.")
     return lead + verdict
+
+
+def summary(blocks: list[dict], r2_lin: list[float], *, reps: int, seed: int) -> dict:
+    """The part's ``analysis.json`` entry: per-block results and the gain's correlation with 1 − R²_lin."""
+    from compressor.analysis.correlation import correlate
+
+    return {"rank": blocks[0]["rank"], "extra_features": blocks[0]["extra_features"], "pca_rows": blocks[0]["pca_rows"],
+            "blocks": blocks,
+            "correlation": correlate([1 - v for v in r2_lin], [b["gain"] for b in blocks], reps=reps, seed=seed)}

@@ -66,6 +66,20 @@ def regimes_reading(profile: list[dict]) -> str:
     return text
 
 
+def add_readings(a: dict) -> dict:
+    """Set every part's plain-words ``reading`` from its numbers (in place; also for a loaded ``analysis.json``)."""
+    from compressor.analysis import control, corpora, crossfeed, probe, trained
+
+    a["regimes"] = dict(a.get("regimes") or {}, reading=regimes_reading(a["profile"]))
+    readers = {"probe": probe.reading, "trained": trained.reading, "crossfeed": crossfeed.reading,
+               "control": control.reading,
+               "corpora": lambda c: corpora.reading(c["domains"], c, c["blocks"])}
+    for part, read in readers.items():
+        if a.get(part):
+            a[part]["reading"] = read(a[part])
+    return a
+
+
 # -- the table across checkpoints ---------------------------------------------
 def _median(v: list) -> float | None:
     v = sorted(x for x in v if x is not None)
@@ -102,8 +116,10 @@ def summary_row(a: dict) -> dict[str, str]:
     if t:
         out[f"trained: median gap, Adam / GD ({t['steps']} steps)"] = (
             f"{_f(_median([b['adam']['gap'] for b in t['blocks']]))} / {_f(_median([b['gd']['gap'] for b in t['blocks']]))}")
-        out["trained: Spearman gap vs condition (Adam / GD)"] = (
-            f"{_corr(t['correlation']['adam'], 'spearman')} / {_corr(t['correlation']['gd'], 'spearman')}")
+        for key, label in (("gap_vs_condition", "condition"), ("gap_vs_ceiling", "closed-form R²")):
+            c = t["correlation"][key]
+            out[f"trained: Spearman gap vs {label} (Adam / GD)"] = (
+                f"{_corr(c['adam'], 'spearman')} / {_corr(c['gd'], 'spearman')}")
     c = a.get("corpora")
     if c:
         rhos = [v for v in c["spearman"].values() if v is not None]
@@ -114,6 +130,7 @@ def summary_row(a: dict) -> dict[str, str]:
         out["cross-feed: variance share FFN / inputs"] = f"{_f(x['row_share'], '.0%')} / {_f(x['column_share'], '.0%')}"
     k = a.get("control")
     if k:
+        out["control: R²_lin mean trained / random"] = f"{_f(k['trained_mean'])} / {_f(k['random_mean'])}"
         out["control: R²_lin σ trained / random"] = f"{_f(k['trained_std'])} / {_f(k['random_std'])}"
         out["control: Spearman trained vs random"] = _f(k["spearman_trained_vs_random"], "+.2f")
     tm = a.get("timings", {})

@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
-from compressor.cli.common import EXIT_CODES_EPILOG, add_common
+from compressor.cli.common import EXIT_CODES_EPILOG, add_common, recipe_option
 
 logger = logging.getLogger(__name__)
 
 
 def add_parsers(sub) -> None:
+    from compressor.recipe.schema import OutputConfig
+
     p = sub.add_parser("export", help="write an existing compressor output folder in another format (gguf)",
                        epilog=EXIT_CODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Convert a compressor output folder (hf format) to a GGUF file that an unmodified "
@@ -29,17 +32,13 @@ def add_parsers(sub) -> None:
                        "--text) is compared with the folder's in transformers. See docs/gguf.md.")
     p.add_argument("folder", help="a compressor output folder (config.json with a compression section)")
     p.add_argument("--format", default="gguf", choices=["gguf"], help="output format (default: gguf)")
-    p.add_argument("--quant", default="source", choices=["source", "bf16", "f16", "q8_0", "q4_k_m"],
-                   help="source: the original GGUF's types when it is on this machine (unchanged tensors copied "
-                   "byte for byte), else the folder's dtype; bf16/f16: unquantized; q8_0/q4_k_m: llama.cpp's "
-                   "quantizer (default: source)")
-    p.add_argument("--unquantizable", default="error", choices=["error", "f16", "pad"],
-                   help="an FFN width the quantization block does not divide: error (default), f16 (keep that down "
-                   "projection in F16) or pad (append dead units up to the block)")
+    recipe_option(p, "--quant", OutputConfig, "gguf_quant")
+    recipe_option(p, "--unquantizable", OutputConfig, "gguf_unquantizable")
     p.add_argument("--output", "-o", default=None, help="the .gguf file to write (default: FOLDER/model.gguf)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     p.add_argument("--text", default=None,
-                   help="UTF-8 text file to verify perplexity on (default: the evaluation text of the folder's recipe.yaml)")
+                   help="UTF-8 text file to verify perplexity on (default: the evaluation text of the folder's "
+                   "recipe.yaml)")
     add_common(p)
     p.set_defaults(handler=handle)
 
@@ -72,7 +71,7 @@ def preflight(args) -> dict:
         if (why := writer.unsupported(model_type, kind)) is not None:
             _fail(why)
     options = {"quant": args.quant, "unquantizable": args.unquantizable}
-    if (why := writer.check_options(options)) is not None:
+    if (why := _ask(writer, "check_options", options)) is not None:
         _fail(why)
     out = Path(args.output).expanduser() if args.output else folder / "model.gguf"
     if out.suffix != ".gguf":
@@ -85,13 +84,21 @@ def preflight(args) -> dict:
     if args.quant == "source" and source is None:
         logger.info("the original GGUF (%s) is not on this machine: quant 'source' writes the folder's dtype",
                     compression.get("source_model"))
-    tokenizer = _tokenizer(folder)
     src = source or _folder_source(folder)
-    if (why := writer.check_tokenizer(tokenizer, src)) is not None:
+    if (why := _ask(writer, "check_widths", compression, cfg, src, options)) is not None:
+        _fail(why)
+    tokenizer = _tokenizer(folder)
+    if (why := _ask(writer, "check_tokenizer", tokenizer, src)) is not None:
         _fail(why)
     tokens, seq_len, stride = _probe(args, folder, tokenizer)
     return {"folder": folder, "cfg": cfg, "compression": compression, "writer": writer, "options": options,
             "out": out, "source": src, "tokenizer": tokenizer, "tokens": tokens, "seq_len": seq_len, "stride": stride}
+
+
+def _ask(writer, check: str, *args) -> str | None:
+    """A writer's optional pre-load check (``check_options``, ``check_widths``, ``check_tokenizer``)."""
+    method = getattr(writer, check, None)
+    return None if method is None else method(*args)
 
 
 def _original_gguf(compression: dict):
@@ -114,7 +121,8 @@ def _tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        # the folder's config names custom model code; the tokenizer needs none (see docs/loading.md)
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except (OSError, ValueError) as e:
         _fail(f"the tokenizer in {folder} does not load ({e})")
 
@@ -166,7 +174,7 @@ def handle(args) -> int:
         dtype=OUTPUT_DTYPES.get(saved, torch.float32), probe_tokens=p["tokens"], probe_seq_len=p["seq_len"],
         probe_stride=p["stride"], expected_ppl=expected.ppl, options={**p["options"], "file": out.name},
     )
-    tmp = out.parent / f".{out.name}.tmp-export"
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

@@ -143,8 +143,13 @@ def _print_summary(result) -> None:
     print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
     size = r.get("size") or {}
     if result.output is not None and size:
-        print(f"size: {human_bytes(size.get('source_bytes'))} → {human_bytes(size.get('output_bytes'))} "
-              f"(weights saved as {size.get('output_dtype')})")
+        source = "GGUF file" if r["model"]["resolved"].endswith(".gguf") else "weights"
+        print(f"size: source {source} {human_bytes(size.get('source_bytes'))}; output weights "
+              f"{human_bytes(size.get('output_bytes'))} (saved as {size.get('output_dtype')})")
+        if size.get("gguf_bytes") is not None:
+            gguf = (r.get("verification") or {}).get("gguf") or {}
+            print(f"gguf: {human_bytes(size['gguf_bytes'])} ({gguf.get('file_type', 'quantized')}; llama.cpp "
+                  f"perplexity {gguf.get('perplexity', float('nan')):.4f}) — compare with the source GGUF above")
     if result.output is not None:
         print(f"model:  {result.output}")
         print(f"report: {result.output / 'report.json'}")

@@ -146,6 +146,31 @@ def solve_affine(m: Moments, device: torch.device | str | None = None) -> Affine
     )
 
 
+def uncentered(m: Moments) -> Moments:
+    """The statistics of a regression through the origin: the raw sums ``Σxxᵀ``, ``Σxyᵀ``, ``Σy²`` in
+    the centred slots and zero means, so every centred solve on them is an intercept-free solve."""
+    n, mx, my = m.n, m.mx, m.my
+    return Moments(d_in=m.d_in, d_out=m.d_out, n=n, mx=torch.zeros_like(mx), my=torch.zeros_like(my),
+                   cxx=m.cxx + n * torch.outer(mx, mx), cxy=m.cxy + n * torch.outer(mx, my),
+                   cyy_diag=m.cyy_diag + n * my * my)
+
+
+def solve_linear(m: Moments, device: torch.device | str | None = None) -> AffineFit:
+    """Least squares without an intercept, ``y ≈ Wᵀx`` (``b = 0``), from the same statistics as
+    :func:`solve_affine`: the uncentred normal equations ``Σxxᵀ W = Σxyᵀ``, with the same dead-column,
+    rank and damping guards. For an output whose class has no bias to carry ``b`` (e.g. Qwen2's MLP).
+    ``fit_sse``/``fit_sst`` are the true fit-row SSE and the SST about the mean, like ``solve_affine``'s.
+
+    >>> fit = solve_linear(moments)                 # doctest: +SKIP
+    >>> bool((fit.b == 0).all())                     # doctest: +SKIP
+    True
+    """
+    fit = solve_affine(uncentered(m), device=device)
+    fit.b = torch.zeros_like(fit.b)
+    fit.fit_sse, fit.fit_sst = float(m.to(fit.W.device).sse(fit.W, fit.b).sum()), m.sst()
+    return fit
+
+
 @dataclass
 class LowRankFit:
     """Reduced-rank map ``y ≈ Bᵀ(Aᵀx) + b``: A [d_in, r], B [r, d_out]."""

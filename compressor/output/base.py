@@ -72,6 +72,19 @@ class Writer:
         (with the alternative), or None when it can. Asked before the model loads."""
         return None
 
+    def check_options(self, options: dict) -> str | None:
+        """Why this writer's options (from the recipe's ``output`` section) are invalid, or None."""
+        return None
+
+    def check_tokenizer(self, tokenizer, source) -> str | None:
+        """Why this format cannot carry the tokenizer, or None. Asked before the model loads."""
+        return None
+
+    def check_widths(self, compression: dict, config: dict, source, options: dict) -> str | None:
+        """Why the FFN widths of a finished ``compression`` section cannot be written, or None.
+        Asked as soon as the widths are known, before anything is written."""
+        return None
+
     def write(self, request: WriteRequest, folder: Path) -> list[Path]:
         """Write this format's files into the staging ``folder``; return their paths."""
         raise NotImplementedError

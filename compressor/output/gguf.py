@@ -45,6 +45,7 @@ import logging
 import math
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,16 +53,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor.core.archs import arch_for, find_blocks
+from compressor.core.archs import ARCHITECTURES, ArchSpec, find_blocks
+from compressor.core.errors import InputError
 from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
 from compressor.output.base import VerificationError, WriteRequest, Writer, register_writer
 from compressor.output.gated import GatedMLP, NotRepresentableError, as_gated
+from compressor.recipe.schema import OutputConfig
 
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "model.gguf"
-QUANTS = ("source", "bf16", "f16", "q8_0", "q4_k_m")
-UNQUANTIZABLE = ("error", "f16", "pad")
+QUANTS: tuple[str, ...] = typing.get_args(OutputConfig.model_fields["gguf_quant"].annotation)
+UNQUANTIZABLE: tuple[str, ...] = typing.get_args(OutputConfig.model_fields["gguf_unquantizable"].annotation)
 #: Relative perplexity tolerance of the llama.cpp check at unquantized types. Measured: see docs/gguf.md.
 PPL_TOLERANCE = 5e-3
 LLAMA_CPP_PIN = "llama-cpp-python==0.3.36"
@@ -102,7 +105,7 @@ _FFN_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)$")
 _HF_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2"}  # gguf-py tensor-name maps
 
 
-class GGUFWidthError(ValueError):
+class GGUFWidthError(InputError):
     """An FFN width is not a multiple of the quantization block of its down projection (exit 2)."""
 
 
@@ -173,21 +176,53 @@ def resolve_quant(quant: str, request: WriteRequest) -> str:
     return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(request.dtype, "f32")
 
 
-def _down_block(plan: Plan, reader, layer: int) -> int:
-    """The quantization block (elements per row multiple) the down projection of ``layer`` needs."""
+def down_blocks(quant: str, n_layers: int, source_types: dict) -> list[int]:
+    """Per layer, the multiple its width must be: the quantization block of its down projection, whose
+    rows are as long as the width (1 for float types). ``source_types``: the source GGUF's tensor types."""
     gguf = _gguf()
-    if plan.quant == "source":
-        t = _tensor_types(reader).get(f"blk.{layer}.ffn_down.weight", gguf.GGMLQuantizationType.F16)
-        return gguf.GGML_QUANT_SIZES[t][0]
-    return {"q8_0": 32, "q4_k_m": 256}.get(plan.quant, 1)
+    if quant == "source":
+        f16 = gguf.GGMLQuantizationType.F16
+        return [gguf.GGML_QUANT_SIZES[source_types.get(f"blk.{i}.ffn_down.weight", f16)][0] for i in range(n_layers)]
+    return [{"q8_0": 32, "q4_k_m": 256}.get(quant, 1)] * n_layers
+
+
+def width_error(quant: str, bad: list[tuple[int, int, int]]) -> GGUFWidthError:
+    """The error for ``bad`` = [(layer, width, multiple)]: which layers, the multiple, the ways out."""
+    listed = ", ".join(f"layer {i} width {w} (needs a multiple of {b})" for i, w, b in bad)
+    return GGUFWidthError(
+        f"gguf quant {quant!r}: GGML quantizes the down projection in blocks along its rows, whose length is the "
+        f"layer's FFN width; {listed}. Choose widths in those multiples, or set the gguf option unquantizable to "
+        "f16 (keep those down projections in F16) or pad (append dead units up to the multiple), or use quant "
+        "f16/bf16")
+
+
+def compression_widths(compression: dict, config: dict) -> dict[int, int]:
+    """Layer → FFN width of every replaced block of a saved ``compression`` section (no model needed)."""
+    hidden = int(config["hidden_size"])
+    out = {}
+    for entry in compression.get("blocks", []):
+        kind, c = entry.get("kind") or entry.get("replacement"), entry.get("config") or entry
+        if kind in (None, "none"):
+            continue
+        layer = int(re.findall(r"\d+", entry["module"])[-1])
+        units = int(c.get("units") or 0)
+        out[layer] = {"affine": hidden, "low_rank": int(c.get("rank") or 0), "prune": max(units, 1),
+                      "hybrid": units + hidden}[kind]
+    return out
+
+
+def _arch(model: nn.Module) -> tuple[str, ArchSpec]:
+    """The base model type (a reloaded compressor folder says ``compressed_<type>``) and its row."""
+    model_type = str(getattr(model.config, "model_type", "")).removeprefix("compressed_")
+    if model_type not in ARCHS or model_type not in ARCHITECTURES:
+        raise NotRepresentableError(_refusal(model_type))
+    return model_type, ARCHITECTURES[model_type]
 
 
 def plan_for(request: WriteRequest, options: dict) -> Plan:
     """Convert every FFN to a gated MLP, fit the widths to the quantization and choose the architecture."""
     model = request.model
-    model_type, spec = arch_for(model)
-    if model_type not in ARCHS:
-        raise NotRepresentableError(_refusal(model_type))
+    model_type, spec = _arch(model)
     _, blocks = find_blocks(model, spec)
     hidden = model.config.hidden_size
     modules = [b.get_submodule(spec.ffn_out) for b in blocks]
@@ -196,11 +231,10 @@ def plan_for(request: WriteRequest, options: dict) -> Plan:
     quant = resolve_quant(options.get("quant", "source"), request)
     src = Path(request.source.path) / request.source.gguf_file if quant == "source" else None
     plan = Plan(model_type, "", ffns, replaced, quant, src)
-    reader = _gguf().GGUFReader(src) if src is not None else None
+    types = _tensor_types(_gguf().GGUFReader(src)) if src is not None else {}
     how = options.get("unquantizable", "error")
     bad = []
-    for i, g in enumerate(ffns):
-        block = _down_block(plan, reader, i)
+    for i, (g, block) in enumerate(zip(ffns, down_blocks(quant, len(ffns), types))):
         if not replaced[i] or g.width % block == 0:
             continue
         if how == "pad":
@@ -211,12 +245,7 @@ def plan_for(request: WriteRequest, options: dict) -> Plan:
         else:
             bad.append((i, g.width, block))
     if bad:
-        listed = ", ".join(f"layer {i} width {w} (needs a multiple of {b})" for i, w, b in bad)
-        raise GGUFWidthError(
-            f"gguf quant {options.get('quant', 'source')!r}: GGML quantizes the down projection in blocks along "
-            f"its rows, whose length is the layer's FFN width; {listed}. Choose widths in those multiples, or set "
-            "the gguf option unquantizable to f16 (keep those down projections in F16) or pad (append dead "
-            "units up to the multiple), or use quant f16/bf16")
+        raise width_error(options.get("quant", "source"), bad)
     if plan.padded:
         logger.warning("gguf: padded FFN widths with dead units to the quantization block: %s",
                        ", ".join(f"layer {i} {a}→{b}" for i, (a, b) in plan.padded.items()))
@@ -271,17 +300,17 @@ def _needs_permute(name: str, from_layout: str, to_layout: str) -> bool:
     return from_layout != to_layout and (".attn_q." in name or ".attn_k." in name)
 
 
-def model_tensors(model: nn.Module, plan: Plan, skip_ffn: bool = True) -> list[Tensor]:
+def model_tensors(model: nn.Module, plan: Plan) -> list[Tensor]:
     """Every tensor of the in-memory model except the FFNs, GGUF-named, float32."""
     gguf = _gguf()
-    model_type, spec = arch_for(model)
+    model_type, spec = _arch(model)
     path, blocks = find_blocks(model, spec)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _HF_ARCH[model_type]), len(blocks))
     ffn_prefixes = tuple(f"{path}.{i}.{spec.ffn_out}." for i in range(len(blocks)))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out = []
     for hf_name, t in model.state_dict().items():
-        if skip_ffn and hf_name.startswith(ffn_prefixes):
+        if hf_name.startswith(ffn_prefixes):
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
@@ -484,7 +513,8 @@ def tokenizer_problem(tokenizer) -> str | None:
     alternative = ("start from a GGUF of the model (its tokenizer metadata is copied), or convert the "
                    "original with llama.cpp's convert_hf_to_gguf.py for the tokenizer")
     if backend is None:
-        return f"the gguf writer builds byte-level BPE tokenizers only; {type(tokenizer).__name__} is not one: {alternative}"
+        return (f"the gguf writer builds byte-level BPE tokenizers only; {type(tokenizer).__name__} is not one: "
+                f"{alternative}")
     spec = json.loads(backend.to_str())
     if (spec.get("model") or {}).get("type") != "BPE":
         return f"the tokenizer model is {(spec.get('model') or {}).get('type')!r}, not BPE: {alternative}"
@@ -548,7 +578,9 @@ _FTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0":
 
 def _sort_key(name: str):
     m = re.match(r"blk\.(\d+)\.", name)
-    return (1, int(m.group(1)), name) if m else ((0, 0, name) if name.startswith(("token_embd", "rope")) else (2, 0, name))
+    if m:
+        return (1, int(m.group(1)), name)
+    return (0, 0, name) if name.startswith(("token_embd", "rope")) else (2, 0, name)
 
 
 def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan:
@@ -603,6 +635,36 @@ def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan:
     return plan
 
 
+class _CapturedOutput:
+    """Send what native code prints on file descriptors 1 and 2 into :attr:`text` (llama.cpp logs
+    every tensor it quantizes, and its Python log switch does not reach the quantizer); logged at
+    DEBUG, and quoted when the call it wraps fails."""
+
+    def __enter__(self):
+        import sys
+        import tempfile
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile()
+        self.saved = [os.dup(1), os.dup(2)]
+        for fd in (1, 2):
+            os.dup2(self.file.fileno(), fd)
+        return self
+
+    def __exit__(self, *exc):
+        for fd, saved in zip((1, 2), self.saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self.file.seek(0)
+        self.text = self.file.read().decode("utf-8", "replace")
+        self.file.close()
+        logger.debug("llama.cpp output:\n%s", self.text)
+
+    def tail(self, lines: int = 8) -> str:
+        return "\n".join(self.text.strip().splitlines()[-lines:])
+
+
 def llama_quantize(src: Path, dst: Path, plan: Plan) -> None:
     """llama.cpp's own quantizer (its per-tensor mix for the file type); down projections of
     ``plan.kept_f16`` stay F16."""
@@ -612,14 +674,16 @@ def llama_quantize(src: Path, dst: Path, plan: Plan) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(getattr(gguf.LlamaFileType, _FTYPES[plan.quant]))
     params.nthread = max(1, torch.get_num_threads())
-    keep = [llama_cpp.llama_model_tensor_override(f"^blk\\.{i}\\.ffn_down\\.weight$".encode(), int(gguf.GGMLQuantizationType.F16))
+    f16 = int(gguf.GGMLQuantizationType.F16)
+    keep = [llama_cpp.llama_model_tensor_override(rf"^blk\.{i}\.ffn_down\.weight$".encode(), f16)
             for i in plan.kept_f16]
     if keep:
         arr = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))(*keep)  # last entry: NULL pattern
         params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    with _CapturedOutput() as out:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
-        raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) turning {src.name} into {plan.quant}")
+        raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) turning {src.name} into {plan.quant}:\n{out.tail()}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -636,8 +700,16 @@ def llama_cpp_perplexity(path: Path, tokens: torch.Tensor, seq_len: int, stride:
     from compressor.evaluation.evaluate import _windows
 
     tokens = tokens.flatten().tolist()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=seq_len, n_batch=seq_len, n_ubatch=seq_len,
-                          logits_all=True, n_threads=max(1, torch.get_num_threads()), verbose=False)
+    with _CapturedOutput() as out:
+        try:
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=seq_len, n_batch=seq_len, n_ubatch=seq_len,
+                                  logits_all=True, n_threads=max(1, torch.get_num_threads()), verbose=False)
+        except ValueError as e:
+            failure = e
+        else:
+            failure = None
+    if failure is not None:
+        raise VerificationError(f"llama.cpp does not load {path.name} ({failure}):\n{out.tail()}")
     try:
         total, count = 0.0, 0
         for begin, end, scored in _windows(len(tokens), seq_len, stride):
@@ -694,6 +766,21 @@ class GGUFWriter(Writer):
         """Asked before the model loads: a GGUF source's tokenizer is copied; a Hugging Face one must be
         a byte-level BPE."""
         return None if source.gguf_file else tokenizer_problem(tokenizer)
+
+    def check_widths(self, compression: dict, config: dict, source, options: dict) -> str | None:
+        """Why the widths of a ``compression`` section cannot take the quantization (None when they can):
+        for ``unquantizable: error``, asked as soon as the widths are known, before anything is written."""
+        if options.get("unquantizable", "error") != "error":
+            return None
+        quant = options.get("quant", "source")
+        types = {}
+        if quant == "source":
+            if not source.gguf_file:
+                return None  # the saved float dtype: any width
+            types = _tensor_types(_gguf().GGUFReader(Path(source.path) / source.gguf_file))
+        blocks = down_blocks(quant, int(config["num_hidden_layers"]), types)
+        bad = [(i, w, blocks[i]) for i, w in sorted(compression_widths(compression, config).items()) if w % blocks[i]]
+        return str(width_error(quant, bad)) if bad else None
 
     def write(self, request: WriteRequest, folder: Path) -> list[Path]:
         options = _options(request)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +34,9 @@ from compressor.inputs.load import ResolvedSource, load_model, resolve_source
 from compressor.inputs.safety import OutputLock
 from compressor.inputs.validate import check_inputs, run_reads
 from compressor.output import VerificationError, WriteRequest, get_writer, publish, staging_folder
-from compressor.output.hf import folder_weight_bytes, output_dtype, source_weight_bytes
+from compressor.output.hf import output_dtype, source_weight_bytes
 from compressor.policy.compress import CompressionResult, compress_model
-from compressor.recipe.schema import ModelConfig, OutputConfig, Recipe
+from compressor.recipe.schema import ModelConfig, OutputConfig, Recipe, width_multiple
 from compressor.reports.render import model_card
 from compressor.reports.report import build_report, evaluation_report
 
@@ -52,6 +53,8 @@ class Checked:
     reads: list[tuple[str, Path]]
     lock: OutputLock | None = None
     """Held until the run ends: one run per output (rank 0 holds it under a process group)."""
+    width_multiple: int = 1
+    """The multiple the kept FFN widths come in (:func:`compressor.recipe.schema.width_multiple`)."""
 
     def release(self) -> None:
         if self.lock is not None:
@@ -79,17 +82,20 @@ def check(recipe: Recipe, *, resume: bool) -> Checked:
     resume state — everything that can be known before the model loads."""
     check_inputs(recipe)
     mc = recipe.model
-    for name in recipe.output.formats:
+    for name in recipe.output.writers():
         try:
             get_writer(name)
         except ValueError as err:
             raise InputError(f"output.formats: {err}") from None
     # Size the evaluation text with the tokenizer alone: a too-small set fails before the model loads.
+    tokenizer = load_tokenizer(mc)
     try:
-        streams = evaluation_streams(recipe, load_tokenizer(mc))
+        streams = evaluation_streams(recipe, tokenizer)
     except ValueError as err:
         raise InputError(str(err)) from None
+    _check_writers(recipe, tokenizer)
     _check_offload_dtype(mc, recipe.output)
+    multiple = _check_architecture(recipe)
     out = Path(recipe.output.path).expanduser().resolve()
     reads = run_reads(recipe)
     # Before the resume state is touched: a second run must not discard the first one's.
@@ -101,7 +107,55 @@ def check(recipe: Recipe, *, resume: bool) -> Checked:
         if lock is not None:
             lock.release()
         raise InputError(str(err)) from None
-    return Checked(out, streams, state, reads, lock)
+    return Checked(out, streams, state, reads, lock, width_multiple=multiple)
+
+
+def _check_architecture(recipe: Recipe) -> int:
+    """What the output architecture needs before the model loads (the kind and policy rules are the
+    recipe's own, :class:`~compressor.recipe.schema.Recipe`); returns the FFN width multiple."""
+    mc, oc = recipe.model, recipe.output
+    if oc.architecture == "standard" and mc.offload != "none":
+        raise InputError(f"output.architecture: standard rebuilds the base class in memory to save it, which an "
+                         f"onloaded model (model.offload: {mc.offload}) does not fit; use model.offload: none, or "
+                         "output.architecture: custom")
+    block = 1
+    if "gguf" in oc.formats and getattr(oc, "gguf_quant", "source") == "source" and oc.width_multiple is None:
+        block = _gguf_source_block(resolve_source(mc.source, mc.gguf_file))
+    return width_multiple(oc, source_block=block)
+
+
+def _gguf_source_block(src: ResolvedSource) -> int:
+    """The quantization block of a GGUF source's FFN down projections (1 for a Hugging Face source):
+    written at the source's own types, a width must be a whole number of those blocks."""
+    if not src.gguf_file:
+        return 1
+    try:
+        import gguf
+    except ImportError:  # the gguf writer's own check names the missing package
+        return 1
+    reader = gguf.GGUFReader(Path(src.path) / src.gguf_file)
+    types = {t.tensor_type for t in reader.tensors if t.name.endswith("ffn_down.weight")}
+    return math.lcm(1, *(gguf.GGML_QUANT_SIZES[t][0] for t in types))
+
+
+def _check_writers(recipe: Recipe, tokenizer) -> None:
+    """Each requested format can represent this architecture and kind, takes its options and can carry
+    the tokenizer: asked before the model loads, with the alternative in the message."""
+    from transformers import AutoConfig
+
+    mc, oc = recipe.model, recipe.output
+    src = resolve_source(mc.source, mc.gguf_file)
+    kwargs = dict(trust_remote_code=mc.trust_remote_code, revision=mc.revision)
+    if src.gguf_file:
+        kwargs["gguf_file"] = src.gguf_file
+    model_type = AutoConfig.from_pretrained(src.path, **kwargs).model_type
+    options = writer_options(oc)
+    for name in oc.writers():
+        writer = get_writer(name)
+        why = (writer.unsupported(model_type, recipe.replacement.kind) or writer.check_options(options)
+               or writer.check_tokenizer(tokenizer, src))
+        if why:
+            raise InputError(f"output.formats: {name}: {why}")
 
 
 def _check_offload_dtype(mc: ModelConfig, oc: OutputConfig) -> None:
@@ -168,7 +222,8 @@ def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bo
 def compress(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Checked) -> CompressionResult:
     """The policy engine: measure, fit, select and gate (:func:`compressor.policy.compress.compress_model`)."""
     try:
-        result = compress_model(loaded.model, recipe, calibrated.cal, checked.eval_streams, state=checked.state)
+        result = compress_model(loaded.model, recipe, calibrated.cal, checked.eval_streams, state=checked.state,
+                                width_multiple=checked.width_multiple)
     except ResumeError as err:  # a saved state out of step with this run
         raise InputError(str(err)) from None
     result.timings = {"calibration_s": calibrated.info.pop("calibration_s"), **result.timings}
@@ -213,7 +268,13 @@ def write_request(recipe: Recipe, loaded: Loaded, checked: Checked, result: Comp
         extra_files={"recipe.yaml": recipe.to_yaml(), "README.md": model_card(rep)},
         probe_tokens=checked.eval_streams[e.domain_name()], probe_seq_len=e.seq_len, probe_stride=e.stride,
         probe_batch_size=e.batch_size, expected_ppl=result.final.ppl, offload=mc.offload, device=mc.device,
+        options=writer_options(recipe.output),
     )
+
+
+def writer_options(oc: OutputConfig) -> dict:
+    """The recipe's format-specific output fields, as the writers read them."""
+    return {"quant": oc.gguf_quant, "unquantizable": oc.gguf_unquantizable}
 
 
 def write(oc: OutputConfig, request: WriteRequest, checked: Checked) -> Path:
@@ -225,9 +286,14 @@ def write(oc: OutputConfig, request: WriteRequest, checked: Checked) -> Path:
     src = request.source
     check_output_folder(checked.out, overwrite=oc.overwrite, reads=checked.reads,
                         model_dir=src.path if src.is_local else None)
+    config = request.model.config.to_dict()
+    for name in oc.writers():
+        why = get_writer(name).check_widths(request.compression, config, src, request.options)
+        if why:
+            raise InputError(f"output.formats: {name}: {why}")
     tmp = staging_folder(checked.out)
     try:
-        for name in oc.formats:
+        for name in oc.writers():
             get_writer(name).write(request, tmp)
     except BaseException:
         _remove(tmp)
@@ -239,10 +305,10 @@ def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> Non
     """Each writer reloads its own output and compares it with the in-memory model; a mismatch
     removes the staging folder and raises (nothing is published)."""
     try:
-        for name in oc.formats:
+        for name in oc.writers():
             check = get_writer(name).verify(request, tmp)
             rep.setdefault("verification", {})[name] = check
-            if name == "hf":
+            if name in ("hf", "hf-standard"):
                 rep["reload_check"] = check  # the field report.json readers know
     except BaseException:
         _remove(tmp)
@@ -252,13 +318,25 @@ def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> Non
 def publish_output(tmp: Path, out: Path, rep: dict, t_start: float) -> Path:
     """Write ``report.json`` into the verified staging folder and rename it into place."""
     try:
-        rep["size"]["output_bytes"] = folder_weight_bytes(tmp)
+        rep["size"].update(output_sizes(tmp, rep["size"]))
         rep["timings"]["total_s"] = time.perf_counter() - t_start
         (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
         return publish(tmp, out)
     except BaseException:
         _remove(tmp)
         raise
+
+
+def output_sizes(folder: Path, size: dict) -> dict:
+    """Bytes per format, like with like: ``output_bytes`` is the Hugging Face folder's weights (saved
+    as ``output_dtype``); ``gguf_bytes`` the GGUF file, comparable with a GGUF source's file
+    (``source_bytes``) when written at the source's quantization."""
+    weights = [p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt")]
+    gguf = [p for p in folder.iterdir() if p.is_file() and p.suffix == ".gguf"]
+    out = {"output_bytes": sum(p.stat().st_size for p in weights) if weights else None}
+    if gguf:
+        out["gguf_bytes"] = sum(p.stat().st_size for p in gguf)
+    return out
 
 
 def _remove(tmp: Path) -> None:

@@ -76,6 +76,20 @@ def allocate(curves: list[BlockCurve], budget_params: int, mode: str = "fisher")
     return {c.index: _pick(c, hi) for c in curves}
 
 
+def uniform_widths(curves: list[BlockCurve]) -> list[int]:
+    """Sizes every block offers that are cheaper than every original block, ascending: the widths one
+    width for all blocks can take (``output.architecture: standard``)."""
+    if not curves:
+        return []
+    common = set.intersection(*({lv.size for lv in c.levels if lv.params < c.ffn_params} for c in curves))
+    return sorted(w for w in common if w > 0)
+
+
+def widths_params(curves: list[BlockCurve], width: int) -> int:
+    """Total parameters with every block at ``width`` (a size of :func:`uniform_widths`)."""
+    return sum(next(lv.params for lv in c.levels if lv.size == width) for c in curves)
+
+
 def _uniform(curves: list[BlockCurve], budget_params: int) -> dict[int, Level | None]:
     """Every block at the rung nearest the same kept fraction of its units."""
     def at(q: float) -> dict[int, Level | None]:

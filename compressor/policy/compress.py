@@ -5,11 +5,18 @@
   configured level (``greedy``) or its error curve (``allocate``);
 * ``greedy`` (:mod:`compressor.policy.greedy`): whole-block swaps tried one at a time;
 * ``allocate`` (:mod:`compressor.policy.allocate`): one global FFN-parameter target
-  split across blocks, validated, backed off by bisection until the gate holds.
+  split across blocks, validated, backed off by bisection until the gate holds;
+  with ``output.architecture: standard`` the split is one width for every block
+  (the base class's ``intermediate_size``), bisected over the widths on the grid.
+
+Widths: the prune/hybrid kinds offer only the FFN widths the outputs can take,
+multiples of :func:`compressor.recipe.schema.width_multiple` (see
+:mod:`compressor.fitting.kinds.hidden`), so the allocation chooses among them.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,15 +25,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-from compressor.policy.allocate import BlockCurve, allocate
+from compressor.core.errors import InputError
+from compressor.policy.allocate import BlockCurve, allocate, uniform_widths, widths_params
 from compressor.inputs.data import CalibrationSet
 from compressor.engine.walker import LayerStats, LayerWalker
 from compressor.policy.greedy import greedy_gate
 from compressor.fitting.kinds import BlockData, Fitted, Level, get_kind
 from compressor.engine.profiling import BlockProfile, block_profile
-from compressor.recipe.schema import Recipe
+from compressor.recipe.schema import Recipe, width_multiple as output_width_multiple
 from compressor.engine.resume import RunState
 from compressor.fitting.replace import count_params, ffn_path
+from compressor.core.archs import find_blocks
 from compressor.core.onload import is_offloaded
 from compressor.engine.sensitivity import output_grad_moments
 from compressor.engine.spill import BlockStore
@@ -159,21 +168,40 @@ def block_weight(mode: str, st: LayerStats, grad_moment: torch.Tensor | None) ->
     return 1.0
 
 
+def keeps_intercept(model: nn.Module, spec) -> bool:
+    """Whether the base class can carry the intercept (bias) of a re-solved down projection: its down
+    projection has a bias (GPT-2, GPT-NeoX), or its config switches MLP biases on (Llama's ``mlp_bias``,
+    a bias on gate, up and down). Otherwise (Qwen2, Qwen3, Mistral, Gemma 3) an
+    ``output.architecture: standard`` fit is solved without one."""
+    _, blocks = find_blocks(model, spec)
+    down = blocks[0].get_submodule(spec.ffn_out).get_submodule(spec.ffn_down)
+    if getattr(down, "bias", None) is not None:
+        return True
+    return "mlp_bias" in inspect.signature(type(model.config).__init__).parameters
+
+
 def compress_model(
     model: nn.Module, recipe: Recipe, calibration: CalibrationSet, eval_tokens: torch.Tensor | dict[str, torch.Tensor],
-    *, state: RunState | None = None,
+    *, state: RunState | None = None, width_multiple: int | None = None,
 ) -> CompressionResult:
     """Run measure → fit → select → replace → validate on ``model`` in place.
 
     ``eval_tokens``: one id stream, or ``{domain name: ids}`` for the
     recipe's evaluation domains (the gate must hold on each). ``state``
     checkpoints every finished layer and evaluation, and skips those an
-    interrupted run recorded (:mod:`compressor.engine.resume`)."""
+    interrupted run recorded (:mod:`compressor.engine.resume`).
+    ``width_multiple``: the multiple the kept FFN widths of the prune/hybrid kinds come in
+    (default: :func:`compressor.recipe.schema.width_multiple` of the recipe's output, which needs
+    the caller's help only for a GGUF source written at its own quantization)."""
     state = state or RunState()
     rc, m, pol = recipe.replacement, recipe.measure, recipe.policy
     kind = get_kind(rc.kind)
     strategy = recipe.strategy()
     timings: dict[str, float] = {}
+    standard = recipe.output.architecture == "standard"
+    multiple = 1
+    if kind.needs_hidden:
+        multiple = width_multiple if width_multiple is not None else output_width_multiple(recipe.output)
     compute_dtype = {"float32": torch.float32, "float64": torch.float64}[m.precision]
 
     t0 = time.perf_counter()
@@ -184,6 +212,18 @@ def compress_model(
         raise ValueError(f"replacement kind {rc.kind} needs the FFN's hidden units, which "
                          f"compressor/archs.py does not locate for {walker.model_type}")
     act = _activation(model, spec)
+    # The width rule, passed to the hidden-unit kinds only when it restricts something (the
+    # default calls stay exactly what they were).
+    widths = {"multiple": multiple} if multiple > 1 else {}
+    intercept = not standard or keeps_intercept(model, spec)
+    if standard:
+        logger.info("output.architecture: standard: one FFN width for every block, in multiples of %d; the down "
+                    "projection is re-solved %s", multiple, "with its intercept" if intercept else
+                    f"without an intercept ({walker.model_type}'s MLP has no bias)")
+
+    def fit_at(data: BlockData, size: int) -> Fitted:
+        return kind.fit(data, rc, size, **widths, **({} if intercept else {"intercept": False}))
+
     modules = {i: ffn_path(model, i) for i in range(n_blocks)}
     ffn_params = {i: count_params(model.get_submodule(modules[i])) for i in range(n_blocks)}
     profiles: list[BlockProfile | None] = [None] * n_blocks
@@ -216,8 +256,8 @@ def compress_model(
         prof.ffn_params, prof.affine_params = ffn_params[i], prof.d_in * prof.d_out + prof.d_out
         data = block_data(i, st)
         if strategy == "greedy":
-            return LayerResult(i, prof, fitted=kind.fit(data, rc, kind.default_level(data, rc)))
-        levels = kind.levels(data, rc)
+            return LayerResult(i, prof, fitted=fit_at(data, kind.default_level(data, rc, **widths)))
+        levels = kind.levels(data, rc, **widths)
         weight = block_weight(pol.allocation, st, grad_moments.get(i))
         data.zheld = None  # the curve holds what the held-out rows had to say
         return LayerResult(i, prof, curve=BlockCurve(i, ffn_params[i], levels, weight), data=data)
@@ -233,7 +273,9 @@ def compress_model(
             kept_data[r.index] = r.data
         return None
 
-    checkpointed_walk(walker, state, "calibrate", step, take, hidden=kind.needs_hidden, spike_factor=m.spike_factor,
+    # A width rule changes the recorded curves: its own description keeps a resume from mixing them.
+    walk_desc = "calibrate" + (f" (FFN widths in multiples of {multiple})" if multiple > 1 else "")
+    checkpointed_walk(walker, state, walk_desc, step, take, hidden=kind.needs_hidden, spike_factor=m.spike_factor,
                       compute_dtype=compute_dtype)
     timings["measure_s"] = time.perf_counter() - t0
 
@@ -276,7 +318,8 @@ def compress_model(
     else:
         final, accepted, attempts = _allocate_and_gate(
             model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
-            baseline, evaluate, check, compute_dtype, m.spike_factor, state)
+            baseline, evaluate, check, compute_dtype, m.spike_factor, state, fit_at=fit_at, multiple=multiple,
+            standard=standard)
     timings["gate_s"] = time.perf_counter() - t0
     kept_data.close()
 
@@ -295,11 +338,19 @@ def compress_model(
 
 
 def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
-                       baseline, evaluate, check, compute_dtype, spike_factor, state):
-    """Allocate a global FFN target, validate, bisect the target until the gate holds."""
+                       baseline, evaluate, check, compute_dtype, spike_factor, state, *, fit_at, multiple=1,
+                       standard=False):
+    """Allocate a global FFN target, validate, bisect the target until the gate holds.
+
+    ``standard``: the target is met by one width for every block (no block is left out: the base
+    class has one ``intermediate_size``), and the bisection runs over the widths on the grid."""
     excluded = set(pol.exclude)
-    if pol.skip_outlier_dominated:
-        excluded |= {d.index for d in decisions if d.outlier_dominated}
+    flagged = [d.index for d in decisions if d.outlier_dominated]
+    if pol.skip_outlier_dominated and not standard:
+        excluded |= set(flagged)
+    elif pol.skip_outlier_dominated and flagged:
+        logger.info("blocks %s are outlier-dominated; output.architecture: standard prunes them to the one width "
+                    "too (policy.skip_outlier_dominated does not apply)", flagged)
     for d in decisions:
         if d.index in excluded:
             d.decision = "not a candidate"
@@ -313,26 +364,51 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         for i, mod in originals.items():
             model.set_submodule(modules[i], mod)
 
+    grid_widths = uniform_widths(active) if standard else []
+    if standard and not grid_widths:
+        raise InputError(f"output.architecture: standard: no FFN width in multiples of {multiple} is both offered by "
+                         "every block and smaller than the original FFN; this model's FFN is too narrow for that grid "
+                         "(set output.width_multiple, or use output.architecture: custom)")
+
+    def choose(keep: float) -> dict[int, Level | None]:
+        if not standard:
+            return allocate(active, int(keep * ffn_total), pol.allocation)
+        fitting = [w for w in grid_widths if widths_params(active, w) <= keep * ffn_total] or grid_widths[:1]
+        return {c.index: next(lv for lv in c.levels if lv.size == fitting[-1]) for c in active}
+
+    def describe(keep: float) -> str:
+        if standard:
+            return f"FFN width {next(iter(choose(keep).values())).size} in every block"
+        return f"keep {keep:.1%} of FFN parameters" + (f" (widths in multiples of {multiple})" if multiple > 1 else "")
+
+    def next_keep(failed: float, passed: float) -> float | None:
+        """The next target of the bisection: halfway, or for one width, the middle grid width between."""
+        if not standard:
+            return (failed + passed) / 2
+        inside = [k for k in (widths_params(active, w) / ffn_total for w in grid_widths) if failed < k < passed]
+        return inside[len(inside) // 2] if inside else None
+
     def install(keep: float, target: str) -> tuple[dict[int, Level | None], dict[int, Fitted]]:
         restore()
-        choice = allocate(active, int(keep * ffn_total), pol.allocation)
+        choice = choose(keep)
         fits: dict[int, Fitted] = {}
         if target == "none" and all(i in kept_data for i, lv in choice.items() if lv is not None):
             for i, lv in choice.items():
                 if lv is not None:
-                    f = kind.fit(kept_data[i], rc, lv.size)
+                    f = fit_at(kept_data[i], lv.size)
                     model.set_submodule(modules[i], f.build(originals[i]))
                     fits[i] = kept_data.keep_fit(f)
         else:
             def step(i: int, st: LayerStats) -> LayerResult:
-                return LayerResult(i, fitted=kind.fit(block_data(i, st), rc, choice[i].size))
+                return LayerResult(i, fitted=fit_at(block_data(i, st), choice[i].size))
 
             def take(r: LayerResult) -> nn.Module:
                 mod = r.fitted.build(originals[r.index])
                 fits[r.index] = kept_data.keep_fit(r.fitted)
                 return mod
 
-            checkpointed_walk(walker, state, f"fit ({target}) at ffn_keep {keep!r}", step, take,
+            checkpointed_walk(walker, state, f"fit ({target}) at ffn_keep {keep!r}" + (
+                                  f", {describe(keep)}" if standard or multiple > 1 else ""), step, take,
                               hidden=kind.needs_hidden, target=target, spike_factor=spike_factor,
                               compute_dtype=compute_dtype, layers=[i for i, lv in choice.items() if lv is not None])
         return choice, fits
@@ -341,15 +417,16 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
 
     def attempt(keep: float, target: str = "none"):
         choice, fits = install(keep, target)
-        r = evaluate(f"gate: keep {keep:.1%} of FFN parameters")
+        r = evaluate(f"gate: {describe(keep)}")
         kept_params = sum(c.ffn_params if choice[c.index] is None else choice[c.index].params for c in active)
         ok, why = check(r)
-        attempts.append({"ffn_keep_target": keep, "target": target, "ffn_params_kept": kept_params,
+        row = {"width": next(iter(choice.values())).size} if standard else {}
+        attempts.append({**row, "ffn_keep_target": keep, "target": target, "ffn_params_kept": kept_params,
                          "ffn_params_total": ffn_total, "blocks_replaced": sum(lv is not None for lv in choice.values()),
                          "ppl": r.ppl, "passed": ok, "gate": why,
                          "domains": {n: {"ppl": ev.ppl, "kl": ev.kl} for n, ev in r.domains.items()}})
-        logger.info("keep %.1f%% of FFN parameters (%d blocks replaced): %s",
-                    100 * kept_params / ffn_total, attempts[-1]["blocks_replaced"], why)
+        logger.info("keep %.1f%% of FFN parameters (%d blocks replaced%s): %s", 100 * kept_params / ffn_total,
+                    attempts[-1]["blocks_replaced"], f", width {row['width']}" if standard else "", why)
         return r, ok, choice, fits
 
     # Bisection on the kept fraction: `failed` is the largest known failing
@@ -365,7 +442,9 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
             failed = pol.ffn_keep
     if pol.gate and best is None:
         for _ in range(pol.max_backoff):
-            mid = (failed + passed) / 2
+            mid = next_keep(failed, passed)
+            if mid is None:  # one width: no grid width left between the last failure and success
+                break
             r, ok, choice, fits = attempt(mid)
             if ok:
                 best, passed = (mid, r, choice, fits), mid
@@ -405,7 +484,8 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
             continue
         f = fits[d.index]
         d.decision = "kept"
-        d.reason = f"allocated {lv.size} units at ffn_keep {keep:.3f} (target {target}); {gate_said}"
+        d.reason = (f"every block at width {lv.size} (output.architecture: standard)" if standard else
+                    f"allocated {lv.size} units at ffn_keep {keep:.3f}") + f" (target {target}); {gate_said}"
         d.size, d.replacement_params = lv.size, f.params
         d.r2_replacement = f.heldout_r2 if f.heldout_r2 == f.heldout_r2 else 1.0 - lv.heldout_rel_error
         d.predicted_cost = curve_of[d.index].weight * lv.heldout_rel_error

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -187,11 +188,88 @@ class OutputConfig(_Section):
     dtype: Literal["source", "float32", "bfloat16", "float16"] = Field(
         "source", description="dtype of the saved weights; source = the source checkpoint's dtype (bfloat16 for GGUF)"
     )
+    architecture: Literal["custom", "standard"] = Field(
+        "custom", description="custom: per-block FFN widths and kinds, saved as compressor classes (loads with "
+        "compressor installed or trust_remote_code); standard: one FFN width for every block (a multiple of 64, "
+        "searched against the gate), saved as the base model's own class with a smaller intermediate_size, which "
+        "loads with plain transformers, vLLM, TGI, MLX (kind prune only; see docs/standard.md)")
+    width_multiple: int | None = Field(
+        None, ge=1, le=4096, description="kept FFN widths of the prune/hybrid kinds come in multiples of this, "
+        "chosen by the allocation (not rounded afterwards); null: automatic, see compressor.recipe.width_multiple "
+        "(1; 64 for architecture standard; the GGML quantization block, 32 or 256, with the gguf format)")
     formats: list[str] = Field(
         default_factory=lambda: ["hf"], min_length=1,
         description="output formats written into the output folder, each verified before publishing: hf "
         "(Hugging Face folder)",
     )
+    gguf_quant: Literal["source", "bf16", "f16", "q8_0", "q4_k_m"] = Field(
+        "source", description="gguf format: tensor types; source = a GGUF source's own (unchanged tensors copied as "
+        "they are), else output.dtype; q8_0/q4_k_m use llama.cpp's quantizer (see docs/gguf.md)"
+    )
+    gguf_unquantizable: Literal["error", "f16", "pad"] = Field(
+        "error", description="gguf format: an FFN width the quantization block does not divide is an error, keeps "
+        "its down projection in F16, or is padded with dead units"
+    )
+
+    @model_validator(mode="after")
+    def _width_rule(self):
+        if "hf-standard" in self.formats and self.architecture != "standard":
+            raise ValueError("output.formats: hf-standard is the folder output.architecture: standard writes; "
+                             "set output.architecture: standard (and list hf)")
+        m = self.width_multiple
+        if m is not None and self.architecture == "standard" and m % STANDARD_WIDTH_MULTIPLE:
+            raise ValueError(f"output.width_multiple: {m} with output.architecture: standard must be a multiple of "
+                             f"{STANDARD_WIDTH_MULTIPLE}; use e.g. {math.lcm(m, STANDARD_WIDTH_MULTIPLE)} or leave it "
+                             "null (automatic)")
+        block = GGML_BLOCK.get(getattr(self, "gguf_quant", "source"), 1)
+        if (m is not None and "gguf" in self.formats and getattr(self, "gguf_unquantizable", "error") == "error"
+                and m % block):
+            raise ValueError(f"output.width_multiple: {m} is not a multiple of {block}, the quantization block of "
+                             f"gguf_quant {self.gguf_quant}: those widths cannot be quantized; use "
+                             f"{math.lcm(m, block)}, leave it null (automatic), or set gguf_unquantizable")
+        return self
+
+    def writers(self) -> list[str]:
+        """The writers (``compressor.output`` format names) this section asks for, in order: ``formats``
+        with ``hf`` written by ``hf-standard`` when ``architecture`` is ``standard``."""
+        names = ["hf-standard" if f == "hf" and self.architecture == "standard" else f for f in self.formats]
+        return list(dict.fromkeys(names))
+
+
+#: Multiple of the one FFN width of ``output.architecture: standard``: serving kernels (vLLM, llama.cpp,
+#: MLX) tile the intermediate dimension in 64s or more, and 64 is a whole number of q8_0/q4 blocks.
+STANDARD_WIDTH_MULTIPLE = 64
+#: Elements per GGML quantization block, by ``output.gguf_quant``: a quantized row is a whole number of
+#: blocks, and the down projection's rows are as long as the FFN width (gguf-py's GGML_QUANT_SIZES).
+GGML_BLOCK = {"source": 1, "f32": 1, "f16": 1, "bf16": 1, "q8_0": 32, "q4_0": 32, "q4_1": 32, "q5_0": 32,
+              "q5_1": 32, "q2_k": 256, "q3_k_m": 256, "q4_k_s": 256, "q4_k_m": 256, "q5_k_m": 256, "q6_k": 256}
+
+
+def width_multiple(output: OutputConfig, source_block: int = 1) -> int:
+    """The multiple every kept FFN width of the prune/hybrid kinds must be; the allocation offers
+    only those widths (:mod:`compressor.policy.compress`), so no width is rounded afterwards.
+
+    ``output.width_multiple`` when set; else the least common multiple of what the outputs need:
+    :data:`STANDARD_WIDTH_MULTIPLE` for ``architecture: standard``, and for the ``gguf`` format the
+    quantization block of ``gguf_quant`` (:data:`GGML_BLOCK`), or ``source_block`` for
+    ``gguf_quant: source`` — the block of a GGUF source's own FFN down projections, which the caller
+    reads from the file (1 for a Hugging Face source). A new format that needs aligned widths adds
+    its rule here.
+
+    >>> width_multiple(OutputConfig())
+    1
+    >>> width_multiple(OutputConfig(formats=["hf", "gguf"], gguf_quant="q4_k_m"))
+    256
+    >>> width_multiple(OutputConfig(architecture="standard", formats=["hf", "gguf"], gguf_quant="q8_0"))
+    64
+    """
+    if output.width_multiple is not None:
+        return output.width_multiple
+    m = STANDARD_WIDTH_MULTIPLE if output.architecture == "standard" else 1
+    if "gguf" in output.formats:
+        quant = getattr(output, "gguf_quant", "source")
+        m = math.lcm(m, source_block if quant == "source" else GGML_BLOCK.get(quant, 1))
+    return m
 
 
 class Recipe(_Section):
@@ -213,6 +291,37 @@ class Recipe(_Section):
         if self.policy.strategy == "greedy" and self.replacement.kind in ("prune", "hybrid") and self.replacement.keep is None:
             raise ValueError(f"replacement.keep: required for kind {self.replacement.kind} with policy.strategy: greedy "
                              "(the fraction of hidden units each replaced block keeps)")
+        return self
+
+    @model_validator(mode="after")
+    def _architecture(self):
+        """What ``output.architecture: standard`` and ``output.width_multiple`` can represent, before any model loads."""
+        kind, out, pol = self.replacement.kind, self.output, self.policy
+        if out.architecture == "standard":
+            if kind != "prune":
+                why = ("its bypass is an affine map, which the base class's MLP has no place for"
+                       if kind == "hybrid" else "it is no subset of the MLP's hidden units")
+                raise ValueError(
+                    f"output.architecture: standard saves the base model's own MLP with fewer hidden units, so only "
+                    f"replacement.kind: prune is representable; kind {kind} is not ({why}). Use kind: prune, or "
+                    "output.architecture: custom (every kind, per-block widths; the gguf format runs those in llama.cpp)")
+            if pol.exclude:
+                raise ValueError(
+                    f"policy.exclude: {pol.exclude} with output.architecture: standard: the base class has one FFN "
+                    "width, so every block is pruned to it and none can keep its original width; remove "
+                    "policy.exclude, or use output.architecture: custom")
+            if pol.strategy == "greedy":
+                raise ValueError("policy.strategy: greedy cannot keep every block at one width (it rolls blocks back "
+                                 "one by one); output.architecture: standard searches the width itself. Use "
+                                 "policy.strategy: auto")
+        if out.width_multiple is not None and kind not in ("prune", "hybrid"):
+            raise ValueError(f"output.width_multiple applies to the hidden-unit kinds (prune, hybrid), not {kind}; "
+                             "remove it")
+        step, m = getattr(self.replacement, "step_units", None), width_multiple(out)
+        if step is not None and m > 1 and m % step:
+            raise ValueError(f"replacement.step_units: {step} does not divide the width multiple {m} "
+                             "(output.width_multiple / architecture / gguf quantization): the unit-removal path "
+                             f"would skip the widths the output can take; use a divisor of {m} or leave it null")
         return self
 
     @model_validator(mode="after")

@@ -1,0 +1,222 @@
+"""The ``hf-standard`` writer: the base model's own class with a smaller ``intermediate_size``.
+
+``output.architecture: standard`` prunes every FFN block to one width
+(:mod:`compressor.policy.compress`), so the compressed model *is* the base
+architecture with fewer hidden units. This writer saves it as such: a
+Hugging Face folder whose ``config.json`` names the base class
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``…) with the new
+width, no ``auto_map`` and no modeling file, so plain transformers, vLLM, TGI,
+MLX and llama.cpp's own converter take it as it is. The pipeline uses it in
+place of ``hf`` when the recipe asks for the standard architecture
+(:meth:`compressor.recipe.schema.OutputConfig.writers`).
+
+A pruned block (:class:`~compressor.core.modeling.HiddenUnitFFN`) maps onto the
+base MLP one to one: its fused ``up`` rows split back into the gate and up
+projections (``ffn_up`` of the architecture table), its ``out`` is the down
+projection. The re-solved intercept (``out.bias``) goes into the down
+projection's bias where the class has one — natively (GPT-2, GPT-NeoX) or
+switched on by ``mlp_bias`` (Llama: a bias on gate, up and down; the gate and
+up biases are written as zeros). Elsewhere the policy solved the block without
+an intercept, so the bias it drops is zero; a non-zero one is refused.
+
+The ``compression`` section of ``config.json`` records what was done (format
+``compressor.standard/v1``); transformers keeps it as an inert attribute.
+
+Verification reloads the folder with a plain ``AutoModelForCausalLM.from_pretrained``
+and compares logits and perplexity with the in-memory model, with the
+tolerances of :mod:`compressor.output.hf`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compressor.core.archs import ARCHITECTURES, arch_for, find_blocks
+from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
+from compressor.output.base import VerificationError, WriteRequest, Writer, register_writer
+from compressor.output.hf import (
+    LOGIT_TOLERANCE, PPL_TOLERANCE, _name_tokenizer_class, cast_state_dict, max_logit_diff, rounded_copy,
+)
+
+logger = logging.getLogger(__name__)
+
+STANDARD_FORMAT = "compressor.standard/v1"
+#: Config attribute holding the FFN width, where it is not ``intermediate_size``.
+WIDTH_ATTR = {"gpt2": "n_inner"}
+
+
+def _conv1d(mod: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` stores its weight ``[in, out]``, the transpose of ``nn.Linear``'s."""
+    return type(mod).__name__ == "Conv1D"
+
+
+def _width(ffn: nn.Module, spec) -> int:
+    if isinstance(ffn, HiddenUnitFFN):
+        if ffn.bypass:
+            raise ValueError("a hybrid block (kept units plus an affine bypass) has no place in the base class's MLP; "
+                             "output.architecture: standard needs replacement.kind: prune")
+        if not ffn.units:
+            raise ValueError("a block pruned to 0 units cannot be written as a standard MLP")
+        return ffn.units
+    if isinstance(ffn, (AffineFFN, LowRankAffineFFN)):
+        raise ValueError(f"a {type(ffn).__name__} block is no subset of the MLP's hidden units; "
+                         "output.architecture: standard needs replacement.kind: prune")
+    down = ffn.get_submodule(spec.ffn_down)
+    return down.weight.shape[0] if _conv1d(down) else down.weight.shape[1]
+
+
+def standard_model(model: nn.Module) -> nn.Module:
+    """``model`` (every block pruned to one width, or original) rebuilt as its base class with that
+    ``intermediate_size``; its weights equal the pruned model's. Raises ``ValueError`` when the
+    widths differ or a block is not a pruned MLP."""
+    model_type, spec = arch_for(model)
+    path, blocks = find_blocks(model, spec)
+    ffns = {f"{path}.{i}.{spec.ffn_out}": b.get_submodule(spec.ffn_out) for i, b in enumerate(blocks)}
+    widths = {p: _width(f, spec) for p, f in ffns.items()}
+    if len(set(widths.values())) != 1:
+        raise ValueError(f"output.architecture: standard needs one FFN width in every block; got "
+                         f"{sorted(set(widths.values()))}")
+    width = next(iter(widths.values()))
+    cfg = copy.deepcopy(model.config)
+    setattr(cfg, WIDTH_ATTR.get(model_type, "intermediate_size"), width)
+    pruned = {p: f for p, f in ffns.items() if isinstance(f, HiddenUnitFFN)}
+    if any(bool(f.out.bias.any()) for f in pruned.values()) and hasattr(cfg, "mlp_bias"):
+        cfg.mlp_bias = True  # Llama: gate, up and down get a bias; the down bias carries the intercept
+    with _no_init():  # every weight is overwritten below
+        std = type(model)(cfg)
+    std = std.to(dtype=next(model.parameters()).dtype).eval()
+    state = {k: v for k, v in model.state_dict().items() if not any(k.startswith(p + ".") for p in pruned)}
+    for p, ffn in pruned.items():
+        state.update(_mlp_state(p, ffn, std.get_submodule(p), spec))
+    std.load_state_dict(state, strict=True)
+    std.tie_weights()
+    return std
+
+
+def _no_init():
+    """Skip the random initialisation of a model whose weights are all loaded next (when transformers can)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
+def _mlp_state(prefix: str, ffn: HiddenUnitFFN, target: nn.Module, spec) -> dict[str, torch.Tensor]:
+    """The base MLP's tensors for one pruned block (gate/up rows split back, down = ``out``)."""
+    out: dict[str, torch.Tensor] = {}
+    k = ffn.units
+    weights = ffn.up.weight.detach().split(k)
+    biases = ffn.up.bias.detach().split(k) if ffn.up.bias is not None else (None,) * len(weights)
+    pairs = [(name, w, b) for name, w, b in zip(spec.ffn_up, weights, biases)]
+    pairs.append((spec.ffn_down, ffn.out.weight.detach(), ffn.out.bias.detach()))
+    for name, w, b in pairs:
+        mod = target.get_submodule(name)
+        out[f"{prefix}.{name}.weight"] = w.T.contiguous() if _conv1d(mod) else w
+        if getattr(mod, "bias", None) is not None:
+            out[f"{prefix}.{name}.bias"] = b if b is not None else torch.zeros_like(mod.bias)
+        elif b is not None and bool(b.any()):
+            raise ValueError(f"{prefix}.{name}: the fit has a bias (intercept) but {type(target).__name__} has none; "
+                             "the policy should have solved this block without an intercept")
+    return out
+
+
+@register_writer
+class StandardWriter(Writer):
+    """``hf-standard``: the base class with one smaller ``intermediate_size`` (``output.architecture:
+    standard``); loads with plain ``AutoModelForCausalLM.from_pretrained(folder)`` anywhere."""
+
+    format = "hf-standard"
+    description = ("Hugging Face folder of the base model's own class with a smaller intermediate_size "
+                   "(output.architecture: standard; kind prune); no custom code")
+
+    def unsupported(self, model_type: str, kind: str) -> str | None:
+        spec = ARCHITECTURES.get(model_type)
+        if spec is None or not spec.compressible or not spec.ffn_up:
+            return (f"output.architecture: standard: {model_type} has no MLP hidden units compressor can prune; "
+                    "use output.architecture: custom")
+        if kind not in ("prune", "none"):
+            return (f"output.architecture: standard saves the base class's MLP with fewer units: only kind prune is "
+                    f"representable, not {kind}; use kind: prune or output.architecture: custom")
+        return None
+
+    def write(self, request: WriteRequest, folder: Path) -> list[Path]:
+        model, dtype = request.model, request.dtype
+        std = standard_model(model)
+        width_attr = WIDTH_ATTR.get(model.config.model_type, "intermediate_size")
+        width = getattr(std.config, width_attr)
+        state = cast_state_dict(std, dtype) if dtype is not None else None
+        std.save_pretrained(folder, safe_serialization=True, state_dict=state)
+        bias = bool(getattr(std.config, "mlp_bias", False))
+        del state, std
+        if request.tokenizer is not None:
+            request.tokenizer.save_pretrained(folder)
+            _name_tokenizer_class(folder, request.tokenizer)
+        cfg_path = folder / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        if dtype is not None:
+            name = str(dtype).removeprefix("torch.")
+            cfg.update({k: name for k in ("torch_dtype", "dtype") if k in cfg} or {"torch_dtype": name})
+        cfg.pop("auto_map", None)
+        cfg["compression"] = {**request.compression, "format": STANDARD_FORMAT, "architecture": "standard",
+                              "width_attribute": width_attr, "width": width, "mlp_bias": bias}
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for name, text in request.extra_files.items():
+            (folder / name).write_text(_plain_card(text, type(model).__name__, width_attr, width)
+                                       if name == "README.md" else text)
+        return sorted(folder.iterdir())
+
+    def verify(self, request: WriteRequest, folder: Path) -> dict:
+        """Reload with plain transformers (the base class, no custom code) in the compute dtype and
+        compare logits and perplexity with the in-memory model rounded the way it was saved."""
+        from transformers import AutoModelForCausalLM
+
+        from compressor.evaluation.evaluate import perplexity
+        from compressor.fitting.replace import count_params
+
+        model, out_dtype, tokens = request.model, request.dtype, request.probe_tokens
+        reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).eval()
+        cls = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
+        if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not type(model):
+            raise VerificationError(f"the standard folder reloaded as {cls}, not the base class "
+                                    f"{type(model).__name__}; the folder was not published")
+        reference = model if out_dtype == model.dtype else rounded_copy(model, out_dtype)
+        seq_len = request.probe_seq_len
+        n = min(2, max(1, tokens.numel() // seq_len))
+        probe = tokens[: n * min(seq_len, tokens.numel() // n)].view(n, -1)
+        diff = max_logit_diff(reference, reloaded, probe)
+        del reference
+        again = perplexity(reloaded, tokens, seq_len=seq_len, stride=request.probe_stride,
+                           batch_size=request.probe_batch_size, desc="reload check (standard)", shard=False)
+        rel = abs(again.ppl - request.expected_ppl) / request.expected_ppl
+        tol = LOGIT_TOLERANCE.get(model.dtype, 1e-2)
+        ppl_tol = PPL_TOLERANCE[out_dtype]
+        width_attr = WIDTH_ATTR.get(model.config.model_type, "intermediate_size")
+        check = {"class": cls, width_attr: getattr(reloaded.config, width_attr),
+                 "mlp_bias": getattr(reloaded.config, "mlp_bias", None),
+                 "saved_dtype": str(out_dtype).removeprefix("torch."), "max_abs_logit_diff": diff,
+                 "perplexity": again.ppl, "relative_ppl_diff": rel, "params": count_params(reloaded),
+                 "logit_tolerance": tol, "relative_ppl_tolerance": ppl_tol, "passed": diff <= tol and rel <= ppl_tol}
+        if not check["passed"]:
+            raise VerificationError(
+                f"standard reload check failed: max |Δlogit| {diff:.3g} (tolerance {tol:g}), perplexity "
+                f"{again.ppl:.5f} vs {request.expected_ppl:.5f} (relative tolerance {ppl_tol:g}, weights saved as "
+                f"{out_dtype}); the folder was not published")
+        return check
+
+
+def _plain_card(card: str, class_name: str, width_attr: str, width: int) -> str:
+    """The model card with its Load section for a folder that needs no custom code."""
+    note = (f"Saved as the base class `{class_name}` with `{width_attr}: {width}` in every layer "
+            "(`output.architecture: standard`): no custom code, no `auto_map`; plain transformers, vLLM, TGI "
+            "and MLX load it as it is.\n\n## Load\n")
+    return (card.replace("## Load\n", note, 1)
+            .replace(', trust_remote_code=True)', ')')
+            .replace("\n# or, with compressor installed: `import compressor` after transformers and drop both flags", ""))

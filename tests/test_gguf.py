@@ -1,0 +1,337 @@
+"""The gguf writer: every kind as an exact gated MLP, GGUF files that an unmodified llama.cpp
+(llama-cpp-python) runs with the logits transformers computes, and clear refusals.
+
+Tiny models are built from configs and a byte-level BPE tokenizer is trained here, so nothing is
+downloaded. The llama.cpp tests skip where llama-cpp-python is not installed (``tools/setup.sh``
+installs it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from compressor.core.modeling import COMPRESSION_FORMAT, AffineFFN, HiddenUnitFFN, LowRankAffineFFN
+from compressor.inputs.load import ResolvedSource
+from compressor.output.base import VerificationError, WriteRequest
+from compressor.output.gated import NotRepresentableError, as_gated
+
+gguf = pytest.importorskip("gguf")
+from compressor.output import gguf as gw  # noqa: E402
+
+HIDDEN, FF, LAYERS, VOCAB, SEQ = 64, 128, 3, 320, 64
+TEXT = ("The quick brown fox jumps over the lazy dog. Numbers 123 4567 and words, words; more words! "
+        "A second sentence with other letters: xylophone, quartz, jazz. ") * 12
+
+pytestmark = [pytest.mark.usefixtures("torch_single_thread"),
+              pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")]
+
+
+def needs_llama_cpp():
+    return pytest.importorskip("llama_cpp")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE tokenizer (llama.cpp's ``gpt2`` model) trained on :data:`TEXT`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                                eos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def ids(tokenizer) -> torch.Tensor:
+    return torch.tensor(tokenizer(TEXT).input_ids[: 6 * SEQ])
+
+
+def tiny(model_type: str, seed: int = 0, **extra) -> torch.nn.Module:
+    """A tiny random model whose logits are far from uniform (so a wrong tensor shows)."""
+    common = dict(hidden_size=HIDDEN, intermediate_size=FF, num_hidden_layers=LAYERS, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256) | extra
+    cfg, cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[model_type]
+    torch.manual_seed(seed)
+    model = cls(cfg(**common)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:  # norms and biases: not all ones / zeros, so their layout matters
+                p.add_(torch.randn_like(p) * 0.2)
+            elif "embed" in name or "lm_head" in name:
+                p.normal_(std=0.5)
+            else:
+                p.normal_(std=0.08)
+    return model
+
+
+def _randomize(module: torch.nn.Module, std: float = 0.08) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(std=std)
+    return module
+
+
+REPLACEMENTS = {
+    "affine": lambda: AffineFFN(HIDDEN, HIDDEN),
+    "low_rank": lambda: LowRankAffineFFN(HIDDEN, HIDDEN, 8),
+    "prune": lambda: HiddenUnitFFN(HIDDEN, HIDDEN, 40, "silu", True, True, False),
+    "hybrid": lambda: HiddenUnitFFN(HIDDEN, HIDDEN, 24, "silu", True, False, True),
+    "bypass_only": lambda: HiddenUnitFFN(HIDDEN, HIDDEN, 0, "silu", True, False, True),
+    "constant": lambda: HiddenUnitFFN(HIDDEN, HIDDEN, 0, "silu", True, False, False),
+}
+WIDTHS = {"affine": HIDDEN, "low_rank": 8, "prune": 40, "hybrid": 24 + HIDDEN, "bypass_only": HIDDEN, "constant": 1}
+
+
+# --------------------------------------------------------------------------------------------------
+# Gated form: exact for every kind
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["original", *REPLACEMENTS])
+def test_every_kind_is_an_exact_gated_mlp(model_type, kind):
+    model = tiny(model_type, mlp_bias=True) if model_type == "llama" else tiny(model_type)
+    module = model.model.layers[1].mlp if kind == "original" else _randomize(REPLACEMENTS[kind]())
+    x = torch.randn(4, 7, HIDDEN)
+    g = as_gated(module, in_features=HIDDEN)
+    with torch.no_grad():
+        want = module(x)
+        assert g.width == (FF if kind == "original" else WIDTHS[kind])
+        torch.testing.assert_close(g(x), want, atol=1e-5, rtol=1e-5)
+        padded = g.padded(32)
+        assert padded.width % 32 == 0 and padded.width >= g.width
+        torch.testing.assert_close(padded(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_mlps_are_refused():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
+    with pytest.raises(NotRepresentableError, match="SiLU-gated"):
+        as_gated(gpt2.transformer.h[0].mlp)
+    with pytest.raises(NotRepresentableError, match="not SiLU-gated"):
+        as_gated(HiddenUnitFFN(HIDDEN, HIDDEN, 8, "gelu", False, True, False))
+
+
+# --------------------------------------------------------------------------------------------------
+# Round trips through llama.cpp
+# --------------------------------------------------------------------------------------------------
+
+
+def _request(model, tokenizer, ids, *, quant="source", dtype=torch.float32, source=None, expected=None, **options):
+    from compressor.evaluation.evaluate import perplexity
+
+    if expected is None:
+        expected = perplexity(model, ids, seq_len=SEQ, stride=SEQ, shard=False).ppl
+    return WriteRequest(model=model, tokenizer=tokenizer, compression={}, dtype=dtype,
+                        source=source or ResolvedSource("/nonexistent/tiny-model", None, True),
+                        probe_tokens=ids, probe_seq_len=SEQ, probe_stride=SEQ, expected_ppl=expected,
+                        options={"quant": quant, **options})
+
+
+def _llama_cpp_logits(path: Path, window: list[int]) -> np.ndarray:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(window), logits_all=True, n_threads=1, verbose=False)
+    try:
+        llm.eval(window)
+        return np.array(llm.scores[: len(window)])
+    finally:
+        llm.close()
+
+
+def _replace(model, kinds: dict[int, str]):
+    for i, kind in kinds.items():
+        model.model.layers[i].mlp = _randomize(REPLACEMENTS[kind]())
+    return model
+
+
+# (model type, replaced blocks, architecture llama.cpp runs)
+ROUND_TRIPS = [
+    ("llama", {0: "hybrid", 1: "low_rank"}, "deci"),        # unequal widths → per-layer architecture
+    ("llama", {0: "prune", 1: "prune", 2: "prune"}, "llama"),  # one width (40), biases: native llama
+    ("mistral", {1: "affine"}, "deci"),
+    ("qwen2", {0: "prune", 2: "constant"}, "deci"),          # qwen2 has no FFN bias: deci, q/k rows permuted
+    ("qwen2", {}, "qwen2"),                                  # unchanged: the native architecture
+]
+
+
+@pytest.mark.parametrize("model_type,kinds,arch", ROUND_TRIPS, ids=lambda v: str(v))
+def test_llama_cpp_runs_the_file_with_transformers_logits(tmp_path, tokenizer, ids, model_type, kinds, arch):
+    needs_llama_cpp()
+    model = _replace(tiny(model_type), kinds)
+    request = _request(model, tokenizer, ids)
+    writer = gw.GGUFWriter()
+    (path,) = writer.write(request, tmp_path)
+    check = writer.verify(request, tmp_path)
+    assert check["architecture"] == arch and check["passed"]
+    assert check["relative_ppl_diff"] < 1e-4, check
+    window = ids[:SEQ].tolist()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([window])).logits[0].numpy()
+    got = _llama_cpp_logits(path, window)
+    # llama.cpp keeps K and V in float16: agreement to that precision
+    assert np.abs(got - want).max() < 2e-2 * max(1.0, np.abs(want).max()), np.abs(got - want).max()
+    assert np.abs(want).std() > 0.5  # the logits are informative, so the comparison is too
+
+
+def test_bf16_is_verified_within_tolerance(tmp_path, tokenizer, ids):
+    needs_llama_cpp()
+    model = _replace(tiny("llama"), {1: "hybrid"})
+    request = _request(model, tokenizer, ids, dtype=torch.bfloat16)
+    writer = gw.GGUFWriter()
+    writer.write(request, tmp_path)
+    check = writer.verify(request, tmp_path)
+    assert check["file_type"] == "MOSTLY_BF16" and check["quant"] == "bf16"
+    assert check["relative_ppl_diff"] <= gw.PPL_TOLERANCE
+
+
+def test_a_mismatch_fails_verification(tmp_path, tokenizer, ids):
+    needs_llama_cpp()
+    model = _replace(tiny("llama"), {1: "low_rank"})
+    request = _request(model, tokenizer, ids)
+    gw.GGUFWriter().write(request, tmp_path)
+    request.expected_ppl *= 1.02  # the in-memory model "disagrees" by 2 %
+    with pytest.raises(VerificationError, match="nothing was published"):
+        gw.GGUFWriter().verify(request, tmp_path)
+
+
+def test_a_gguf_source_keeps_its_tensors_and_tokenizer(tmp_path, tokenizer, ids):
+    """quant: source copies unchanged tensors byte for byte and quantizes the new FFNs to the source's type."""
+    needs_llama_cpp()
+    from compressor.inputs.load import load_model
+
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="q8_0", expected=1.0, file="tiny.gguf"),
+                          src_dir)
+    model, tok, source = load_model(str(src_dir / "tiny.gguf"))
+    model.model.layers[1].mlp = _randomize(REPLACEMENTS["prune"]())  # width 40: not a multiple of Q8_0's 32
+    request = _request(model, tok, ids, source=source, unquantizable="pad")
+    out = tmp_path / "out"
+    out.mkdir()
+    writer = gw.GGUFWriter()
+    writer.write(request, out)
+    check = writer.verify(request, out)
+    assert check["file_type"] == "MOSTLY_Q8_0" and check["ffn_widths"][1] == 64 and check["passed"]
+    assert check["relative_ppl_diff"] < 0.01  # only the new FFN was quantized
+    before = {t.name: t for t in gguf.GGUFReader(src_dir / "tiny.gguf").tensors}
+    after = {t.name: t for t in gguf.GGUFReader(out / "model.gguf").tensors}
+    changed = {n for n in before if not (n in after and bytes(before[n].data) == bytes(after[n].data))}
+    assert changed == {"blk.1.ffn_gate.weight", "blk.1.ffn_up.weight", "blk.1.ffn_down.weight"}
+    assert {after[n].tensor_type.name for n in changed} == {"Q8_0"}
+    src_meta, out_meta = gguf.GGUFReader(src_dir / "tiny.gguf").fields, gguf.GGUFReader(out / "model.gguf").fields
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"):
+        assert src_meta[key].contents() == out_meta[key].contents()
+
+
+def test_quantized_types_and_unquantizable_widths(tmp_path, tokenizer, ids):
+    needs_llama_cpp()
+    model = _replace(tiny("llama"), {0: "prune", 1: "low_rank"})  # widths 40, 8, 128
+    with pytest.raises(gw.GGUFWidthError, match=r"layer 0 width 40 \(needs a multiple of 32\), layer 1 width 8"):
+        gw.plan_for(_request(model, tokenizer, ids, expected=1.0), {"quant": "q8_0"})
+    request = _request(model, tokenizer, ids, quant="q8_0", unquantizable="f16")
+    writer = gw.GGUFWriter()
+    writer.write(request, tmp_path)
+    check = writer.verify(request, tmp_path)
+    assert check["ffn_down_types"] == ["F16", "F16", "Q8_0"] and check["relative_ppl_tolerance"] is None
+    request = _request(model, tokenizer, ids, quant="q4_k_m", unquantizable="pad", expected=request.expected_ppl)
+    writer.write(request, tmp_path)
+    check = writer.verify(request, tmp_path)
+    assert check["file_type"] == "MOSTLY_Q4_K_M" and check["ffn_widths"] == [256, 256, 128], check
+    assert np.isfinite(check["perplexity"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals, before anything loads
+# --------------------------------------------------------------------------------------------------
+
+
+def test_unsupported_architectures_say_why_and_what_instead():
+    writer = gw.GGUFWriter()
+    for model_type in ("gpt2", "qwen3", "gemma3_text", "bert"):
+        message = writer.unsupported(model_type, "prune")
+        assert message and model_type in message and "output.formats: [hf]" in message
+    if gw.runtime_missing() is None:
+        assert writer.unsupported("llama", "hybrid") is None and writer.unsupported("qwen2", "affine") is None
+    assert "q5_k" in writer.check_options({"quant": "q5_k"})
+
+
+def test_a_non_bpe_tokenizer_is_refused(tokenizer):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    wp = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wp.pre_tokenizer = pre_tokenizers.Whitespace()
+    message = gw.tokenizer_problem(transformers.PreTrainedTokenizerFast(tokenizer_object=wp))
+    assert "not BPE" in message and "GGUF of the model" in message
+    assert gw.tokenizer_problem(tokenizer) is None
+
+
+def test_rope_permutation_interleaves_the_halves_of_each_head():
+    assert gw.rope_permutation(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+# --------------------------------------------------------------------------------------------------
+# compressor export
+# --------------------------------------------------------------------------------------------------
+
+
+def _hf_folder(folder: Path, tokenizer, ids) -> Path:
+    from compressor.output.hf import HFWriter
+
+    model = tiny("llama")
+    model.model.layers[1].mlp = _randomize(HiddenUnitFFN(HIDDEN, HIDDEN, 32, "silu", True, False, True))
+    entry = {"module": "model.layers.1.mlp", "kind": "hybrid", "format": "compressor.kind.hybrid/v1",
+             "config": {"in_features": HIDDEN, "out_features": HIDDEN, "units": 32, "act": "silu", "gated": True,
+                        "up_bias": False}}
+    request = _request(model, tokenizer, ids, expected=1.0)
+    request.compression = {"format": COMPRESSION_FORMAT, "blocks": [entry], "source_model": "/nonexistent/tiny"}
+    folder.mkdir()
+    HFWriter().write(request, folder)
+    return folder
+
+
+def test_export_writes_a_verified_gguf(tmp_path, tokenizer, ids, capsys):
+    needs_llama_cpp()
+    from compressor.cli import main
+
+    folder = _hf_folder(tmp_path / "out", tokenizer, ids)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    assert main(["export", str(folder), "--quant", "f16", "--text", str(text), "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert (folder / "model.gguf").is_file() and "deci" in printed and "within tolerance" in printed
+    assert not list(tmp_path.glob(".*tmp*"))  # the staging folder is gone
+
+
+def test_export_refuses_before_loading(tmp_path, tokenizer, ids, monkeypatch, capsys):
+    from compressor.cli import main
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("compressor.output.hf.load_compressed", boom)
+    assert main(["export", str(tmp_path / "missing")]) == 2
+    assert "not a compressor output folder" in capsys.readouterr().err
+    folder = tmp_path / "gpt2-out"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "compressed_gpt2", "compression": {"blocks": []}}))
+    assert main(["export", str(folder)]) == 2
+    assert "gpt2" in capsys.readouterr().err
+    if gw.runtime_missing() is None:
+        folder = _hf_folder(tmp_path / "llama-out", tokenizer, ids)
+        assert main(["export", str(folder), "--quant", "q8_0", "--output", str(tmp_path / "x.bin")]) == 2
+        assert "must name a .gguf file" in capsys.readouterr().err
+        assert main(["export", str(folder), "--quant", "q4_k_m"]) == 2  # hybrid: 32 units + 64 bypass = 96
+        assert "layer 1 width 96 (needs a multiple of 256)" in capsys.readouterr().err
