@@ -42,6 +42,7 @@ _PUBLIC = {
     "profile": "pipeline.profiler", "write_profile": "pipeline.profiler",
     "load_compressed": "output.hf", "register_auto_classes": "output.hf",
     "WRITERS": "output", "get_writer": "output",
+    "analyze": "analysis",
 }
 
 __all__ = sorted(_PUBLIC)
