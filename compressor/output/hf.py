@@ -182,14 +182,7 @@ class HFWriter(Writer):
             state_dict = cast_state_dict(model, dtype) if dtype is not None else None
             model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
             del state_dict
-        if request.tokenizer is not None:
-            request.tokenizer.save_pretrained(folder)
-            _name_tokenizer_class(folder, request.tokenizer)
-        cfg_path = folder / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        if dtype is not None:
-            name = str(dtype).removeprefix("torch.")
-            cfg.update({k: name for k in ("torch_dtype", "dtype") if k in cfg} or {"torch_dtype": name})
+        cfg_path, cfg = finish_folder(folder, request.tokenizer, dtype)
         cfg["model_type"] = "compressed_" + model_type
         cfg["architectures"] = [f"Compressed{model_name}"]
         module = MODELING_FILE.removesuffix(".py")
@@ -262,6 +255,20 @@ def max_logit_diff(a: nn.Module, b: nn.Module, input_ids: torch.Tensor) -> float
     la = a(input_ids=input_ids.to(da)).logits.float().cpu()
     lb = b(input_ids=input_ids.to(db)).logits.float().cpu()
     return float((la - lb).abs().max())
+
+
+def finish_folder(folder: Path, tokenizer, dtype) -> tuple[Path, dict]:
+    """What every Hugging Face folder writer does after ``save_pretrained``: the tokenizer beside the
+    weights, and ``config.json``'s dtype set to the saved one. Returns the config's path and contents."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+        _name_tokenizer_class(folder, tokenizer)
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        cfg.update({k: name for k in ("torch_dtype", "dtype") if k in cfg} or {"torch_dtype": name})
+    return cfg_path, cfg
 
 
 def _name_tokenizer_class(folder: Path, tokenizer) -> None:

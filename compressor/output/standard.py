@@ -42,7 +42,7 @@ from compressor.core.archs import ARCHITECTURES, arch_for, find_blocks
 from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
 from compressor.output.base import VerificationError, WriteRequest, Writer, register_writer
 from compressor.output.hf import (
-    LOGIT_TOLERANCE, PPL_TOLERANCE, _name_tokenizer_class, cast_state_dict, max_logit_diff, rounded_copy,
+    LOGIT_TOLERANCE, PPL_TOLERANCE, finish_folder, cast_state_dict, max_logit_diff, rounded_copy,
 )
 
 logger = logging.getLogger(__name__)
@@ -156,14 +156,7 @@ class StandardWriter(Writer):
         std.save_pretrained(folder, safe_serialization=True, state_dict=state)
         bias = bool(getattr(std.config, "mlp_bias", False))
         del state, std
-        if request.tokenizer is not None:
-            request.tokenizer.save_pretrained(folder)
-            _name_tokenizer_class(folder, request.tokenizer)
-        cfg_path = folder / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        if dtype is not None:
-            name = str(dtype).removeprefix("torch.")
-            cfg.update({k: name for k in ("torch_dtype", "dtype") if k in cfg} or {"torch_dtype": name})
+        cfg_path, cfg = finish_folder(folder, request.tokenizer, dtype)
         cfg.pop("auto_map", None)
         cfg["compression"] = {**request.compression, "format": STANDARD_FORMAT, "architecture": "standard",
                               "width_attribute": width_attr, "width": width, "mlp_bias": bias}
