@@ -201,35 +201,41 @@ class HFWriter(Writer):
         """Reload the folder in the compute dtype and compare logits and perplexity with the
         in-memory model whose weights are rounded the way they were saved (see
         :data:`LOGIT_TOLERANCE`)."""
-        from compressor.evaluation.evaluate import perplexity
-        from compressor.fitting.replace import count_params
-
-        model, out_dtype, tokens = request.model, request.dtype, request.probe_tokens
+        model = request.model
         register_auto_classes([model.config.model_type])
-        reference = model if out_dtype == model.dtype else rounded_copy(model, out_dtype)
         reloaded = load_compressed(folder, dtype=model.dtype, offload=request.offload, device=request.device)
-        reloaded.eval()
-        seq_len = request.probe_seq_len
-        n = min(2, max(1, tokens.numel() // seq_len))
-        probe = tokens[: n * min(seq_len, tokens.numel() // n)].view(n, -1)
-        diff = max_logit_diff(reference, reloaded, probe)
-        del reference
-        again = perplexity(reloaded, tokens, seq_len=seq_len, stride=request.probe_stride,
-                           batch_size=request.probe_batch_size, desc="reload check", shard=False)  # rank 0 alone
-        rel = abs(again.ppl - request.expected_ppl) / request.expected_ppl
-        tol = LOGIT_TOLERANCE.get(model.dtype, 1e-2)
-        ppl_tol = PPL_TOLERANCE[out_dtype]
-        check = {"saved_dtype": str(out_dtype).removeprefix("torch."),
-                 "max_abs_logit_diff": diff, "perplexity": again.ppl, "relative_ppl_diff": rel,
-                 "params": count_params(reloaded), "logit_tolerance": tol,
-                 "relative_ppl_tolerance": ppl_tol, "passed": diff <= tol and rel <= ppl_tol}
-        if not check["passed"]:
-            raise VerificationError(
-                f"reload check failed: max |Δlogit| {diff:.3g} (tolerance {tol:g}), perplexity {again.ppl:.5f} vs "
-                f"{request.expected_ppl:.5f} (relative tolerance {ppl_tol:g}, weights saved as {out_dtype}); "
-                "the folder was not published"
-            )
-        return check
+        return compare_reloaded(request, reloaded.eval(), "reload check")
+
+
+def compare_reloaded(request: WriteRequest, reloaded: nn.Module, what: str, **extra) -> dict:
+    """Logits and perplexity of a reloaded folder against the in-memory model whose weights are rounded
+    the way they were saved; the report entry (``extra`` first), or :class:`VerificationError`."""
+    from compressor.core.params import count_params
+    from compressor.evaluation.evaluate import perplexity
+
+    model, out_dtype, tokens = request.model, request.dtype, request.probe_tokens
+    reference = model if out_dtype == model.dtype else rounded_copy(model, out_dtype)
+    seq_len = request.probe_seq_len
+    n = min(2, max(1, tokens.numel() // seq_len))
+    probe = tokens[: n * min(seq_len, tokens.numel() // n)].view(n, -1)
+    diff = max_logit_diff(reference, reloaded, probe)
+    del reference
+    again = perplexity(reloaded, tokens, seq_len=seq_len, stride=request.probe_stride,
+                       batch_size=request.probe_batch_size, desc=what, shard=False)  # rank 0 alone
+    rel = abs(again.ppl - request.expected_ppl) / request.expected_ppl
+    tol = LOGIT_TOLERANCE.get(model.dtype, 1e-2)
+    ppl_tol = PPL_TOLERANCE[out_dtype]
+    check = {**extra, "saved_dtype": str(out_dtype).removeprefix("torch."),
+             "max_abs_logit_diff": diff, "perplexity": again.ppl, "relative_ppl_diff": rel,
+             "params": count_params(reloaded), "logit_tolerance": tol,
+             "relative_ppl_tolerance": ppl_tol, "passed": diff <= tol and rel <= ppl_tol}
+    if not check["passed"]:
+        raise VerificationError(
+            f"{what} failed: max |Δlogit| {diff:.3g} (tolerance {tol:g}), perplexity {again.ppl:.5f} vs "
+            f"{request.expected_ppl:.5f} (relative tolerance {ppl_tol:g}, weights saved as {out_dtype}); "
+            "the folder was not published"
+        )
+    return check
 
 
 def load_compressed(folder: str | Path, *, offload: str = "none", device: str = "cpu", **kwargs):

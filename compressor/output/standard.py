@@ -42,7 +42,7 @@ from compressor.core.archs import ARCHITECTURES, arch_for, find_blocks
 from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
 from compressor.output.base import VerificationError, WriteRequest, Writer, register_writer
 from compressor.output.hf import (
-    LOGIT_TOLERANCE, PPL_TOLERANCE, finish_folder, cast_state_dict, max_logit_diff, rounded_copy,
+    cast_state_dict, compare_reloaded, finish_folder,
 )
 
 logger = logging.getLogger(__name__)
@@ -171,38 +171,16 @@ class StandardWriter(Writer):
         compare logits and perplexity with the in-memory model rounded the way it was saved."""
         from transformers import AutoModelForCausalLM
 
-        from compressor.evaluation.evaluate import perplexity
-        from compressor.fitting.replace import count_params
-
-        model, out_dtype, tokens = request.model, request.dtype, request.probe_tokens
+        model = request.model
         reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).eval()
         cls = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
         if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not type(model):
             raise VerificationError(f"the standard folder reloaded as {cls}, not the base class "
                                     f"{type(model).__name__}; the folder was not published")
-        reference = model if out_dtype == model.dtype else rounded_copy(model, out_dtype)
-        seq_len = request.probe_seq_len
-        n = min(2, max(1, tokens.numel() // seq_len))
-        probe = tokens[: n * min(seq_len, tokens.numel() // n)].view(n, -1)
-        diff = max_logit_diff(reference, reloaded, probe)
-        del reference
-        again = perplexity(reloaded, tokens, seq_len=seq_len, stride=request.probe_stride,
-                           batch_size=request.probe_batch_size, desc="reload check (standard)", shard=False)
-        rel = abs(again.ppl - request.expected_ppl) / request.expected_ppl
-        tol = LOGIT_TOLERANCE.get(model.dtype, 1e-2)
-        ppl_tol = PPL_TOLERANCE[out_dtype]
         width_attr = WIDTH_ATTR.get(model.config.model_type, "intermediate_size")
-        check = {"class": cls, width_attr: getattr(reloaded.config, width_attr),
-                 "mlp_bias": getattr(reloaded.config, "mlp_bias", None),
-                 "saved_dtype": str(out_dtype).removeprefix("torch."), "max_abs_logit_diff": diff,
-                 "perplexity": again.ppl, "relative_ppl_diff": rel, "params": count_params(reloaded),
-                 "logit_tolerance": tol, "relative_ppl_tolerance": ppl_tol, "passed": diff <= tol and rel <= ppl_tol}
-        if not check["passed"]:
-            raise VerificationError(
-                f"standard reload check failed: max |Δlogit| {diff:.3g} (tolerance {tol:g}), perplexity "
-                f"{again.ppl:.5f} vs {request.expected_ppl:.5f} (relative tolerance {ppl_tol:g}, weights saved as "
-                f"{out_dtype}); the folder was not published")
-        return check
+        return compare_reloaded(request, reloaded, "standard reload check", **{
+            "class": cls, width_attr: getattr(reloaded.config, width_attr),
+            "mlp_bias": getattr(reloaded.config, "mlp_bias", None)})
 
 
 def _plain_card(card: str, class_name: str, width_attr: str, width: int) -> str:
