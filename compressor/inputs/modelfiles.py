@@ -31,10 +31,30 @@ def _listed(names) -> str:
     return ", ".join(names[:MAX_LISTED]) + more
 
 
+# Sources already found sound in this process, keyed by their files' size and mtime: a run checks
+# before loading (validation) and the loader checks again for direct callers; parsing a 1 GB GGUF's
+# tensor table twice would cost seconds for nothing.
+_SOUND: set[tuple] = set()
+
+
+def _identity(src) -> tuple:
+    folder = Path(src.path)
+    files = [folder / src.gguf_file] if src.gguf_file else sorted(p for p in folder.iterdir() if p.is_file())
+    return (str(folder), src.gguf_file, tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
 def check_model_files(src) -> None:
     """Check a resolved local source (:class:`~compressor.inputs.load.ResolvedSource`); hub ids are left to the hub."""
     if not src.is_local:
         return
+    key = _identity(src)
+    if key in _SOUND:
+        return
+    _check_model_files(src)
+    _SOUND.add(key)
+
+
+def _check_model_files(src) -> None:
     folder = Path(src.path)
     if src.gguf_file:
         check_gguf(folder / src.gguf_file)
