@@ -72,3 +72,26 @@ def test_uniform_gives_every_block_the_same_fraction():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="fisher"):
         allocate(_curves(0), 100, "magic")
+
+
+def test_when_no_cut_passes_the_message_gives_the_smallest_cut_and_its_cost():
+    from compressor.policy.compress import no_cut_message
+
+    attempts = [{"ffn_params_kept": 650, "ffn_params_total": 1000, "ppl": 150.0},
+                {"ffn_params_kept": 970, "ffn_params_total": 1000, "ppl": 108.5}]
+    msg = no_cut_message(attempts, 100.0, 0.05, "relative")
+    assert "even the smallest tried (keep 97.0 % → +8.5 %" in msg and "budget of +5.0 %" in msg
+    assert "keep 65.0 % → +50.0 %; keep 97.0 % → +8.5 %" in msg and "policy.ppl_budget" in msg
+
+
+def test_allocating_whole_block_affine_swaps_runs_to_the_end(tmp_path):
+    """allocate with the affine kind (no teacher target) used to fail after the gate with an AttributeError."""
+    import compressor
+    from checkpoints import save_tiny_checkpoint
+    from test_cli import recipe_dict
+
+    d = recipe_dict(save_tiny_checkpoint(tmp_path / "in", "llama"), tmp_path / "out")
+    d["policy"] = {"strategy": "allocate", "allocation": "residual", "ffn_keep": 0.5, "ppl_budget": 100.0}
+    d["replacement"] = {"kind": "affine"}
+    res = compressor.run(compressor.recipe_from_dict(d))
+    assert res.exit_code == 0 and res.report["allocation_attempts"][-1]["target"] == "none"

@@ -218,3 +218,7 @@ def test_report_json_has_sizes(tmp_path):
     assert size["output_bytes"] == (res.output / "model.safetensors").stat().st_size
     assert size["output_bytes"] < size["source_bytes"]
     assert size["output_dtype"] == "float32"
+    # like with like: the source's dtype on both sides, so the two sizes compare directly
+    same = size["like_with_like"]
+    assert same["output_bytes"] == size["output_bytes"] and same["ratio"] == size["output_bytes"] / size["source_bytes"]
+    assert "source's dtype" in same["what"]

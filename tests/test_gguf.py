@@ -234,6 +234,17 @@ def test_a_gguf_source_keeps_its_tensors_and_tokenizer(tmp_path, tokenizer, ids)
     src_meta, out_meta = gguf.GGUFReader(src_dir / "tiny.gguf").fields, gguf.GGUFReader(out / "model.gguf").fields
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"):
         assert src_meta[key].contents() == out_meta[key].contents()
+    # Like with like: at the source's quantization the output is compared with the source file itself,
+    # in llama.cpp on the same windows, against the gate's budget.
+    src_ppl, _ = gw.llama_cpp_perplexity(src_dir / "tiny.gguf", ids, SEQ, SEQ)
+    change = check["perplexity"] / src_ppl - 1
+    request.ppl_limit_ratio = 1 + change + 1e-3
+    check = writer.verify(request, out)
+    assert check["source_perplexity"] == pytest.approx(src_ppl) and check["passed"]
+    assert check["source_relative_change"] == pytest.approx(change)
+    request.ppl_limit_ratio = 1 + change - 1e-3
+    with pytest.raises(VerificationError, match=r"against the source GGUF at the same quantization.*gguf_quant"):
+        writer.verify(request, out)
 
 
 def test_quantized_types_and_unquantizable_widths(tmp_path, tokenizer, ids):
@@ -335,3 +346,66 @@ def test_export_refuses_before_loading(tmp_path, tokenizer, ids, monkeypatch, ca
         assert "must name a .gguf file" in capsys.readouterr().err
         assert main(["export", str(folder), "--quant", "q4_k_m"]) == 2  # hybrid: 32 units + 64 bypass = 96
         assert "layer 1 width 96 (needs a multiple of 256)" in capsys.readouterr().err
+
+
+def test_formats_default_to_hf_and_gguf_for_a_gguf_source(tmp_path, tokenizer, ids, monkeypatch):
+    """Not set in the recipe: [hf, gguf] for a GGUF source the writer takes, [hf] otherwise; a missing
+    llama.cpp is then an exit-2 message that names the default and the opt-out, before loading."""
+    from compressor.pipeline import stages
+    from compressor.recipe import recipe_from_dict
+
+    src = tmp_path / "src"
+    src.mkdir()
+    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="f16", expected=1.0, file="tiny.gguf"), src)
+
+    def recipe(source: str, **output):
+        return recipe_from_dict({"model": {"source": source}, "output": {"path": str(tmp_path / "out"), **output}})
+
+    r = recipe(str(src / "tiny.gguf"))
+    assert stages.default_formats(r) == ["hf", "gguf"] and r.output.formats == ["hf", "gguf"]
+    assert "gguf" in r.to_yaml()  # the saved recipe names what was written
+    assert stages.default_formats(recipe(str(src / "tiny.gguf"), formats=["hf"])) == ["hf"]  # named: kept
+    hf = tmp_path / "hf"
+    tiny("llama").save_pretrained(hf)
+    assert stages.default_formats(recipe(str(hf))) == ["hf"]
+    r = recipe(str(src / "tiny.gguf"))
+    stages.default_formats(r)
+    monkeypatch.setattr(gw, "runtime_missing", lambda: "llama-cpp-python is not importable")
+    with pytest.raises(stages.InputError, match=r"gguf is in output.formats by default.*output.formats: \[hf\]"):
+        stages._check_writers(r, tokenizer)
+
+
+def test_a_run_from_a_gguf_source_writes_a_smaller_gguf_checked_against_its_source(tmp_path, tokenizer, ids):
+    """End to end, as the quickstart does it: a GGUF source, formats not named (so [hf, gguf]), widths
+    in multiples of the source's block, the GGUF verified in llama.cpp against the source file itself,
+    and report.json comparing like with like."""
+    needs_llama_cpp()
+    import compressor
+
+    src = tmp_path / "src"
+    src.mkdir()
+    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="q8_0", expected=1.0, file="tiny.gguf"), src)
+    words = TEXT.split()
+    for name, seed in (("cal.txt", 0), ("eval.txt", 1)):  # two different texts from the same words
+        rng = np.random.default_rng(seed)
+        (tmp_path / name).write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
+    recipe = compressor.recipe_from_dict({
+        "model": {"source": str(src / "tiny.gguf")},
+        "calibration": {"dataset": str(tmp_path / "cal.txt"), "max_tokens": 2048, "seq_len": 32},
+        "evaluation": {"dataset": str(tmp_path / "eval.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
+        "policy": {"strategy": "allocate", "allocation": "fisher", "ppl_budget": 2.0, "ffn_keep": 0.75},
+        "replacement": {"kind": "prune"},
+        "measure": {"cache": False},
+        "output": {"path": str(tmp_path / "out")},
+    })
+    res = compressor.run(recipe)
+    assert res.exit_code == 0, res.report.get("message")
+    assert recipe.output.formats == ["hf", "gguf"] and (res.output / "model.gguf").is_file()
+    check = res.report["verification"]["gguf"]
+    assert check["file_type"] == "MOSTLY_Q8_0" and check["passed"]
+    assert all(w % 32 == 0 for w in check["ffn_widths"]) and min(check["ffn_widths"]) < FF
+    assert check["source_perplexity"] > 0 and check["perplexity"] <= check["same_quant_limit"]
+    same = res.report["size"]["like_with_like"]
+    assert same["source_bytes"] == (src / "tiny.gguf").stat().st_size and same["ratio"] < 1
+    assert "GGUF at the source's quantization" in same["what"]
+    assert "formats:\n  - hf\n  - gguf" in (res.output / "recipe.yaml").read_text()

@@ -48,6 +48,7 @@ def test_output_dtype_bfloat16_halves_the_weights(tmp_path):
     assert check["passed"] and check["saved_dtype"] == "bfloat16" and check["max_abs_logit_diff"] <= 1e-5
     assert res.report["size"]["output_dtype"] == "bfloat16"
     assert res.report["size"]["output_bytes"] < res.report["size"]["source_bytes"] * 0.5
+    assert res.report["size"]["like_with_like"] is None  # bfloat16 against a float32 source: not like with like
     assert next(res.result.model.parameters()).dtype == torch.float32  # computed in model.dtype, cast only on save
     reloaded = compressor.load_compressed(res.output)
     assert next(reloaded.parameters()).dtype == torch.bfloat16

@@ -42,3 +42,29 @@ def test_progress_is_quiet_under_tqdm_disable(monkeypatch):
     bar = progress(range(3), desc="x")
     assert list(bar) == [0, 1, 2]
     assert getattr(bar, "disable", False)
+
+
+def test_the_run_says_how_long_it_expects_to_take(caplog):
+    """A forward probe and the recipe's counts give a per-stage estimate, logged before the heavy work."""
+    import logging
+
+    from tiny import tiny_model
+
+    from compressor.pipeline.estimate import estimate_run, say_estimate
+    from compressor.recipe import recipe_from_dict
+
+    model = tiny_model("llama")
+    base = {"model": {"source": "unused"}, "output": {"path": "unused"}, "replacement": {"kind": "prune"},
+            "policy": {"strategy": "allocate", "allocation": "fisher"}}  # as recipes/smollm2-135m.yaml
+    recipe = recipe_from_dict(base)
+    est = estimate_run(recipe, model, self_text_cached=False, hidden=True)
+    assert list(est.stages)[:3] == ["self-calibration", "loss gradients", "pass A"]
+    assert all(v > 0 and v == v for v in est.stages.values()) and est.total_s == sum(est.stages.values())
+    cached = estimate_run(recipe, model, self_text_cached=True, hidden=True)
+    assert "self-calibration" not in cached.stages
+    more = recipe_from_dict({**base, "calibration": {"max_tokens": 16384 * 4}})
+    assert estimate_run(more, model, self_text_cached=True, hidden=True).stages["pass A"] > cached.stages["pass A"]
+    with caplog.at_level(logging.INFO, logger="compressor.pipeline.estimate"):
+        assert say_estimate(recipe, model, self_text_cached=True, hidden=True) is not None
+    assert "expected run time: about" in caplog.text
+    assert say_estimate(recipe, object(), self_text_cached=True, hidden=True) is None  # never fails a run

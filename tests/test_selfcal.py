@@ -48,3 +48,35 @@ def test_second_call_is_a_cache_hit(tmp_path, monkeypatch):
         self_calibration_tokens(model, tok, SelfCalSettings(**{**SETTINGS.__dict__, "seed": 5}))
     with pytest.raises(AssertionError, match="generated again"):
         self_calibration_tokens(tiny_model("gpt2", seed=1), tok, SETTINGS)
+
+
+def test_progress_moves_at_every_decoding_step(monkeypatch):
+    """A batch of a large model takes minutes: the log counts tokens step by step, not batch by batch."""
+    counts = []
+
+    class Bar:
+        def __init__(self, *a, total=None, **k):
+            self.n, self.total = 0, total
+
+        def update(self, n=1):
+            self.n += n
+            counts.append(self.n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(selfcal, "progress", Bar)
+    ids = generate_tokens(tiny_model("llama"), tiny_tokenizer(), SETTINGS)
+    assert counts[-1] == len(ids) == SETTINGS.n_tokens  # every token counted once, none twice
+    # 200 tokens in batches of 4 rows x 16 steps: many more updates than the 4 batches.
+    assert len(counts) >= SETTINGS.seq_len * 3 and counts == sorted(counts)
+
+
+def test_decode_threads_follow_model_size(monkeypatch):
+    small = tiny_model("llama")
+    assert selfcal.decode_threads(small, 2) == 1
+    monkeypatch.setattr(selfcal, "SINGLE_THREAD_BELOW", 1)
+    assert selfcal.decode_threads(small, 2) == 2

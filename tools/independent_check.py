@@ -32,11 +32,32 @@ class _Block:
         return None
 
 
+def stdlib_text(max_chars: int) -> str:
+    """The standard library's public ``.py`` files (no leading underscore, no tests, no installed
+    packages), in path order, joined until ``max_chars``."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    parts, size = [], 0
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).parts
+        if skip & set(rel[:-1]) or any(p.startswith("_") for p in rel):
+            continue
+        parts.append(f.read_text(encoding="utf-8", errors="replace"))
+        size += len(parts[-1])
+        if size >= max_chars:
+            break
+    return "\n\n".join(parts)[:max_chars]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("output", help="the compressed folder")
     ap.add_argument("--original", required=True, help="the source model (folder, hub id, .gguf, pkg:NAME)")
-    ap.add_argument("--text", default=str(WIKITEXT_DIR / "test.txt"))
+    ap.add_argument("--text", default=str(WIKITEXT_DIR / "test.txt"),
+                    help="a UTF-8 text file, or 'stdlib': this Python's standard-library source (public modules "
+                         "in path order; tests and installed packages left out): code no calibration or gate saw")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -48,7 +69,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.output, trust_remote_code=False)
-    text = Path(args.text).read_text(encoding="utf-8")
+    text = stdlib_text(40 * args.tokens) if args.text == "stdlib" else Path(args.text).read_text(encoding="utf-8")
     ids = tok(text[: 40 * args.tokens], add_special_tokens=False)["input_ids"][: args.tokens]
     n = len(ids) // args.seq_len * args.seq_len
     if n == 0:

@@ -101,6 +101,9 @@ def handle(args) -> int:
         if args.command == "validate":
             print(f"recipe OK: {args.recipe}")
         else:
+            from compressor.pipeline.stages import default_formats
+
+            default_formats(recipe)  # the plan names what will be written
             print(recipe.to_yaml(), end="")
         return 0
     from compressor.core.distributed import init_from_env, is_main
@@ -143,13 +146,21 @@ def _print_summary(result) -> None:
     print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
     size = r.get("size") or {}
     if result.output is not None and size:
-        source = "GGUF file" if r["model"]["resolved"].endswith(".gguf") else "weights"
-        print(f"size: source {source} {human_bytes(size.get('source_bytes'))}; output weights "
-              f"{human_bytes(size.get('output_bytes'))} (saved as {size.get('output_dtype')})")
-        if size.get("gguf_bytes") is not None:
-            gguf = (r.get("verification") or {}).get("gguf") or {}
-            print(f"gguf: {human_bytes(size['gguf_bytes'])} ({gguf.get('file_type', 'quantized')}; llama.cpp "
-                  f"perplexity {gguf.get('perplexity', float('nan')):.4f}) — compare with the source GGUF above")
+        same = size.get("like_with_like")
+        if same:  # like with like first: the same quantization on both sides
+            print(f"size: {human_bytes(same['output_bytes'])} against the source's {human_bytes(same['source_bytes'])} "
+                  f"({same['ratio']:.3f}x; {same['what']})")
+        gguf = (r.get("verification") or {}).get("gguf") or {}
+        if gguf.get("source_perplexity") is not None:
+            print(f"llama.cpp: perplexity {gguf['perplexity']:.4f} against the source GGUF's "
+                  f"{gguf['source_perplexity']:.4f} ({100 * gguf['source_relative_change']:+.2f} %, same windows)")
+        elif size.get("gguf_bytes") is not None:
+            print(f"gguf: {human_bytes(size['gguf_bytes'])} ({gguf.get('file_type', '?')}; llama.cpp perplexity "
+                  f"{gguf.get('perplexity', float('nan')):.4f})")
+        if not same or "Hugging Face" not in same["what"]:
+            source = "GGUF file" if r["model"]["resolved"].endswith(".gguf") else "weights"
+            print(f"Hugging Face folder: {human_bytes(size.get('output_bytes'))} of {size.get('output_dtype')} weights "
+                  f"(source {source}: {human_bytes(size.get('source_bytes'))}, another format)")
     if result.output is not None:
         print(f"model:  {result.output}")
         print(f"report: {result.output / 'report.json'}")

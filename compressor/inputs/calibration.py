@@ -69,20 +69,29 @@ def evaluation_streams(recipe: Recipe, tokenizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_calibration(recipe: Recipe, model, tokenizer, use_cache: bool) -> tuple[CalibrationSet, dict]:
-    """Calibration windows for ``calibration.dataset`` (``mix`` / ``self`` generate text with the model)."""
-    from compressor.inputs.selfcal import SelfCalSettings, self_calibration_tokens
+def self_settings(recipe: Recipe):
+    """The :class:`~compressor.inputs.selfcal.SelfCalSettings` of a ``self`` / ``mix`` calibration."""
+    from compressor.inputs.selfcal import SelfCalSettings
+
+    c = recipe.calibration
+    n_self = c.max_tokens if c.dataset == "self" else min(c.self_tokens or c.max_tokens // 2, c.max_tokens)
+    return SelfCalSettings(n_tokens=n_self, seq_len=c.seq_len, seed=c.seed)
+
+
+def build_calibration(recipe: Recipe, model, tokenizer, use_cache: bool,
+                      model_fp: str | None = None) -> tuple[CalibrationSet, dict]:
+    """Calibration windows for ``calibration.dataset`` (``mix`` / ``self`` generate text with the model;
+    ``model_fp``: the model's fingerprint, when the caller has computed it already)."""
+    from compressor.inputs.selfcal import self_calibration_tokens
 
     c = recipe.calibration
     info = {"dataset": c.dataset, "self_tokens": 0}
     extra, text_tokens = None, c.max_tokens
     if c.dataset in ("mix", "self"):
-        n_self = c.max_tokens if c.dataset == "self" else min(c.self_tokens or c.max_tokens // 2, c.max_tokens)
-        text_tokens = c.max_tokens - n_self
+        settings = self_settings(recipe)
+        text_tokens = c.max_tokens - settings.n_tokens
         t0 = time.perf_counter()
-        extra = self_calibration_tokens(
-            model, tokenizer, SelfCalSettings(n_tokens=n_self, seq_len=c.seq_len, seed=c.seed), use_cache=use_cache,
-        )
+        extra = self_calibration_tokens(model, tokenizer, settings, use_cache=use_cache, model_fp=model_fp)
         info.update(self_tokens=int(extra.numel()), self_s=time.perf_counter() - t0)
     evaluation = [source_text(e) for e in recipe.evaluation_domains()]
     cal = calibration_set(tokenizer, calibration_text(recipe), seq_len=c.seq_len, max_tokens=text_tokens,

@@ -100,6 +100,34 @@ def _save(path: Path, ids: torch.Tensor, meta: dict) -> None:
     os.replace(tmp, path)
 
 
+#: Below this many parameters a decoding step's matrix products are too small to share between
+#: threads: measured on the 2-core CPU, SmolLM2-135M decodes faster on one thread (under load, 24-30
+#: tokens/s vs 2.6-3.6 on two); Qwen2.5-Coder-1.5B decodes 1.1-1.4x faster on two (quiet machine,
+#: batch 16-64). A fixed rule, not a timing probe, so the same machine always samples the same text.
+SINGLE_THREAD_BELOW = 500_000_000
+
+
+def decode_threads(model: nn.Module, available: int) -> int:
+    """Intra-op threads for sampling on the CPU (see :data:`SINGLE_THREAD_BELOW`)."""
+    n = sum(p.numel() for p in model.parameters())
+    return 1 if n < SINGLE_THREAD_BELOW else available
+
+
+class _StepTicker:
+    """Advances the progress bar by one token per row at every decoding step (never stops generation):
+    a batch of a large model takes minutes, and the log must not be silent through it."""
+
+    def __init__(self, bar, rows: int, limit: int) -> None:
+        self.bar, self.rows, self.limit, self.shown = bar, rows, limit, 0
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        step = min(self.rows, self.limit - self.shown)
+        if step > 0:
+            self.bar.update(step)
+            self.shown += step
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = SelfCalSettings()) -> torch.Tensor:
     """Sample ``settings.n_tokens`` ids from ``model`` (1-D stream; no cache).
@@ -108,6 +136,8 @@ def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = Sel
     state is left untouched: sampling runs under a forked, seeded RNG, so the
     same model, settings and seed give the same ids.
     """
+    from transformers import StoppingCriteriaList
+
     s = settings
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -119,11 +149,7 @@ def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = Sel
     devices = [device] if device.type == "cuda" else []
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        # A decoding step is a chain of tiny matrix products; with several intra-op
-        # threads each one waits at a barrier, and on a loaded machine for a thread
-        # that is not running. Measured on SmolLM2, 2-core CPU under load: 24-30
-        # tokens/s with one thread vs 2.6-3.6 with two (batch 16-64).
-        torch.set_num_threads(1)
+        torch.set_num_threads(decode_threads(model, threads))
     # Rows never stop early: an end-of-text token stays in the stream as a document
     # boundary and the model writes on, as after any document end. Every step of every
     # row is kept, so no batch slot idles waiting for the longest row.
@@ -137,19 +163,21 @@ def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = Sel
                 # Rotate openings between batches so a small run still sees several.
                 prompt[:, -1] = prompt[:, -1].roll(rounds)
                 prompt = prompt.to(device)
+                ticker = _StepTicker(bar, rows, s.n_tokens - have)
                 out = model.generate(
                     input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
                     temperature=s.temperature, top_p=s.top_p, top_k=0, max_new_tokens=s.seq_len,
-                    use_cache=True, **no_stop,
+                    use_cache=True, stopping_criteria=StoppingCriteriaList([ticker]), **no_stop,
                 )
                 rounds += 1
+                before = have
                 for row in out.cpu():
                     take = row[: s.n_tokens - have]
                     chunks.append(take)
                     have += len(take)
-                    bar.update(len(take))
                     if have >= s.n_tokens:
                         break
+                bar.update(have - before - ticker.shown)  # the prompt tokens, and any rounding
         finally:
             model.train(was)
             torch.set_num_threads(threads)
@@ -170,6 +198,11 @@ def self_calibration_tokens(
     Under a process group rank 0 samples (or reads the cache) and every rank gets its ids.
     """
     return from_main(lambda: _tokens(model, tokenizer, settings, use_cache, model_fp))
+
+
+def is_cached(model_fp: str, tokenizer, settings: SelfCalSettings) -> bool:
+    """Whether text for this model (fingerprint) and these settings is in the cache already."""
+    return _cache_path(_key(model_fp, settings, tokenizer)).is_file()
 
 
 def _tokens(model, tokenizer, settings: SelfCalSettings, use_cache: bool, model_fp: str | None) -> torch.Tensor:

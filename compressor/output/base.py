@@ -51,6 +51,9 @@ class WriteRequest:
     probe_batch_size: int = 8
     expected_ppl: float | None = None
     """The in-memory model's perplexity on ``probe_tokens`` (the gate's final number)."""
+    ppl_limit_ratio: float | None = None
+    """The gate's limit over the original's perplexity (1.05 for a 5 % budget): a quantized output may
+    be no worse than the original at the same quantization by more than this."""
     offload: str = "none"
     device: str = "cpu"
     options: dict = field(default_factory=dict)

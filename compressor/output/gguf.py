@@ -117,6 +117,11 @@ def _gguf():
     return gguf
 
 
+def arch_refusal(model_type: str) -> str | None:
+    """Why a ``model_type`` cannot be written as GGUF, with the alternative (None when it can)."""
+    return None if model_type in ARCHS else _refusal(model_type)
+
+
 def runtime_missing() -> str | None:
     """Why gguf-py or llama-cpp-python cannot be used (None when both can)."""
     try:
@@ -755,9 +760,7 @@ class GGUFWriter(Writer):
     description = "one GGUF file for llama.cpp/Ollama (llama, mistral, qwen2), checked in llama.cpp"
 
     def unsupported(self, model_type: str, kind: str) -> str | None:
-        if model_type not in ARCHS:
-            return _refusal(model_type)
-        return runtime_missing()
+        return arch_refusal(model_type) or runtime_missing()
 
     def check_options(self, options: dict) -> str | None:
         return check_options(options)
@@ -792,8 +795,10 @@ class GGUFWriter(Writer):
         return [path]
 
     def verify(self, request: WriteRequest, folder: Path) -> dict:
-        """Perplexity in llama.cpp against the in-memory model's: within :data:`PPL_TOLERANCE` at
-        f32/f16/bf16; recorded (finite required) at a quantized type."""
+        """Perplexity in llama.cpp on the probe text. At f32/f16/bf16: within :data:`PPL_TOLERANCE` of
+        the in-memory model's. At the source's own quantization (a GGUF source): no worse than the source
+        file itself in llama.cpp, on the same windows, by more than the gate's budget. At another
+        quantized type (no original at that type to compare with): finite, and recorded."""
         import llama_cpp
 
         options = _options(request)
@@ -813,7 +818,28 @@ class GGUFWriter(Writer):
                 f"llama.cpp check failed: {path.name} ({check['architecture']}, {quant}) has perplexity {ppl:.5f} "
                 f"in llama.cpp, the in-memory model {expected:.5f} (relative tolerance {PPL_TOLERANCE:g}); "
                 "nothing was published")
+        if quant == "source" and request.ppl_limit_ratio is not None:
+            check.update(same_quant_check(path, request, ppl))
         return check
+
+
+def same_quant_check(path: Path, request: WriteRequest, ppl: float) -> dict:
+    """The output against the source GGUF, both in llama.cpp at the source's quantization on the probe
+    windows: the change may not exceed the gate's budget (:attr:`WriteRequest.ppl_limit_ratio`).
+    Raises :class:`VerificationError` when it does."""
+    source = Path(request.source.path) / request.source.gguf_file
+    ref, _ = llama_cpp_perplexity(source, request.probe_tokens, request.probe_seq_len, request.probe_stride)
+    limit = ref * request.ppl_limit_ratio
+    out = {"source_perplexity": ref, "source_relative_change": ppl / ref - 1.0, "same_quant_limit": limit,
+           "passed": ppl <= limit}
+    if not out["passed"]:
+        raise VerificationError(
+            f"llama.cpp check failed: {path.name} has perplexity {ppl:.4f} in llama.cpp, {100 * (ppl / ref - 1):+.2f} % "
+            f"against the source GGUF at the same quantization ({ref:.4f}); the gate allows "
+            f"{100 * (request.ppl_limit_ratio - 1):+.2f} % (its float model passed, quantizing the new FFNs cost the "
+            "rest). Nothing was published; lower policy.ppl_budget to leave room for quantization, or set "
+            "output.gguf_quant: q8_0 or f16")
+    return out
 
 
 def _options(request: WriteRequest) -> dict:

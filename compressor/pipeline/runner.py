@@ -55,10 +55,14 @@ def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) 
 
 
 def _run_checked(recipe: Recipe, checked: stages.Checked, use_cache: bool, t_start: float) -> RunResult:
+    t = time.perf_counter()
     loaded = stages.load(recipe.model)
+    load_s = time.perf_counter() - t
     stages.check_loaded(recipe, loaded)
-    calibrated = stages.calibrate(recipe, loaded, checked, use_cache=use_cache)
+    fp = stages.expect(recipe, loaded, use_cache=use_cache)
+    calibrated = stages.calibrate(recipe, loaded, checked, use_cache=use_cache, model_fp=fp)
     result = stages.compress(recipe, loaded, calibrated, checked)
+    result.timings = {"check_s": checked.seconds, "load_s": load_s, **result.timings}
     report = stages.report(recipe, loaded, calibrated, checked, result)
     if not result.gate_passed:
         report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
@@ -69,7 +73,7 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, use_cache: bool, t_sta
         return _wait_for_main(result)
     try:
         request = stages.write_request(recipe, loaded, checked, result, report)
-        tmp = stages.write(recipe.output, request, checked)
+        tmp = stages.write(recipe.output, request, checked, report["timings"])
         stages.verify(recipe.output, request, tmp, report)
         out = stages.publish_output(tmp, checked.out, report, t_start)
     except BaseException as err:

@@ -55,6 +55,8 @@ class Checked:
     """Held until the run ends: one run per output (rank 0 holds it under a process group)."""
     width_multiple: int = 1
     """The multiple the kept FFN widths come in (:func:`compressor.recipe.schema.width_multiple`)."""
+    seconds: float = 0.0
+    """Wall time of the checks."""
 
     def release(self) -> None:
         if self.lock is not None:
@@ -77,10 +79,46 @@ class Calibrated:
     overlap: dict = field(default_factory=dict)
 
 
+def default_formats(recipe: Recipe) -> list[str]:
+    """Fill in ``output.formats`` when the recipe does not set it: ``[hf, gguf]`` for a GGUF source whose
+    architecture the gguf writer takes (the output then goes where the source went, at its quantization),
+    else ``[hf]``. Returns the formats; the recipe (and the ``recipe.yaml`` saved with the output) then
+    names them."""
+    oc = recipe.output
+    if "formats" in oc.model_fields_set:
+        return oc.formats
+    from compressor.output.gguf import arch_refusal
+
+    formats = ["hf"]
+    src = resolve_source(recipe.model.source, recipe.model.gguf_file)
+    if src.gguf_file:  # the architecture decides, not what is installed: the same recipe writes the same files
+        why = arch_refusal(_model_type(recipe))
+        if why is None:
+            formats = ["hf", "gguf"]
+        else:
+            logger.info("output.formats: [hf], no GGUF: %s", why)
+    oc.formats = formats
+    oc._defaulted = True
+    return formats
+
+
+def _model_type(recipe: Recipe) -> str:
+    from transformers import AutoConfig
+
+    mc = recipe.model
+    src = resolve_source(mc.source, mc.gguf_file)
+    kwargs = dict(trust_remote_code=mc.trust_remote_code, revision=mc.revision)
+    if src.gguf_file:
+        kwargs["gguf_file"] = src.gguf_file
+    return AutoConfig.from_pretrained(src.path, **kwargs).model_type
+
+
 def check(recipe: Recipe, *, resume: bool) -> Checked:
     """Check inputs: files, data, output safety, evaluation text size, dtype rules and the
     resume state — everything that can be known before the model loads."""
+    t0 = time.perf_counter()
     check_inputs(recipe)
+    default_formats(recipe)
     mc = recipe.model
     for name in recipe.output.writers():
         try:
@@ -107,7 +145,7 @@ def check(recipe: Recipe, *, resume: bool) -> Checked:
         if lock is not None:
             lock.release()
         raise InputError(str(err)) from None
-    return Checked(out, streams, state, reads, lock, width_multiple=multiple)
+    return Checked(out, streams, state, reads, lock, width_multiple=multiple, seconds=time.perf_counter() - t0)
 
 
 def _check_architecture(recipe: Recipe) -> int:
@@ -141,21 +179,19 @@ def _gguf_source_block(src: ResolvedSource) -> int:
 def _check_writers(recipe: Recipe, tokenizer) -> None:
     """Each requested format can represent this architecture and kind, takes its options and can carry
     the tokenizer: asked before the model loads, with the alternative in the message."""
-    from transformers import AutoConfig
-
     mc, oc = recipe.model, recipe.output
     src = resolve_source(mc.source, mc.gguf_file)
-    kwargs = dict(trust_remote_code=mc.trust_remote_code, revision=mc.revision)
-    if src.gguf_file:
-        kwargs["gguf_file"] = src.gguf_file
-    model_type = AutoConfig.from_pretrained(src.path, **kwargs).model_type
+    model_type = _model_type(recipe)
     options = writer_options(oc)
     for name in oc.writers():
         writer = get_writer(name)
         why = (writer.unsupported(model_type, recipe.replacement.kind) or writer.check_options(options)
                or writer.check_tokenizer(tokenizer, src))
         if why:
-            raise InputError(f"output.formats: {name}: {why}")
+            chosen = "" if not oc._defaulted else (
+                f" ({name} is in output.formats by default for a GGUF source; set output.formats: [hf] to write "
+                "only the Hugging Face folder)")
+            raise InputError(f"output.formats: {name}: {why}{chosen}")
 
 
 def _check_offload_dtype(mc: ModelConfig, oc: OutputConfig) -> None:
@@ -205,11 +241,30 @@ def check_loaded(recipe: Recipe, loaded: Loaded) -> None:
                          "exclude fewer blocks")
 
 
-def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bool) -> Calibrated:
+def expect(recipe: Recipe, loaded: Loaded, *, use_cache: bool) -> str | None:
+    """Say how long the run is expected to take (logged; see :mod:`.estimate`). Returns the model's
+    fingerprint when it was needed to look up cached calibration text (the calibration reuses it)."""
+    from compressor.engine.cache import model_fingerprint
+    from compressor.fitting.kinds import get_kind
+    from compressor.inputs.calibration import self_settings
+    from compressor.inputs.selfcal import is_cached
+    from compressor.pipeline.estimate import say_estimate
+
+    fp, cached = None, False
+    if recipe.calibration.dataset in ("self", "mix") and use_cache and dist.is_main():
+        fp = model_fingerprint(loaded.model)
+        cached = is_cached(fp, loaded.tokenizer, self_settings(recipe))
+    if dist.is_main():
+        say_estimate(recipe, loaded.model, self_text_cached=cached, hidden=get_kind(recipe.replacement.kind).needs_hidden)
+    return fp
+
+
+def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bool,
+              model_fp: str | None = None) -> Calibrated:
     """Calibration windows (self-written text where the recipe asks), checked disjoint from the evaluation text."""
     t0 = time.perf_counter()
     with DataInput("calibration.dataset"):
-        cal, info = build_calibration(recipe, loaded.model, loaded.tokenizer, use_cache)
+        cal, info = build_calibration(recipe, loaded.model, loaded.tokenizer, use_cache, model_fp)
     info["calibration_s"] = time.perf_counter() - t0
     try:
         overlap = check_disjoint(cal, checked.eval_streams)
@@ -242,7 +297,8 @@ def report(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Chec
         logger.warning("%s", w)
     dtype = output_dtype(recipe.output.dtype, loaded.source, revision=recipe.model.revision)
     rep["size"] = {"source_bytes": source_weight_bytes(loaded.source), "output_bytes": None,
-                   "output_dtype": str(dtype).removeprefix("torch.")}
+                   "output_dtype": str(dtype).removeprefix("torch."),
+                   "output_dtype_is_source": recipe.output.dtype == "source" and not loaded.source.gguf_file}
     return rep
 
 
@@ -268,6 +324,7 @@ def write_request(recipe: Recipe, loaded: Loaded, checked: Checked, result: Comp
         extra_files={"recipe.yaml": recipe.to_yaml(), "README.md": model_card(rep)},
         probe_tokens=checked.eval_streams[e.domain_name()], probe_seq_len=e.seq_len, probe_stride=e.stride,
         probe_batch_size=e.batch_size, expected_ppl=result.final.ppl, offload=mc.offload, device=mc.device,
+        ppl_limit_ratio=result.budget_ppl / result.baseline.ppl if result.baseline.ppl else None,
         options=writer_options(recipe.output),
     )
 
@@ -277,7 +334,7 @@ def writer_options(oc: OutputConfig) -> dict:
     return {"quant": oc.gguf_quant, "unquantizable": oc.gguf_unquantizable}
 
 
-def write(oc: OutputConfig, request: WriteRequest, checked: Checked) -> Path:
+def write(oc: OutputConfig, request: WriteRequest, checked: Checked, timings: dict | None = None) -> Path:
     """Every requested format into one staging folder beside the output; returns the folder.
 
     The output location is checked again first: it may have changed during the run."""
@@ -294,7 +351,10 @@ def write(oc: OutputConfig, request: WriteRequest, checked: Checked) -> Path:
     tmp = staging_folder(checked.out)
     try:
         for name in oc.writers():
+            t0 = time.perf_counter()
             get_writer(name).write(request, tmp)
+            if timings is not None:
+                timings[f"write_{name}_s"] = time.perf_counter() - t0
     except BaseException:
         _remove(tmp)
         raise
@@ -306,7 +366,9 @@ def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> Non
     removes the staging folder and raises (nothing is published)."""
     try:
         for name in oc.writers():
+            t0 = time.perf_counter()
             check = get_writer(name).verify(request, tmp)
+            rep["timings"][f"verify_{name}_s"] = time.perf_counter() - t0
             rep.setdefault("verification", {})[name] = check
             if name in ("hf", "hf-standard"):
                 rep["reload_check"] = check  # the field report.json readers know
@@ -319,6 +381,7 @@ def publish_output(tmp: Path, out: Path, rep: dict, t_start: float) -> Path:
     """Write ``report.json`` into the verified staging folder and rename it into place."""
     try:
         rep["size"].update(output_sizes(tmp, rep["size"]))
+        rep["size"]["like_with_like"] = like_with_like(rep)
         rep["timings"]["total_s"] = time.perf_counter() - t_start
         (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
         return publish(tmp, out)
@@ -337,6 +400,27 @@ def output_sizes(folder: Path, size: dict) -> dict:
     if gguf:
         out["gguf_bytes"] = sum(p.stat().st_size for p in gguf)
     return out
+
+
+def like_with_like(rep: dict) -> dict | None:
+    """The source and the output file at the same quantization, when the run wrote one: a GGUF source
+    against the GGUF written at its types, or a Hugging Face source against the folder saved in its
+    dtype. None (with nothing to compare) otherwise."""
+    size, gguf = rep["size"], (rep.get("verification") or {}).get("gguf") or {}
+    src = size.get("source_bytes")
+    if not src:
+        return None
+    if rep["model"]["resolved"].endswith(".gguf"):
+        if size.get("gguf_bytes") is None or gguf.get("quant") != "source":
+            return None
+        out, what = size["gguf_bytes"], f"GGUF at the source's quantization ({gguf.get('file_type')})"
+    elif size.get("output_dtype_is_source"):
+        out, what = size.get("output_bytes"), f"Hugging Face weights in the source's dtype ({size.get('output_dtype')})"
+    else:
+        return None
+    if not out:
+        return None
+    return {"what": what, "source_bytes": src, "output_bytes": out, "ratio": out / src}
 
 
 def _remove(tmp: Path) -> None:

@@ -277,7 +277,7 @@ def compress_model(
     walk_desc = "calibrate" + (f" (FFN widths in multiples of {multiple})" if multiple > 1 else "")
     checkpointed_walk(walker, state, walk_desc, step, take, hidden=kind.needs_hidden, spike_factor=m.spike_factor,
                       compute_dtype=compute_dtype)
-    timings["measure_s"] = time.perf_counter() - t0
+    timings["measure_s"] = time.perf_counter() - t0 - timings.get("sensitivity_s", 0.0)  # pass A alone
 
     t0 = time.perf_counter()
     # The teacher pass over the evaluation windows (original model: nothing is
@@ -294,7 +294,12 @@ def compress_model(
     timings["baseline_s"] = time.perf_counter() - t0
 
     def evaluate(desc: str) -> DomainEvaluations:
-        return state.evaluation(desc, lambda: evaluator(model, desc))
+        t = time.perf_counter()
+        try:
+            return state.evaluation(desc, lambda: evaluator(model, desc))
+        finally:
+            timings["gate_evaluations_s"] = timings.get("gate_evaluations_s", 0.0) + time.perf_counter() - t
+            timings["gate_evaluations"] = timings.get("gate_evaluations", 0) + 1
 
     def check(candidate: DomainEvaluations) -> tuple[bool, str]:
         ok, why, _ = gate_check(baseline, candidate, pol)
@@ -319,12 +324,14 @@ def compress_model(
         final, accepted, attempts = _allocate_and_gate(
             model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
             baseline, evaluate, check, compute_dtype, m.spike_factor, state, fit_at=fit_at, multiple=multiple,
-            standard=standard)
+            standard=standard, timings=timings)
     timings["gate_s"] = time.perf_counter() - t0
     kept_data.close()
 
     within, why = check(final)
-    if len(accepted) < pol.min_blocks:
+    if not accepted and attempts:
+        passed, msg = False, no_cut_message(attempts, baseline.ppl, pol.ppl_budget, pol.budget_mode)
+    elif len(accepted) < pol.min_blocks:
         passed, msg = False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"
     elif not within:
         passed, msg = False, f"final model {why}" + ("" if pol.gate else " (gate off)")
@@ -337,9 +344,22 @@ def compress_model(
     )
 
 
+def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mode: str) -> str:
+    """Why nothing was written when every allocated cut failed: the smallest cut tried and what it
+    cost, every attempt, and what would let a cut through."""
+    def cost(a: dict) -> str:
+        return f"keep {100 * a['ffn_params_kept'] / a['ffn_params_total']:.1f} % → {100 * (a['ppl'] / baseline_ppl - 1):+.1f} %"
+
+    smallest = max(attempts, key=lambda a: a["ffn_params_kept"])
+    allowed = f"+{100 * budget:.1f} %" if mode == "relative" else f"+{budget:g} perplexity"
+    return (f"no cut passed the gate: even the smallest tried ({cost(smallest)} perplexity on the gate's text) is over "
+            f"the budget of {allowed}; tried: {'; '.join(cost(a) for a in attempts)}. This model gives up little "
+            "of its FFN at this budget: raise policy.ppl_budget to a cost listed above, or calibrate on more text")
+
+
 def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
                        baseline, evaluate, check, compute_dtype, spike_factor, state, *, fit_at, multiple=1,
-                       standard=False):
+                       standard=False, timings=None):
     """Allocate a global FFN target, validate, bisect the target until the gate holds.
 
     ``standard``: the target is met by one width for every block (no block is left out: the base
@@ -416,7 +436,11 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
     attempts: list[dict] = []
 
     def attempt(keep: float, target: str = "none"):
+        t = time.perf_counter()
         choice, fits = install(keep, target)
+        if timings is not None:  # re-solves from statistics, or (a teacher target) one more calibration pass
+            key = "refit_s" if target == "none" else "teacher_pass_s"
+            timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
         r = evaluate(f"gate: {describe(keep)}")
         kept_params = sum(c.ffn_params if choice[c.index] is None else choice[c.index].params for c in active)
         ok, why = check(r)
@@ -458,7 +482,7 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         return baseline, [], attempts
     keep, r, choice, fits = best
     target = "none"
-    if rc.target != "none":
+    if getattr(rc, "target", "none") != "none":  # whole-block kinds (affine) have no teacher target
         # The search ran on independent fits (each step a re-solve, no
         # calibration pass); the teacher-target fit, one more pass over the
         # calibration data, is tried at the level found and kept if it passes.

@@ -200,8 +200,11 @@ class OutputConfig(_Section):
     formats: list[str] = Field(
         default_factory=lambda: ["hf"], min_length=1,
         description="output formats written into the output folder, each verified before publishing: hf "
-        "(Hugging Face folder)",
+        "(Hugging Face folder), gguf (one .gguf for llama.cpp/Ollama, checked in llama.cpp); not set: [hf, gguf] "
+        "for a GGUF source whose architecture the gguf writer takes, else [hf]",
     )
+    _defaulted: bool = PrivateAttr(False)
+    """True when ``formats`` was filled in by the pipeline (not named by the recipe)."""
     gguf_quant: Literal["source", "bf16", "f16", "q8_0", "q4_k_m"] = Field(
         "source", description="gguf format: tensor types; source = a GGUF source's own (unchanged tensors copied as "
         "they are), else output.dtype; q8_0/q4_k_m use llama.cpp's quantizer (see docs/gguf.md)"

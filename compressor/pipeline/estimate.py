@@ -1,0 +1,141 @@
+"""How long a run will take, said before the heavy work starts.
+
+A run's stages are forward passes over known token counts (calibration,
+evaluation), statistics products whose size follows from the config, and
+per-block solves of the hidden-unit statistics (cubic in the FFN width). The
+estimate times one forward pass of this model on this machine (a couple of
+calibration-sized windows, a few seconds even at 1.5B parameters) and, when
+the calibration text is still to be written, two decoding steps at the
+self-calibration batch; everything else is that forward speed times counts
+read from the recipe and the config. The constants below were fitted to the
+stage timings of the default recipe on SmolLM2-135M and
+Qwen2.5-Coder-1.5B on the 2-core CPU (docs/large-models.md, "Where the time
+goes"); elsewhere the estimate is a guide (±50 %), not a promise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from compressor.recipe.schema import Recipe
+
+logger = logging.getLogger(__name__)
+
+#: Forward+backward over forward, for the loss-gradient pass.
+BACKWARD_FACTOR = 3.0
+#: Seconds of one block's hidden-unit solve path per (width)³, in units of the measured seconds per
+#: forward multiply-add (float64 factorisations run slower than float32 matrix products).
+SOLVE_FACTOR = 6.0
+#: A re-solve at a chosen width, relative to the full path of the same block.
+REFIT_SHARE = 0.15
+
+
+@dataclass
+class Estimate:
+    stages: dict[str, float] = field(default_factory=dict)
+    """Expected seconds per stage, in run order."""
+    forward_s_per_token: float = float("nan")
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.stages.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {_minutes(v)}" for k, v in self.stages.items() if v >= 30)
+        return f"about {_minutes(self.total_s)} on this machine" + (f" ({parts})" if parts else "")
+
+
+def _minutes(s: float) -> str:
+    return f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
+
+
+@torch.no_grad()
+def forward_seconds_per_token(model: nn.Module, seq_len: int, rows: int = 2) -> float:
+    """Seconds per token of one forward pass over ``rows`` windows of ``seq_len`` random ids (after a
+    warm-up call on one short window)."""
+    emb = model.get_input_embeddings()
+    device, vocab = emb.weight.device, emb.weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, seq_len), generator=g).to(device)
+    model(input_ids=ids[:1, : min(seq_len, 16)], use_cache=False)
+    t = time.perf_counter()
+    model(input_ids=ids, use_cache=False)
+    return (time.perf_counter() - t) / ids.numel()
+
+
+@torch.no_grad()
+def decode_seconds_per_token(model: nn.Module, batch: int, steps: int = 3) -> float:
+    """Seconds per sampled token of self-calibration (its batch, its thread rule), from ``steps`` steps."""
+    from compressor.inputs.selfcal import SelfCalSettings, decode_threads
+
+    emb = model.get_input_embeddings()
+    prompt = torch.zeros(batch, 2, dtype=torch.long, device=emb.weight.device)
+    threads = torch.get_num_threads()
+    if emb.weight.device.type == "cpu":
+        torch.set_num_threads(decode_threads(model, threads))
+    st = SelfCalSettings()  # sampled as self-calibration samples: top-p sorts the whole vocabulary each step
+    kw = dict(attention_mask=torch.ones_like(prompt), do_sample=True, temperature=st.temperature, top_p=st.top_p,
+              top_k=0, eos_token_id=None, pad_token_id=0)
+    try:
+        with torch.random.fork_rng(devices=[]):  # the probe's sampling leaves the global RNG as it was
+            model.generate(input_ids=prompt, max_new_tokens=1, **kw)  # warm-up
+            t = time.perf_counter()
+            model.generate(input_ids=prompt, max_new_tokens=steps, **kw)
+            return (time.perf_counter() - t) / (steps * batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _shape(model: nn.Module) -> tuple[int, int, int, int, int]:
+    cfg = getattr(model.config, "text_config", None) or model.config
+    d = int(cfg.hidden_size)
+    ff = int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * d)
+    return d, ff, int(cfg.num_hidden_layers), int(cfg.vocab_size), sum(p.numel() for p in model.parameters())
+
+
+def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool) -> Estimate:
+    """Expected seconds per stage of ``recipe`` on ``model`` (already loaded) on this machine."""
+    c, pol, rc = recipe.calibration, recipe.policy, recipe.replacement
+    fwd = forward_seconds_per_token(model, c.seq_len)
+    d, ff, layers, vocab, params = _shape(model)
+    macs = max(params - vocab * d, 1) + vocab * d  # the blocks, and the output layer (tied or not)
+    per_mac = fwd / macs
+    width = d + ff if hidden else d
+    stats = layers * width * width / macs  # statistics products per token, over the forward's
+    cal = c.max_tokens
+    fit = int(cal * (1 - c.heldout_fraction))
+    evals = sum(e.max_tokens for e in recipe.evaluation_domains())
+    out: dict[str, float] = {}
+    if c.dataset in ("self", "mix") and not self_text_cached:
+        n_self = c.max_tokens if c.dataset == "self" else (c.self_tokens or c.max_tokens // 2)
+        out["self-calibration"] = n_self * decode_seconds_per_token(model, 32)
+    strategy = pol.strategy
+    if strategy == "allocate" and pol.allocation == "fisher" or getattr(rc, "selection", "obs") == "loss":
+        out["loss gradients"] = min(fit, 128 * c.seq_len) * fwd * BACKWARD_FACTOR
+    out["pass A"] = cal * fwd * (1 + stats) + (layers * width ** 3 * per_mac * SOLVE_FACTOR if hidden else 0.0)
+    attempts = 1 + (pol.max_backoff if pol.gate else 0)
+    teacher = getattr(rc, "target", "none") not in ("none", None)
+    out["gate"] = evals * fwd * (1 + attempts + (1 if teacher else 0))
+    if hidden:
+        out["gate"] += attempts * layers * width ** 3 * per_mac * SOLVE_FACTOR * REFIT_SHARE
+    if teacher:
+        out["teacher pass"] = cal * fwd * (1 + stats)
+    writers = recipe.output.writers()
+    out["write + verify"] = evals * fwd * len(writers) * (2 if "gguf" in writers else 1)
+    return Estimate(out, fwd)
+
+
+def say_estimate(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool) -> Estimate | None:
+    """Log the estimate (never fails a run: a model that cannot be timed is simply not estimated)."""
+    try:
+        est = estimate_run(recipe, model, self_text_cached=self_text_cached, hidden=hidden)
+    except Exception as err:  # noqa: BLE001 - an estimate is a courtesy, the run goes on without it
+        logger.debug("no time estimate: %s", err)
+        return None
+    logger.info("expected run time: %s", est.describe())
+    return est
