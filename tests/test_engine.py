@@ -232,3 +232,30 @@ def test_ragged_batches_give_the_same_statistics(model_type, target):
         _assert_moments_equal(a.zfit, b.zfit, 1e-9, f"block {i} zfit")
         _assert_moments_equal(a.zheld, b.zheld, 1e-9, f"block {i} zheld")
         assert a.resid_energy == pytest.approx(b.resid_energy, rel=1e-6)  # summed in float32
+
+
+def test_loss_gradients_run_in_slices_that_fit_the_backward_budget(monkeypatch):
+    """The backward of a large-vocabulary model runs a few windows at a time; the sums are the same."""
+    import types
+
+    from compressor.engine import sensitivity
+    from compressor.engine.sensitivity import backward_rows, output_grad_moments
+
+    model = tiny_model("llama")
+    windows = random_windows(6, SEQ, seed=0)
+    modules = {i: f"model.layers.{i}.mlp" for i in range(len(model.model.layers))}
+    whole = output_grad_moments(model, windows, modules, batch_size=6)
+    monkeypatch.setattr(sensitivity, "BACKWARD_BUDGET_BYTES", 1)  # one window per backward
+    assert backward_rows(model, SEQ, 6) == 1
+    sliced = output_grad_moments(model, windows, modules, batch_size=6)
+    for i in whole:
+        torch.testing.assert_close(sliced[i], whole[i], rtol=1e-5, atol=1e-12)
+    monkeypatch.undo()
+
+    def shaped(**cfg):
+        return types.SimpleNamespace(config=types.SimpleNamespace(**cfg))
+
+    qwen = shaped(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, vocab_size=151936)
+    smol = shaped(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152)
+    assert backward_rows(qwen, 128, 16) == 6  # 16 windows held 16.8 GB on Qwen2.5-Coder-1.5B
+    assert backward_rows(smol, 128, 16) == 16  # SmolLM2: the whole batch, as before

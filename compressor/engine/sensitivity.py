@@ -24,12 +24,34 @@ from compressor.core import distributed as dist
 from compressor.core.progress import progress
 
 
+#: Bytes of backward activations one pass may hold (see :func:`backward_rows`): a fixed number, so the
+#: micro-batching, and with it every bit of the result, is the same on every machine.
+BACKWARD_BUDGET_BYTES = 6 << 30
+
+
+def backward_rows(model: nn.Module, seq_len: int, batch_size: int) -> int:
+    """Windows per forward + backward, at most ``batch_size``: what the saved activations of every layer
+    (about ``4·d_ff + 10·d`` floats per token per layer) and the logits' softmax and gradient (about
+    ``4·vocab`` per token) of that many windows fit in :data:`BACKWARD_BUDGET_BYTES`. Measured on
+    Qwen2.5-Coder-1.5B: 16 windows of 128 tokens held 16.8 GB (1.05 GB a window; this estimate: 1.04),
+    so the whole batch at once took the process to 23 GB of a 24 GB machine."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    d = int(getattr(cfg, "hidden_size", 0) or 0)
+    ff = int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * d)
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    per_window = 4 * seq_len * (layers * (4 * ff + 10 * d) + 4 * vocab)
+    return max(1, min(batch_size, BACKWARD_BUDGET_BYTES // max(per_window, 1)))
+
+
 def output_grad_moments(model: nn.Module, windows: torch.Tensor, modules: dict[int, str], *,
                         batch_size: int = 8) -> dict[int, torch.Tensor]:
     """Per block index: mean of ``g²`` over calibration tokens (float64, [d_out], CPU).
 
     Under a process group each rank runs a contiguous share of the batches; the
-    per-batch sums are gathered and added in batch order, as one process would."""
+    per-batch sums are gathered and added in batch order, as one process would.
+    A batch whose backward would not fit :data:`BACKWARD_BUDGET_BYTES` runs in
+    consecutive slices of :func:`backward_rows` windows (the sums are the same)."""
     per_batch: dict[int, dict[int, torch.Tensor]] = {}  # batch → block → Σ g²
     sums: dict[int, torch.Tensor] = {}  # the current batch's
     handles = []
@@ -52,15 +74,20 @@ def output_grad_moments(model: nn.Module, windows: torch.Tensor, modules: dict[i
     req = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
     starts = range(0, windows.shape[0], batch_size)
+    rows = backward_rows(model, windows.shape[1], batch_size)
     try:
         for b in progress(dist.shard(len(starts)), desc="sensitivity: loss gradients", unit="batch"):
             sums = per_batch[b] = {}
-            ids = windows[starts[b]:starts[b] + batch_size].to(device)
-            emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-            logits = model(inputs_embeds=emb, use_cache=False).logits
-            # summed over tokens: g_t is then the gradient of the total loss at token t
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
-            loss.backward()
+            batch = windows[starts[b]:starts[b] + batch_size]
+            for first in range(0, batch.shape[0], rows):
+                ids = batch[first:first + rows].to(device)
+                emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+                logits = model(inputs_embeds=emb, use_cache=False).logits
+                # summed over tokens: g_t is then the gradient of the total loss at token t
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+                del logits
+                loss.backward()
+                del loss, emb
     finally:
         for h in handles:
             h.remove()
