@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import torch
@@ -31,4 +32,21 @@ def save_tiny_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0)
     tiny_causal_lm(model_type, seed).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+#: The first lines of a script run in a subprocess as a user without compressor: importing it fails
+#: there (the output must load with torch and transformers alone).
+BLOCK_COMPRESSOR = textwrap.dedent(
+    """
+    import json, sys
+
+    class BlockCompressor:
+        def find_spec(self, name, path=None, target=None):
+            if name == "compressor" or name.startswith("compressor."):
+                raise ImportError(f"compressor is not installed here (blocked {name})")
+            return None
+
+    sys.meta_path.insert(0, BlockCompressor())
+    """
+)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import COMPRESSIBLE, save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
+from checkpoints import BLOCK_COMPRESSOR, COMPRESSIBLE, save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
 
 import compressor
 from compressor.core.modeling import COMPRESSION_FORMAT, AffineFFN, LowRankAffineFFN
@@ -204,17 +204,8 @@ def test_low_rank_reload(tmp_path, model_type):
 # Loading where compressor is not installed (remote code)
 # --------------------------------------------------------------------------------------------------
 
-_NO_COMPRESSOR_SCRIPT = textwrap.dedent(
+_NO_COMPRESSOR_SCRIPT = BLOCK_COMPRESSOR + textwrap.dedent(
     """
-    import json, sys
-
-    class BlockCompressor:
-        def find_spec(self, name, path=None, target=None):
-            if name == "compressor" or name.startswith("compressor."):
-                raise ImportError(f"compressor is not installed here (blocked {name})")
-            return None
-
-    sys.meta_path.insert(0, BlockCompressor())
     try:
         import compressor  # noqa: F401
     except ImportError:

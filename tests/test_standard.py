@@ -26,7 +26,7 @@ import pytest
 import torch
 import transformers
 
-from checkpoints import tiny_tokenizer
+from checkpoints import BLOCK_COMPRESSOR, tiny_tokenizer
 from test_cli import isolated, recipe_dict, write_recipe  # noqa: F401  (isolated is an autouse fixture)
 from tiny import activation_name, ffn_reference_modules, random_windows, tiny_model
 
@@ -222,17 +222,8 @@ def test_solve_linear_equals_lstsq_without_a_constant_column():
 # Standard output
 # --------------------------------------------------------------------------------------------------
 
-_PLAIN_LOAD = textwrap.dedent(
+_PLAIN_LOAD = BLOCK_COMPRESSOR + textwrap.dedent(
     """
-    import json, sys
-
-    class BlockCompressor:
-        def find_spec(self, name, path=None, target=None):
-            if name == "compressor" or name.startswith("compressor."):
-                raise ImportError(f"compressor is not installed here (blocked {name})")
-            return None
-
-    sys.meta_path.insert(0, BlockCompressor())
     import torch
     from transformers import AutoModelForCausalLM
 
