@@ -372,7 +372,7 @@ def test_formats_default_to_hf_and_gguf_for_a_gguf_source(tmp_path, tokenizer, i
     stages.default_formats(r)
     monkeypatch.setattr(gw, "runtime_missing", lambda: "llama-cpp-python is not importable")
     with pytest.raises(stages.InputError, match=r"gguf is in output.formats by default.*output.formats: \[hf\]"):
-        stages._check_writers(r, tokenizer)
+        stages._check_writers(r, tokenizer, "llama")
 
 
 def test_a_run_from_a_gguf_source_writes_a_smaller_gguf_checked_against_its_source(tmp_path, tokenizer, ids):
@@ -409,3 +409,24 @@ def test_a_run_from_a_gguf_source_writes_a_smaller_gguf_checked_against_its_sour
     assert same["source_bytes"] == (src / "tiny.gguf").stat().st_size and same["ratio"] < 1
     assert "GGUF at the source's quantization" in same["what"]
     assert "formats:\n  - hf\n  - gguf" in (res.output / "recipe.yaml").read_text()
+
+
+def test_a_source_gguf_tensor_table_is_read_once_per_file_version(tmp_path, tokenizer, ids, monkeypatch):
+    """The checks before loading, the width check and the plan share one read of the source's table."""
+    path = tmp_path / "tiny.gguf"
+    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="q8_0", expected=1.0, file=path.name),
+                          tmp_path)
+    reads = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, **k: reads.append(p) or real(p, *a, **k))
+    gw._source_types.cache_clear()
+    first = gw.source_tensor_types(path)
+    assert gw.source_tensor_types(path) == first and gw.source_down_block(path) == 32 and len(reads) == 1
+    first["blk.0.ffn_down.weight"] = None  # callers get a copy: the cached table cannot be changed
+    assert gw.source_tensor_types(path)["blk.0.ffn_down.weight"] is not None
+    path.touch()
+    import os
+
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a new version of the file
+    gw.source_tensor_types(path)
+    assert len(reads) == 2

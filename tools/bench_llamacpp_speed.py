@@ -46,11 +46,9 @@ def weight_stats(path: str, context: int) -> dict:
     f = r.fields
     n_layer = int(f[f"{arch}.block_count"].parts[-1][0])
     d = int(f[f"{arch}.embedding_length"].parts[-1][0])
-    heads = f[f"{arch}.attention.head_count"]
-    n_head = int(heads.parts[-1][0]) if len(heads.data) == 1 else None
     attn = 2 * n_layer * d * context  # q·k and the weighted sum of v, per token (all heads together)
     return {"architecture": arch, "weight_bytes_read_per_token": read, "matmul_macs_per_token": macs + attn,
-            "attention_macs_per_token": attn, "heads": n_head, "file_bytes": int(sum(t.n_bytes for t in r.tensors))}
+            "attention_macs_per_token": attn, "file_bytes": int(sum(t.n_bytes for t in r.tensors))}
 
 
 def main() -> None:

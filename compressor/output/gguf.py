@@ -41,6 +41,7 @@ perplexity on the probe text with the in-memory model's.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -236,7 +237,7 @@ def plan_for(request: WriteRequest, options: dict) -> Plan:
     quant = resolve_quant(options.get("quant", "source"), request)
     src = Path(request.source.path) / request.source.gguf_file if quant == "source" else None
     plan = Plan(model_type, "", ffns, replaced, quant, src)
-    types = _tensor_types(_gguf().GGUFReader(src)) if src is not None else {}
+    types = source_tensor_types(src) if src is not None else {}
     how = options.get("unquantizable", "error")
     bad = []
     for i, (g, block) in enumerate(zip(ffns, down_blocks(quant, len(ffns), types))):
@@ -277,6 +278,27 @@ def _refusal(model_type: str) -> str:
 
 def _tensor_types(reader) -> dict:
     return {t.name: t.tensor_type for t in reader.tensors}
+
+
+def source_tensor_types(path: str | Path) -> dict:
+    """Tensor name → GGML type of the GGUF at ``path``, read once per file version: the checks before
+    loading, the width check and the plan all ask about the same source (a 1 GB file's table)."""
+    p = Path(path)
+    st = p.stat()
+    return dict(_source_types(str(p.resolve()), st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _source_types(path: str, size: int, mtime_ns: int) -> dict:
+    return _tensor_types(_gguf().GGUFReader(path))
+
+
+def source_down_block(path: str | Path) -> int:
+    """The quantization block a width must be a multiple of to keep the source's FFN down-projection
+    types (the lcm over layers; 1 for float types)."""
+    gguf = _gguf()
+    types = {t for name, t in source_tensor_types(path).items() if name.endswith("ffn_down.weight")}
+    return math.lcm(1, *(gguf.GGML_QUANT_SIZES[t][0] for t in types))
 
 
 def rope_permutation(n_rows: int, n_head: int) -> np.ndarray:
@@ -780,7 +802,7 @@ class GGUFWriter(Writer):
         if quant == "source":
             if not source.gguf_file:
                 return None  # the saved float dtype: any width
-            types = _tensor_types(_gguf().GGUFReader(Path(source.path) / source.gguf_file))
+            types = source_tensor_types(Path(source.path) / source.gguf_file)
         blocks = down_blocks(quant, int(config["num_hidden_layers"]), types)
         bad = [(i, w, blocks[i]) for i, w in sorted(compression_widths(compression, config).items()) if w % blocks[i]]
         return str(width_error(quant, bad)) if bad else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,11 +78,11 @@ class Calibrated:
     overlap: dict = field(default_factory=dict)
 
 
-def default_formats(recipe: Recipe) -> list[str]:
+def default_formats(recipe: Recipe, model_type: str | None = None) -> list[str]:
     """Fill in ``output.formats`` when the recipe does not set it: ``[hf, gguf]`` for a GGUF source whose
     architecture the gguf writer takes (the output then goes where the source went, at its quantization),
     else ``[hf]``. Returns the formats; the recipe (and the ``recipe.yaml`` saved with the output) then
-    names them."""
+    names them. ``model_type``: the source's, when the caller has read it already."""
     oc = recipe.output
     if "formats" in oc.model_fields_set:
         return oc.formats
@@ -92,7 +91,7 @@ def default_formats(recipe: Recipe) -> list[str]:
     formats = ["hf"]
     src = resolve_source(recipe.model.source, recipe.model.gguf_file)
     if src.gguf_file:  # the architecture decides, not what is installed: the same recipe writes the same files
-        why = arch_refusal(_model_type(recipe))
+        why = arch_refusal(model_type or _model_type(recipe))
         if why is None:
             formats = ["hf", "gguf"]
         else:
@@ -118,7 +117,8 @@ def check(recipe: Recipe, *, resume: bool) -> Checked:
     resume state — everything that can be known before the model loads."""
     t0 = time.perf_counter()
     check_inputs(recipe)
-    default_formats(recipe)
+    model_type = _model_type(recipe)  # read once: from a GGUF source it means parsing the file's metadata
+    default_formats(recipe, model_type)
     mc = recipe.model
     for name in recipe.output.writers():
         try:
@@ -131,7 +131,7 @@ def check(recipe: Recipe, *, resume: bool) -> Checked:
         streams = evaluation_streams(recipe, tokenizer)
     except ValueError as err:
         raise InputError(str(err)) from None
-    _check_writers(recipe, tokenizer)
+    _check_writers(recipe, tokenizer, model_type)
     _check_offload_dtype(mc, recipe.output)
     multiple = _check_architecture(recipe)
     out = Path(recipe.output.path).expanduser().resolve()
@@ -168,20 +168,18 @@ def _gguf_source_block(src: ResolvedSource) -> int:
     if not src.gguf_file:
         return 1
     try:
-        import gguf
-    except ImportError:  # the gguf writer's own check names the missing package
+        from compressor.output.gguf import source_down_block
+
+        return source_down_block(Path(src.path) / src.gguf_file)
+    except ImportError:  # no gguf-py: the gguf writer's own check names the missing package
         return 1
-    reader = gguf.GGUFReader(Path(src.path) / src.gguf_file)
-    types = {t.tensor_type for t in reader.tensors if t.name.endswith("ffn_down.weight")}
-    return math.lcm(1, *(gguf.GGML_QUANT_SIZES[t][0] for t in types))
 
 
-def _check_writers(recipe: Recipe, tokenizer) -> None:
+def _check_writers(recipe: Recipe, tokenizer, model_type: str) -> None:
     """Each requested format can represent this architecture and kind, takes its options and can carry
     the tokenizer: asked before the model loads, with the alternative in the message."""
     mc, oc = recipe.model, recipe.output
     src = resolve_source(mc.source, mc.gguf_file)
-    model_type = _model_type(recipe)
     options = writer_options(oc)
     for name in oc.writers():
         writer = get_writer(name)
