@@ -276,6 +276,27 @@ def test_obs_path_errors_equal_brute_force_refits(seed, obs_tolerance, record_pr
     record_property("greedy_minus_exhaustive_at_3", greedy - best)
 
 
+def test_obs_path_is_the_same_whether_its_matrices_shrink_every_step_or_never(monkeypatch):
+    """Removed regressors stay in the matrices (zero rows) until few are live; where the matrices are
+    compacted must not change the path: order and errors equal with compaction at every step and never."""
+    rng = np.random.default_rng(7)
+    p, n_fixed = 40, 4
+    mix = np.eye(p) + 0.3 * rng.standard_normal((p, p))
+    z = rng.standard_normal((600, p)) @ mix
+    y = z @ rng.standard_normal((p, 5)) + np.tanh(z[:, :5]) + 0.1 * rng.standard_normal((600, 5))
+    zh = rng.standard_normal((200, p)) @ mix
+    yh = zh @ rng.standard_normal((p, 5))
+    weight = torch.from_numpy(rng.uniform(0.5, 2, 5))
+    paths = []
+    for share in (1.01, 0.0):  # compact after every step / never
+        monkeypatch.setattr("compressor.fitting.obs.COMPACT_BELOW", share)
+        paths.append(obs_path(_moments(z, y), _moments(zh, yh), n_fixed, step=3, output_weight=weight))
+    a, b = paths
+    assert a.order.tolist() == b.order.tolist() and a.sizes == b.sizes
+    np.testing.assert_allclose(a.fit_rel_error, b.fit_rel_error, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(a.heldout_rel_error, b.heldout_rel_error, rtol=1e-9, atol=1e-12)
+
+
 # --------------------------------------------------------------------------------------------------
 # 4-5. Checkpoints: save → reload, and the old v1 format
 # --------------------------------------------------------------------------------------------------

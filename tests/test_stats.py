@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from compressor.core.stats import LogHistogram, Moments
+from compressor.core.stats import LogHistogram, Moments, gram
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -93,6 +93,32 @@ def test_add_equals_merge_and_leaves_operands_untouched():
         assert torch.equal(getattr(a, f), a_before[f]), f
     # and both orders agree
     _assert_moments_close(b + a, summed)
+
+
+@pytest.mark.parametrize("d, block", [(5, 8), (16, 8), (50, 8), (51, 7), (64, 16)])
+def test_blocked_gram_equals_the_full_product(d, block):
+    """Only the blocks on and below the diagonal are multiplied; the rest is their mirror. Checked
+    against numpy's full product, at widths that split into 1 (no blocking), 2 and uneven blocks."""
+    a = torch.from_numpy(np.random.default_rng(d).standard_normal((40, d)))
+    g = gram(a, block=block)
+    np.testing.assert_allclose(g.numpy(), a.numpy().T @ a.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_chunked_update_with_blocked_gram_matches_numpy(monkeypatch):
+    """Statistics accumulated chunk by chunk with the blocked product (and in-place float32 → float64
+    merges) equal numpy's float64 centred sums to float32 rounding."""
+    monkeypatch.setattr("compressor.core.stats.GRAM_BLOCK", 8)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 37)) * rng.uniform(0.1, 10, 37) + 5.0
+    y = x[:, :6] ** 2 + rng.standard_normal((300, 6))
+    m = Moments(37, 6)
+    for lo in range(0, 300, 64):
+        m.update(torch.from_numpy(x[lo:lo + 64]).float(), torch.from_numpy(y[lo:lo + 64]).float())
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    assert m.cxx.dtype == torch.float64 and m.n == 300
+    np.testing.assert_allclose(m.cxx.numpy(), xc.T @ xc, rtol=1e-5, atol=1e-4 * np.abs(xc.T @ xc).max())
+    np.testing.assert_allclose(m.cxy.numpy(), xc.T @ yc, rtol=1e-5, atol=1e-4 * np.abs(xc.T @ yc).max())
+    np.testing.assert_allclose(m.cyy_diag.numpy(), (yc * yc).sum(0), rtol=1e-5)
 
 
 def test_merge_with_empty_is_identity():

@@ -21,6 +21,30 @@ import torch
 _F64 = torch.float64
 
 
+GRAM_BLOCK = 1536
+"""Column block of :func:`gram`: below about twice this width one product is as fast."""
+
+
+def gram(a: torch.Tensor, block: int = GRAM_BLOCK) -> torch.Tensor:
+    """``aᵀa`` computing only the blocks on and below the diagonal, mirrored above.
+
+    The product is symmetric, so half of a full matrix product is redundant: with ``d`` columns in
+    ``k`` blocks, ``k(k+1)/2`` block products replace ``k²`` (for the 10,496 regressors of a
+    1.5B model's hidden-unit statistics, 1.8x faster on a 2-core CPU)."""
+    d = a.shape[1]
+    k = d // block
+    if k < 2:
+        return a.T @ a
+    edges = [round(i * d / k) for i in range(k + 1)]
+    out = torch.empty(d, d, dtype=a.dtype, device=a.device)
+    for i in range(k):
+        lo, hi = edges[i], edges[i + 1]
+        out[lo:hi, :hi] = a[:, lo:hi].T @ a[:, :hi]
+        if lo:
+            out[:lo, lo:hi] = out[lo:hi, :lo].T
+    return out
+
+
 @dataclass
 class Moments:
     """Running ``n``, means and centred sums of ``x`` (d_in) and ``y`` (d_out).
@@ -90,9 +114,10 @@ class Moments:
         yc = y - my_b
         # The sums stay on the device of the data (a GPU accumulates in place,
         # without a host round trip per chunk); .to("cpu") before solving.
+        # The chunk's sums stay in compute_dtype: the merge adds them into the float64 totals in place.
         chunk = Moments(self.d_in, self.d_out, self.full_cyy, n=n_b, mx=mx_b.to(_F64), my=my_b.to(_F64),
-                        cxx=(xc.T @ xc).to(_F64), cxy=(xc.T @ yc).to(_F64), cyy_diag=(yc * yc).sum(0).to(_F64),
-                        cyy=(yc.T @ yc).to(_F64) if self.full_cyy else None)
+                        cxx=gram(xc), cxy=xc.T @ yc, cyy_diag=(yc * yc).sum(0),
+                        cyy=gram(yc) if self.full_cyy else None)
         self.merge_(chunk)
 
     def merge_(self, other: "Moments") -> "Moments":
@@ -108,24 +133,25 @@ class Moments:
             other = other.to(self.mx.device)
         if self.n == 0:
             self.n = other.n
-            self.mx, self.my = other.mx.clone(), other.my.clone()
-            self.cxx, self.cxy = other.cxx.clone(), other.cxy.clone()
-            self.cyy_diag = other.cyy_diag.clone()
+            self.mx, self.my = other.mx.to(_F64, copy=True), other.my.to(_F64, copy=True)
+            self.cxx, self.cxy = other.cxx.to(_F64, copy=True), other.cxy.to(_F64, copy=True)
+            self.cyy_diag = other.cyy_diag.to(_F64, copy=True)
             if self.full_cyy:
-                self.cyy = other.cyy.clone() if other.cyy is not None else None
+                self.cyy = other.cyy.to(_F64, copy=True) if other.cyy is not None else None
             return self
+        if self.full_cyy and other.cyy is None:
+            raise ValueError("cannot merge: one side has no full output covariance (output_rank off)")
         n_a, n_b = self.n, other.n
         n = n_a + n_b
         dx = other.mx - self.mx
         dy = other.my - self.my
         w = n_a * n_b / n
-        self.cxx += other.cxx + w * torch.outer(dx, dx)
-        self.cxy += other.cxy + w * torch.outer(dx, dy)
-        self.cyy_diag += other.cyy_diag + w * dy * dy
+        # In place (a d_in² float64 sum is large: no temporaries of its size).
+        self.cxx.add_(other.cxx).addr_(dx, dx, alpha=w)
+        self.cxy.add_(other.cxy).addr_(dx, dy, alpha=w)
+        self.cyy_diag.add_(other.cyy_diag).add_(dy * dy, alpha=w)
         if self.full_cyy:
-            if other.cyy is None:
-                raise ValueError("cannot merge: one side has no full output covariance (output_rank off)")
-            self.cyy += other.cyy + w * torch.outer(dy, dy)
+            self.cyy.add_(other.cyy).addr_(dy, dy, alpha=w)
         self.mx += dx * (n_b / n)
         self.my += dy * (n_b / n)
         self.n = n
@@ -153,14 +179,15 @@ class Moments:
             sst += self.n * float(((self.my - about) ** 2).sum())
         return sst
 
-    def sse(self, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def sse(self, W: torch.Tensor, b: torch.Tensor, cxx_w: torch.Tensor | None = None) -> torch.Tensor:
         """Per-feature Σ (y − Wᵀx − b)² for the affine map ``y ≈ Wᵀx + b``.
 
         ``W`` is [d_in, d_out] float64. Exact in terms of the stored sums:
         centred part ``cyy − 2 Wᵀcxy + Wᵀcxx W`` plus ``n·(mean residual)²``.
+        ``cxx_w``: ``cxx @ W`` when the caller has it already (the largest product here).
         """
         cross = (W * self.cxy).sum(0)
-        quad = (W * (self.cxx @ W)).sum(0)
+        quad = (W * (self.cxx @ W if cxx_w is None else cxx_w)).sum(0)
         mean_res = self.my - W.T @ self.mx - b
         return (self.cyy_diag - 2 * cross + quad).clamp_min(0) + self.n * mean_res**2
 

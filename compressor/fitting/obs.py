@@ -39,6 +39,8 @@ _F64 = torch.float64
 PATH_DAMPING = 1e-6
 PATH_RETRY_DAMPING = (1e-5, 1e-4, 1e-3, 1e-2)
 """Tried in turn when the Cholesky factorisation fails at PATH_DAMPING."""
+COMPACT_BELOW = 0.75
+"""The path's matrices drop their removed rows once fewer than this share of them are live."""
 
 
 @dataclass
@@ -130,7 +132,8 @@ def obs_path(
     if held:
         ch = zheld.cxx.to(dev) / zheld.n / s[:, None] / s[None, :]
         cyh = zheld.cxy.to(dev) / zheld.n / s[:, None]
-        g = ch @ b
+        cyh_w = cyh * w  # the output weight folded in once: the error terms below are dot products
+        gw = (ch @ b) * w  # (S_held B) W, kept up to date by each removal
         dmu = (zheld.mx.to(dev) - zfit.mx.to(dev)) / s
         dmy = zheld.my.to(dev) - zfit.my.to(dev)
         sst_h = float((zheld.cyy_diag.to(dev) * w).sum()) / zheld.n
@@ -139,26 +142,38 @@ def obs_path(
         if not held:
             return float("nan")
         mean_res = dmy - b.T @ dmu
-        sse = sst_h - 2 * float((b * cyh * w).sum()) + float((b * g * w).sum()) + float((mean_res**2 * w).sum())
+        bf = b.reshape(-1)
+        sse = (sst_h - 2 * float(bf @ cyh_w.reshape(-1)) + float(bf @ gw.reshape(-1))
+               + float((mean_res**2 * w).sum()))
         return max(sse, 0.0) / sst_h if sst_h > 0 else float("nan")
 
-    # `ids[k]` is the original index of row k of the (shrinking) matrices.
+    # `ids[k]` is the original index of row k of the matrices, `alive[k]` whether it is still in the
+    # fit. A removed regressor's row and column of the updated inverse are exactly zero (its
+    # Schur complement), as is its coefficient, so it stays in place until the live rows fall
+    # below COMPACT_BELOW of the matrix: copying a large matrix costs more than a few steps of
+    # updates on its dead rows.
     ids = torch.arange(p, device=dev)
+    alive = torch.ones(p, dtype=torch.bool, device=dev)
     order: list[int] = []
     sizes = [n_rem]
     fit_err = [sse_fit / sst_fit if sst_fit > 0 else float("nan")]
     held_err = [held_rel()]
 
     def drop(local: torch.Tensor) -> None:
-        nonlocal rinv, b, cy, ids, g, ch, cyh, dmu
-        keep = torch.ones(ids.numel(), dtype=torch.bool, device=dev)
-        keep[local] = False
+        nonlocal rinv, b, cy, ids, alive, gw, ch, cyh_w, dmu
         order.extend(int(j) for j in ids[local])
-        rinv = rinv[keep][:, keep]
-        b, cy, ids = b[keep], cy[keep], ids[keep]
-        if held:
-            g, cyh, dmu = g[keep], cyh[keep], dmu[keep]
-            ch = ch[keep][:, keep]
+        alive[local] = False
+        rinv[local] = 0
+        rinv[:, local] = 0
+        b[local] = 0
+        n_alive = int(alive.sum())
+        if n_alive < COMPACT_BELOW * alive.numel():
+            idx = torch.nonzero(alive).flatten()
+            rinv = rinv[idx[:, None], idx]
+            b, cy, ids, alive = b[idx], cy[idx], ids[idx], alive[idx]
+            if held:
+                gw, cyh_w, dmu = gw[idx], cyh_w[idx], dmu[idx]
+                ch = ch[idx[:, None], idx]
         sizes.append(n_rem - len(order))
         fit_err.append(sse_fit / sst_fit if sst_fit > 0 else float("nan"))
         held_err.append(held_rel())
@@ -168,19 +183,19 @@ def obs_path(
     if dead.numel():
         drop(dead)
     while len(order) < n_rem:
-        cand = torch.nonzero(ids >= n_fixed).flatten()
+        cand = torch.nonzero(alive & (ids >= n_fixed)).flatten()
         bj = b[cand]
-        cost = (bj * bj * w).sum(1) / torch.diagonal(rinv)[cand].clamp_min(1e-300)
+        cost = (bj * bj) @ w / torch.diagonal(rinv)[cand].clamp_min(1e-300)
         take = cand[torch.argsort(cost, stable=True)[: min(step, cand.numel())]]
         u = rinv[:, take]
         rjj = u[take]
         rjj_inv = torch.linalg.inv((rjj + rjj.T) / 2)
         v = rjj_inv @ b[take]
         sse_fit += float((b[take] * v * w).sum())
-        b -= u @ v
+        b.addmm_(u, v, alpha=-1)
         if held:
-            g -= (ch @ u) @ v
-        rinv -= u @ (rjj_inv @ u.T)
+            gw.addmm_(ch @ u, v * w, alpha=-1)
+        rinv.addmm_(u, rjj_inv @ u.T, alpha=-1)  # in place: no p × p temporary
         drop(take)
     order_t = torch.tensor(order, dtype=torch.long) - n_fixed
     return ObsPath(order=order_t, sizes=sizes, fit_rel_error=fit_err, heldout_rel_error=held_err)

@@ -91,8 +91,8 @@ def solve_affine(m: Moments, device: torch.device | str | None = None) -> Affine
     dead = int((~live).sum())
     if dead:
         warnings.append(f"{dead} dead input column(s) (zero variance) left out of the solve")
-    c_live = cxx[live][:, live]
-    rhs = cxy[live]
+    c_live = cxx if dead == 0 else cxx[live][:, live]
+    rhs = cxy if dead == 0 else cxy[live]
     # Rank check first: Cholesky often "succeeds" on an exactly rank-deficient
     # covariance (LayerNorm outputs are rank d-1; float32 rounding leaves a
     # ~1e-14 eigenvalue), and the solve then amplifies noise along that
@@ -102,12 +102,17 @@ def solve_affine(m: Moments, device: torch.device | str | None = None) -> Affine
     # condition number of raw normal equations. The result is the minimum-norm
     # solution in standardized inputs; on inputs in the span of the fit rows
     # its predictions equal lstsq's.
+    # The check needs eigenvalues only (several times cheaper than eigenvectors at thousands of
+    # inputs); the eigenvectors are computed only for the truncated solve that needs them.
     scale = diag[live].sqrt()
-    eigvals, eigvecs = torch.linalg.eigh(c_live / scale[:, None] / scale[None, :])
+    corr = c_live / scale[:, None] / scale[None, :]
+    eigvals = torch.linalg.eigvalsh(corr)
     cutoff = RANK_RTOL * float(eigvals[-1])
     truncated = int((eigvals <= cutoff).sum())
     damping = 0.0
     if truncated:
+        eigvals, eigvecs = torch.linalg.eigh(corr)
+        truncated = int((eigvals <= RANK_RTOL * float(eigvals[-1])).sum())
         warnings.append(
             f"input covariance rank-deficient: {truncated} direction(s) below {RANK_RTOL:g} × largest eigenvalue "
             "of the input correlation dropped (minimum-norm solution in standardized inputs)"
@@ -135,10 +140,11 @@ def solve_affine(m: Moments, device: torch.device | str | None = None) -> Affine
     b = m.my - W.T @ m.mx
     if not (torch.isfinite(W).all() and torch.isfinite(b).all()):
         raise FloatingPointError("the affine solve produced non-finite weights; calibration activations overflowed")
-    explained = W.T @ cxx @ W
+    cxx_w = m.cxx @ W  # shared by the explained covariance and the fit error
+    explained = W.T @ cxx_w / m.n
     eigvals, eigvecs = torch.linalg.eigh((explained + explained.T) / 2)
     order = torch.argsort(eigvals, descending=True)
-    sse = m.sse(W, b)
+    sse = m.sse(W, b, cxx_w)
     return AffineFit(
         W=W, b=b, n_fit=m.n, damping=damping, dead_inputs=dead, truncated=truncated, warnings=warnings,
         explained_eigvals=eigvals[order].clamp_min(0), explained_eigvecs=eigvecs[:, order],
