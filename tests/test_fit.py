@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from compressor.fitting.solve import (
+    extreme_eigvals,
     effective_rank,
     fit_r2_at_rank,
     low_rank,
@@ -21,6 +22,41 @@ from compressor.core.stats import Moments
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, params=["all eigenvalues", "extreme eigenvalues"])
+def rank_check(request, monkeypatch):
+    """Every solve in this module runs twice: with the rank check on all eigenvalues (small inputs),
+    and with the check from the Cholesky factor that large inputs take (forced down to any size)."""
+    if request.param == "extreme eigenvalues":
+        monkeypatch.setattr("compressor.fitting.solve.FAST_RANK_CHECK_FROM", 1)
+    return request.param
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_extreme_eigvals_bracket_and_match_numpy(seed):
+    """The estimates from the Cholesky factor match numpy's smallest and largest eigenvalue of the
+    correlation, for a spread spectrum and for one direction 1e-13 below the rest."""
+    rng = np.random.default_rng(seed)
+    p = 60
+    q, _ = np.linalg.qr(rng.standard_normal((p, p)))
+    for spectrum in (np.exp(rng.uniform(-6, 3, p)), np.r_[1e-13, rng.uniform(0.5, 2, p - 1)]):
+        d = np.exp(rng.uniform(-3, 3, p))  # unequal channel scales: the check is on the correlation
+        c = d[:, None] * ((q * spectrum) @ q.T) * d[None, :]
+        c = (c + c.T) / 2
+        scale = np.sqrt(np.diag(c))
+        corr = c / scale[:, None] / scale[None, :]
+        ref = np.linalg.eigvalsh(corr)
+        ct = torch.from_numpy(c)
+        args = torch.from_numpy(corr), torch.linalg.cholesky(ct), torch.from_numpy(scale)
+        lo, hi = extreme_eigvals(*args, iters=20)
+        assert ref[0] - 1e-12 <= lo <= ref[0] * (1 + 1e-6) + 1e-12, (lo, ref[0])
+        # the largest only scales the cutoff: a lower bound within 1 % is plenty
+        assert ref[-1] * 0.99 <= hi <= ref[-1] * (1 + 1e-12), (hi, ref[-1])
+        # the few iterations the solve runs: still bounds, close enough for the check's margin
+        lo, hi = extreme_eigvals(*args)
+        assert ref[0] - 1e-12 <= lo <= ref[0] * 10 + 1e-12, (lo, ref[0])
+        assert ref[-1] * 0.5 <= hi <= ref[-1] * (1 + 1e-12), (hi, ref[-1])
 
 
 def _problem(n=400, d_in=12, d_out=9, noise=0.3, seed=0, nonlinear=0.0):

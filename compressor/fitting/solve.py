@@ -30,6 +30,11 @@ DEAD_COLUMN_RTOL = 1e-16
 RANK_RTOL = 1e-10
 # Damping ladder if Cholesky still fails on a full-rank covariance: λ = step × mean diagonal.
 DAMPING_STEPS = (0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2, 1e-1)
+# From this many live inputs the rank check estimates the extreme eigenvalues from the Cholesky
+# factor (:func:`extreme_eigvals`) instead of computing all of them; a smallest estimate within
+# FAST_RANK_MARGIN of the cutoff takes the full check.
+FAST_RANK_CHECK_FROM = 2048
+FAST_RANK_MARGIN = 100.0
 
 
 @dataclass
@@ -102,39 +107,21 @@ def solve_affine(m: Moments, device: torch.device | str | None = None) -> Affine
     # condition number of raw normal equations. The result is the minimum-norm
     # solution in standardized inputs; on inputs in the span of the fit rows
     # its predictions equal lstsq's.
-    # The check needs eigenvalues only (several times cheaper than eigenvectors at thousands of
-    # inputs); the eigenvectors are computed only for the truncated solve that needs them.
+    # Large inputs (a re-solve over thousands of kept hidden units, at every gate attempt) check
+    # the rank from the Cholesky factor the solve needs anyway: the extreme eigenvalues by block
+    # inverse and power iteration, a second where all eigenvalues take several times the
+    # factorisation. Anything near the cutoff, or a failed factorisation, takes the full path.
     scale = diag[live].sqrt()
     corr = c_live / scale[:, None] / scale[None, :]
-    eigvals = torch.linalg.eigvalsh(corr)
-    cutoff = RANK_RTOL * float(eigvals[-1])
-    truncated = int((eigvals <= cutoff).sum())
-    damping = 0.0
-    if truncated:
-        eigvals, eigvecs = torch.linalg.eigh(corr)
-        truncated = int((eigvals <= RANK_RTOL * float(eigvals[-1])).sum())
-        warnings.append(
-            f"input covariance rank-deficient: {truncated} direction(s) below {RANK_RTOL:g} × largest eigenvalue "
-            "of the input correlation dropped (minimum-norm solution in standardized inputs)"
-        )
-        V, lam = eigvecs[:, truncated:], eigvals[truncated:]
-        solved = (V @ ((V.T @ (rhs / scale[:, None])) / lam[:, None])) / scale[:, None]
-    else:
-        for step in DAMPING_STEPS:
-            lam = step * mean_diag
-            a = c_live + lam * torch.eye(c_live.shape[0], dtype=_F64, device=c_live.device) if lam else c_live
-            chol, info = torch.linalg.cholesky_ex(a)
-            if int(info) == 0:
-                damping = step
-                break
-        else:
-            raise RuntimeError(
-                "the input covariance is singular even with damping 0.1 × mean diagonal; "
-                "the calibration data is degenerate (e.g. all windows identical)"
-            )
-        if damping:
-            warnings.append(f"input covariance singular: damped by {damping:g} × mean diagonal")
-        solved = torch.cholesky_solve(rhs, chol)
+    damping, truncated, solved = 0.0, 0, None
+    if c_live.shape[0] >= FAST_RANK_CHECK_FROM:
+        chol, info = torch.linalg.cholesky_ex(c_live)
+        if int(info) == 0:
+            lo, hi = extreme_eigvals(corr, chol, scale)
+            if lo > FAST_RANK_MARGIN * RANK_RTOL * hi:
+                solved = torch.cholesky_solve(rhs, chol)
+    if solved is None:
+        solved, damping, truncated = _solve_checked(c_live, corr, rhs, scale, mean_diag, warnings)
     W = torch.zeros(m.d_in, m.d_out, dtype=_F64, device=m.cxx.device)
     W[live] = solved
     b = m.my - W.T @ m.mx
@@ -150,6 +137,64 @@ def solve_affine(m: Moments, device: torch.device | str | None = None) -> Affine
         explained_eigvals=eigvals[order].clamp_min(0), explained_eigvecs=eigvecs[:, order],
         fit_sse=float(sse.sum()), fit_sst=m.sst(),
     )
+
+
+def _solve_checked(c_live, corr, rhs, scale, mean_diag, warnings) -> tuple[torch.Tensor, float, int]:
+    """(solution, damping, truncated directions): the rank check on every eigenvalue of ``corr``,
+    then the truncated eigen-solve or the Cholesky solve (damped only if it fails)."""
+    # The check needs eigenvalues only (several times cheaper than eigenvectors at thousands of
+    # inputs); the eigenvectors are computed only for the truncated solve that needs them.
+    eigvals = torch.linalg.eigvalsh(corr)
+    truncated = int((eigvals <= RANK_RTOL * float(eigvals[-1])).sum())
+    if truncated:
+        eigvals, eigvecs = torch.linalg.eigh(corr)
+        truncated = int((eigvals <= RANK_RTOL * float(eigvals[-1])).sum())
+        warnings.append(
+            f"input covariance rank-deficient: {truncated} direction(s) below {RANK_RTOL:g} × largest eigenvalue "
+            "of the input correlation dropped (minimum-norm solution in standardized inputs)"
+        )
+        V, lam = eigvecs[:, truncated:], eigvals[truncated:]
+        return (V @ ((V.T @ (rhs / scale[:, None])) / lam[:, None])) / scale[:, None], 0.0, truncated
+    for step in DAMPING_STEPS:
+        lam = step * mean_diag
+        a = c_live + lam * torch.eye(c_live.shape[0], dtype=_F64, device=c_live.device) if lam else c_live
+        chol, info = torch.linalg.cholesky_ex(a)
+        if int(info) == 0:
+            break
+    else:
+        raise RuntimeError(
+            "the input covariance is singular even with damping 0.1 × mean diagonal; "
+            "the calibration data is degenerate (e.g. all windows identical)"
+        )
+    if step:
+        warnings.append(f"input covariance singular: damped by {step:g} × mean diagonal")
+    return torch.cholesky_solve(rhs, chol), step, 0
+
+
+@torch.no_grad()
+def extreme_eigvals(corr: torch.Tensor, chol: torch.Tensor, scale: torch.Tensor, iters: int = 4,
+                    block: int = 8) -> tuple[float, float]:
+    """Estimates of the smallest and largest eigenvalue of the correlation ``corr = D^-½ C D^-½``,
+    given the Cholesky factor ``chol`` of ``C`` and ``scale = diag(C)^½``: block inverse iteration
+    (solves with the factor) and block power iteration, each closed by a Rayleigh–Ritz step, from a
+    seeded start. Ritz values lie inside the spectrum, so the smallest is an upper bound on the true
+    one and the largest a lower bound on the true one; a direction far below the rest (what the rank
+    check looks for) dominates the inverse iteration after one step.
+
+    >>> lo, hi = extreme_eigvals(corr, torch.linalg.cholesky(c), c.diagonal().sqrt())   # doctest: +SKIP
+    """
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(corr.shape[0], block, generator=g, dtype=corr.dtype).to(corr.device)
+    s = scale[:, None]
+    q = torch.linalg.qr(start).Q
+    for _ in range(iters):  # corr⁻¹ q = D^½ C⁻¹ D^½ q
+        q = torch.linalg.qr(torch.cholesky_solve(q * s, chol) * s).Q
+    lo = float(torch.linalg.eigvalsh(q.T @ corr @ q)[0])
+    q = torch.linalg.qr(start).Q
+    for _ in range(iters):
+        q = torch.linalg.qr(corr @ q).Q
+    hi = float(torch.linalg.eigvalsh(q.T @ corr @ q)[-1])
+    return lo, hi
 
 
 def uncentered(m: Moments) -> Moments:

@@ -408,6 +408,10 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         inside = [k for k in (widths_params(active, w) / ffn_total for w in grid_widths) if failed < k < passed]
         return inside[len(inside) // 2] if inside else None
 
+    # (block, units) → its independent fit, solved once: a block keeps its width across bisection steps,
+    # and the chosen target is installed again at the end (large models only, whose fits are on disk).
+    solved: dict[tuple[int, int], Fitted] = {}
+
     def install(keep: float, target: str) -> tuple[dict[int, Level | None], dict[int, Fitted]]:
         restore()
         choice = choose(keep)
@@ -415,9 +419,11 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         if target == "none" and all(i in kept_data for i, lv in choice.items() if lv is not None):
             for i, lv in choice.items():
                 if lv is not None:
-                    f = fit_at(kept_data[i], lv.size)
+                    f = solved.get((i, lv.size)) or kept_data.keep_fit(fit_at(kept_data[i], lv.size))
+                    if kept_data.spill:  # fits on disk: kept for the next attempt that wants this width
+                        solved[i, lv.size] = f
                     model.set_submodule(modules[i], f.build(originals[i]))
-                    fits[i] = kept_data.keep_fit(f)
+                    fits[i] = f
         else:
             def step(i: int, st: LayerStats) -> LayerResult:
                 return LayerResult(i, fitted=fit_at(block_data(i, st), choice[i].size))
