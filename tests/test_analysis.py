@@ -276,3 +276,17 @@ def test_correlations_against_numpy():
     assert c["pearson"]["ci"][0] <= c["pearson"]["r"] <= c["pearson"]["ci"][1]
     assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486832980505138)
     assert spearman([1, None, 3, 4], [1, 2, None, 4]) is None
+
+
+def test_corpora_reading_warns_when_domains_have_too_few_rows_per_regressor():
+    """Held-out R²_lin from few fit rows per regressor is biased down (overfitting): the reading says so,
+    and names the --domain-tokens that would avoid it; with enough rows it does not."""
+    from compressor.analysis import corpora
+
+    domains = {n: {"fit_rows": 3200, "r2_lin": r} for n, r in
+               (("a", [0.5, 0.6, 0.7]), ("b", [0.4, 0.6, 0.8]), ("c", [0.45, 0.55, 0.75]))}
+    summary = corpora.summarize(domains)
+    wide = corpora.reading(domains, summary, [0, 1, 2], d_in=1536)
+    assert "Caution: 3,200 fit rows for 1,537 regressors" in wide and "7,685" in wide
+    assert "Caution" not in corpora.reading(domains, summary, [0, 1, 2], d_in=64)
+    assert "Caution" not in corpora.reading(domains, summary, [0, 1, 2])

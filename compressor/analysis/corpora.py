@@ -137,7 +137,11 @@ def summarize(domains: dict[str, dict]) -> dict:
     }
 
 
-def reading(domains: dict[str, dict], summary: dict, blocks: list[int]) -> str:
+#: Fit rows per regressor below which a domain's held-out R²_lin is visibly biased down by overfitting.
+ROWS_PER_REGRESSOR = 5
+
+
+def reading(domains: dict[str, dict], summary: dict, blocks: list[int], d_in: int | None = None) -> str:
     names = list(domains)
     rhos = [v for v in summary["spearman"].values() if v is not None]
     if len(names) < 2 or not rhos:
@@ -154,6 +158,12 @@ def reading(domains: dict[str, dict], summary: dict, blocks: list[int]) -> str:
                    "a threshold fitted on one domain does not transfer as is.")
     else:
         verdict = "The profile depends on the text: the blocks rank differently on different domains."
+    rows = min((d.get("fit_rows") or 0) for d in domains.values())
+    if d_in and rows < ROWS_PER_REGRESSOR * (d_in + 1):
+        verdict += (f" Caution: {rows:,} fit rows for {d_in + 1:,} regressors per output ({rows / (d_in + 1):.1f} "
+                    "per regressor) overfit, which lowers held-out R²_lin most where a block has the least "
+                    f"signal; part of the spread is that, not the text. Raise --domain-tokens to ≥ "
+                    f"{ROWS_PER_REGRESSOR * (d_in + 1):,} fit rows per domain before reading it.")
     return lead + verdict
 
 

@@ -73,7 +73,8 @@ def add_readings(a: dict) -> dict:
     a["regimes"] = dict(a.get("regimes") or {}, reading=regimes_reading(a["profile"]))
     readers = {"probe": probe.reading, "trained": trained.reading, "crossfeed": crossfeed.reading,
                "control": control.reading,
-               "corpora": lambda c: corpora.reading(c["domains"], c, c["blocks"])}
+               "corpora": lambda c: corpora.reading(c["domains"], c, c["blocks"],
+                                                    d_in=(a.get("profile") or [{}])[0].get("d_in"))}
     for part, read in readers.items():
         if a.get(part):
             a[part]["reading"] = read(a[part])
