@@ -11,8 +11,9 @@ read from the recipe and the config. The constants below are set from operation
 counts, and scaled where a measured run of the default recipe on the 2-core
 CPU disagreed (docs/checkpoints.md): Qwen2.5-Coder-1.5B's loss gradients,
 pass A per block and gate re-solve, measured after the path and solve were
-made faster; SmolLM2-135M 5 min said, 5.8 min taken; Gemma-3-270M the loss
-gradients, pass A and gate within 20 % (before that change). A guide, not a
+made faster; with the earlier constants, SmolLM2-135M 5 min said, 5.8 min
+taken, and Gemma-3-270M the loss gradients, pass A and gate within 20 %
+(not re-checked since). A guide, not a
 promise.
 """
 
@@ -39,9 +40,9 @@ SOLVE_FACTOR = 3.2
 #: the spill to disk): Qwen2.5-Coder-1.5B's forward and statistics took 48 s per block, 1.5× the
 #: forward-speed count.
 STATS_FACTOR = 1.5
-#: A re-solve at a chosen width, relative to the full path of the same block (9 s against 48 s,
-#: measured at 8,192 of 8,960 units).
-REFIT_SHARE = 0.2
+#: A re-solve at a chosen width, relative to the full path of the same block (11.4 s against 47.9 s,
+#: at 8,192 of 8,960 units: tools/results/bench_pass_a_pieces.json).
+REFIT_SHARE = 0.24
 
 
 @dataclass

@@ -419,7 +419,9 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         if target == "none" and all(i in kept_data for i, lv in choice.items() if lv is not None):
             for i, lv in choice.items():
                 if lv is not None:
-                    f = solved.get((i, lv.size)) or kept_data.keep_fit(fit_at(kept_data[i], lv.size))
+                    f = solved.get((i, lv.size))
+                    if f is None:
+                        f = kept_data.keep_fit(fit_at(kept_data[i], lv.size))
                     if kept_data.spill:  # fits on disk: kept for the next attempt that wants this width
                         solved[i, lv.size] = f
                     model.set_submodule(modules[i], f.build(originals[i]))
