@@ -6,6 +6,7 @@ model, data or recipe is refused (exit 2), as is --resume with nothing to resume
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -135,8 +136,8 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, source, reference, scenari
             compressor.run(recipe)
     folder = state_dir(out)
     assert not out.exists() and (folder / "state.json").is_file()
-    layers_done = record_files(folder, "walk*-layer*.safetensors")
-    evals_done = record_files(folder, "eval*.safetensors")
+    layers_done = record_files(folder, "*walk*-layer*.safetensors")
+    evals_done = record_files(folder, "*eval*.safetensors")
     assert layers_done, "no layer was checkpointed before the failure"
 
     with pytest.MonkeyPatch.context() as mp:
@@ -175,13 +176,13 @@ def test_mismatched_state_is_refused(tmp_path, source, capsys):
     path = _interrupted_cli_run(tmp_path, source, d)
     capsys.readouterr()
 
-    # a changed recipe field: refused before the model loads
-    changed = dict(d, policy=dict(d["policy"], ppl_budget=50.0))
+    # a changed measurement setting: refused before the model loads
+    changed = dict(d, measure=dict(d["measure"], spike_factor=10.0))
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump(changed, sort_keys=False))
     assert main(["run", str(other), "--resume", "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "different recipe" in err and "Run without --resume to start over" in err
+    assert "different measurement settings" in err and "Run without --resume to start over" in err
 
     # changed calibration text: refused once the calibration windows are known
     text.write_text("\n\n".join(reversed(docs)))
@@ -258,3 +259,93 @@ def test_records_round_trip_exactly():
     g = back[1]
     assert g.config == f.config and g.params == 7 and g.heldout_r2 != g.heldout_r2 and g.warnings == ["w"]
     assert all(torch.equal(g.tensors[k], f.tensors[k]) for k in f.tensors)
+
+
+# -- measurements kept across budgets ------------------------------------------------------------
+
+def _count_gradient_passes(mp: pytest.MonkeyPatch) -> list[int]:
+    from compressor.policy import compress as policy_compress
+
+    calls: list[int] = []
+    real = policy_compress.output_grad_moments
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    mp.setattr(policy_compress, "output_grad_moments", counted)
+    return calls
+
+
+def test_other_budget_takes_the_kept_measurements(tmp_path, source, caplog):
+    """A run kept with --keep-state lends its measurements to a run at another budget (another
+    output): pass A, the loss gradients and the baseline are not measured again, the donor is left
+    as it was, and the result is byte-identical to a fresh run at that budget."""
+    caplog.set_level(logging.INFO, logger="compressor")
+    first = tmp_path / "first"
+    res = compressor.run(recipe_for(source, first, "allocate"), keep_state=True)
+    assert res.exit_code == compressor.EXIT_OK
+    donor = state_dir(first)
+    donor_files = {p.name: p.stat().st_size for p in donor.iterdir()}
+    assert any(n.startswith("gate-") for n in donor_files) and "sensitivity.safetensors" in donor_files
+    assert "run state kept at" in caplog.text
+
+    other = recipe_for(source, tmp_path / "second", "allocate", ffn_keep=0.6, ppl_budget=200.0, max_backoff=1)
+    with pytest.MonkeyPatch.context() as mp:
+        counter, grads = Counter(mp), _count_gradient_passes(mp)
+        got = compressor.run(other, measurements_from=first)
+    assert got.exit_code == compressor.EXIT_OK, got.report["message"]
+    assert grads == [], "the loss-gradient pass ran again"
+    assert all(target != "none" for target, _ in counter.measured), "pass A measured a layer again"
+    assert not state_dir(tmp_path / "second").exists()
+    assert {p.name: p.stat().st_size for p in donor.iterdir()} == donor_files, "the donor state was touched"
+
+    with pytest.MonkeyPatch.context() as mp:
+        fresh_counter, fresh_grads = Counter(mp), _count_gradient_passes(mp)
+        fresh = compressor.run(recipe_for(source, tmp_path / "fresh", "allocate", ffn_keep=0.6, ppl_budget=200.0,
+                                          max_backoff=1))
+    assert fresh_grads == [1] and any(t == "none" for t, _ in fresh_counter.measured)
+    assert outcome(got) == outcome(fresh)
+    assert got.report["allocation_attempts"][0]["ffn_keep_target"] == 0.6
+
+
+def test_resume_with_a_changed_budget_reruns_only_the_gate(tmp_path, source, caplog):
+    caplog.set_level(logging.INFO, logger="compressor")
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        Counter(mp, fail_eval=2)  # interrupted in the bisection: gate records exist
+        with pytest.raises(Interrupted):
+            compressor.run(recipe_for(source, out, "allocate"))
+    assert record_files(state_dir(out), "gate-eval*.safetensors")
+    changed = recipe_for(source, out, "allocate", ffn_keep=0.6, ppl_budget=200.0)
+    with pytest.MonkeyPatch.context() as mp:
+        counter = Counter(mp)
+        res = compressor.run(changed, resume=True)
+    assert res.exit_code == compressor.EXIT_OK
+    assert "only the gate settings" in caplog.text
+    assert all(target != "none" for target, _ in counter.measured)
+    fresh = compressor.run(recipe_for(source, tmp_path / "fresh", "allocate", ffn_keep=0.6, ppl_budget=200.0))
+    assert outcome(res) == outcome(fresh)
+
+
+def test_measurements_are_refused_from_another_setup(tmp_path, source, capsys):
+    first = tmp_path / "first"
+    d = recipe_for(source, first, "allocate").to_dict()
+    path = tmp_path / "first.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    second = ["-o", str(tmp_path / "second"), "--quiet"]
+    # nothing kept
+    assert main(["run", str(path), *second, "--measurements-from", str(first)]) == 2
+    assert "--keep-state" in capsys.readouterr().err
+    assert main(["run", str(path), "--keep-state", "--quiet"]) == 0
+    assert state_dir(first).is_dir()
+    # a measurement setting differs
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(dict(d, measure=dict(d["measure"], spike_factor=10.0)), sort_keys=False))
+    assert main(["run", str(changed), *second, "--measurements-from", str(first)]) == 2
+    err = capsys.readouterr().err
+    assert "different measurement settings" in err and "only the policy's gate settings may differ" in err
+    # both ways of starting from a saved state at once
+    assert main(["run", str(path), *second, "--measurements-from", str(first), "--resume"]) == 2
+    assert "--resume and --measurements-from" in capsys.readouterr().err
+    assert not (tmp_path / "second").exists() and not state_dir(tmp_path / "second").exists()

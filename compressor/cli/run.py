@@ -43,7 +43,14 @@ def add_parsers(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved plan; load nothing")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run of this recipe and output from its saved state (same result as an "
-                   "uninterrupted run); refused when the model, data, recipe or tool version differ")
+                   "uninterrupted run); refused when the model, data, recipe or tool version differ, except that "
+                   "a change to the policy's gate settings alone keeps the measurements and reruns the gate")
+    p.add_argument("--keep-state", action="store_true",
+                   help="keep the run state (measurements: pass A statistics, loss gradients, baseline) when the run "
+                   "ends, for later runs at other budgets (--measurements-from); it can take tens of GB")
+    p.add_argument("--measurements-from", default=None, metavar="OUTPUT",
+                   help="start from the measurements an earlier run of this recipe kept (--keep-state) for output "
+                   "folder OUTPUT; only the policy's gate settings (ppl_budget, ffn_keep, …) may differ")
     p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
     p.add_argument("--report", default=None, help="also write report.json here (also written when the gate fails)")
     add_overrides(p)
@@ -111,7 +118,9 @@ def handle(args) -> int:
 
     init_from_env(recipe.model.device)  # under torchrun / accelerate launch: join the process group
     try:
-        result = run(recipe, use_cache=False if args.no_cache else None, resume=getattr(args, "resume", False))
+        result = run(recipe, use_cache=False if args.no_cache else None, resume=getattr(args, "resume", False),
+                     keep_state=getattr(args, "keep_state", False),
+                     measurements_from=getattr(args, "measurements_from", None))
     except KeyboardInterrupt:
         from compressor.engine.resume import state_dir
 

@@ -18,14 +18,29 @@ What is in it:
   (path, name, size and mtime of each weight/config file, sha256 of
   ``config.json``: cheap, and safe when the model is offloaded), the
   calibration and evaluation token fingerprints, the recipe's sha256 (without
-  its ``output`` section) and the tool version. ``--resume`` refuses a state
-  whose key differs, naming what differs.
+  its ``output`` section), the sha256 of its measurement settings (the recipe
+  without the policy's gate settings, :data:`~compressor.recipe.schema.GATE_FIELDS`)
+  and the tool version. ``--resume`` refuses a state whose key differs, naming
+  what differs — except when only the gate settings changed: then the
+  measurements are kept and the gate's records are dropped (see below).
 * one record per finished step, ``<name>.safetensors`` (tensors + the rest as
   JSON in the metadata; written to a temporary file, then ``os.replace``):
   ``walkNN-layerIIII`` for each layer of each layer walk (what the layer's step
   produced: profile, fit, error curve, kept statistics), ``sensitivity``,
   ``baseline`` (the teacher caches of the evaluation domains) and ``evalNNNN``
-  for each gate evaluation, in the order the run makes them.
+  for each gate evaluation, in the order the run makes them. Records made after
+  :meth:`RunState.begin_gate` (the gate's evaluations and its calibration passes)
+  are named ``gate-…``.
+
+Measurements and the gate: pass A, the loss-gradient pass and the baseline
+evaluation depend on the model, the data and the measurement settings; only the
+records after :meth:`RunState.begin_gate` depend on the budget. So a run whose
+recipe differs from the saved one only in its gate settings (``policy.ppl_budget``,
+``ffn_keep``, …) resumes from the measurements and runs its gate afresh — with
+``--resume`` on the same output, or with ``--measurements-from`` from the state an
+earlier run kept (``--keep-state``) for another output, whose measurement records
+are linked (hard links where the file system allows, else copied) into this
+run's state. That is how one pass A serves several budgets.
 
 A resumed run repeats every deterministic step (installing fits, rolling
 back, bisecting) and takes recorded results instead of measuring or
@@ -64,8 +79,10 @@ SUFFIX = ".safetensors"
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt", ".py")
 KEY_LABELS = {
     "model": "model", "calibration": "calibration data", "evaluation": "evaluation data", "recipe": "recipe",
-    "tool_version": "tool version",
+    "measurement": "measurement settings", "tool_version": "tool version",
 }
+#: Name prefix of the records the gate makes (see :meth:`RunState.begin_gate`).
+GATE_PREFIX = "gate-"
 
 
 class ResumeError(ValueError):
@@ -139,7 +156,7 @@ def run_key(recipe, src, eval_streams: dict[str, torch.Tensor]) -> dict:
     from compressor.core.version import __version__
 
     return {"model": model_identity(src, recipe.model.revision), "evaluation": tokens_fingerprint(eval_streams),
-            "recipe": recipe.sha256(), "tool_version": __version__}
+            "recipe": recipe.sha256(), "measurement": recipe.measurement_sha256(), "tool_version": __version__}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,19 +267,29 @@ class RunState:
         self.resumed = resumed
         self._walks = 0
         self._evals = 0
+        self._gate = False
 
     # -- opening ------------------------------------------------------------
     @classmethod
     def open(cls, output: str | Path, key: dict, *, resume: bool,
-             reads: Iterable[tuple[str, str | Path]] = ()) -> "RunState":
+             reads: Iterable[tuple[str, str | Path]] = (),
+             measurements_from: str | Path | None = None) -> "RunState":
         """The state of the run writing ``output``: the saved one (``resume``; checked
-        against ``key``) or a fresh one (an earlier state for that output is discarded)."""
+        against ``key``) or a fresh one (an earlier state for that output is discarded).
+        ``measurements_from``: a fresh state that starts with the measurement records of the
+        state kept for that other output (its key must match but for the gate settings)."""
         folder = state_dir(output)
         for what, path in reads:
             p = Path(path).expanduser().resolve()
             if p == folder or p.is_relative_to(folder):
                 raise ResumeError(f"{what} ({p}) lies in {folder}, where this run keeps its resume state and which "
                                   "it deletes when it ends; move it elsewhere")
+        if measurements_from is not None:
+            if resume:
+                raise ResumeError("--resume and --measurements-from both name a saved state to start from; use "
+                                  "--resume to continue this output's own run, --measurements-from to start a new "
+                                  "one from another run's measurements")
+            return cls._from_measurements(folder, state_dir(measurements_from), key)
         saved = cls._read_state(folder)
         if not resume:
             if saved is not None and is_main():
@@ -296,14 +323,84 @@ class RunState:
                           f"{STATE_FORMAT}); this run keeps its resume state there. Remove it or choose another "
                           "output folder")
 
-    def _compare(self, key: dict) -> None:
+    @classmethod
+    def _from_measurements(cls, folder: Path, source: Path, key: dict) -> "RunState":
+        saved = cls._read_state(source)
+        if saved is None:
+            raise ResumeError(f"--measurements-from: there is no kept run state at {source}; run the earlier recipe "
+                              "with --keep-state to keep its measurements when it ends")
+        if source == folder:
+            raise ResumeError("--measurements-from names this run's own output; use --resume to continue it")
+        donor = cls(source, saved.get("key", {}), resumed=True)
+        donor._compare({k: v for k, v in key.items() if k != "recipe"}, what="--measurements-from")
+        if not is_main():  # rank 0 links the records; every rank reads them
+            return cls(folder, {**donor.key, "recipe": key["recipe"]}, resumed=True)
+        if folder.exists():
+            if cls._read_state(folder) is not None:
+                logger.info("discarding the saved state of an earlier interrupted run at %s", folder)
+            shutil.rmtree(folder)
+        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        taken = 0
+        try:
+            for p in sorted(source.iterdir()):
+                if p.suffix != SUFFIX or p.name.startswith(GATE_PREFIX) or p.name.startswith("."):
+                    continue
+                try:
+                    os.link(p, tmp / p.name)
+                except OSError:
+                    shutil.copy2(p, tmp / p.name)
+                taken += 1
+            state = cls(tmp, {**donor.key, "recipe": key["recipe"]}, resumed=True)
+            state._write_key()
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("measurements from %s: %d record(s) (statistics, loss gradients, baseline) taken; the gate "
+                    "runs afresh", source, taken)
+        return cls(folder, {**donor.key, "recipe": key["recipe"]}, resumed=True)
+
+    def _write_key(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        blob = {"format": STATE_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "key": self.key}
+        self._atomic(self.folder / STATE_FILE, lambda tmp: tmp.write_text(json.dumps(blob, indent=2) + "\n"))
+
+    def _gate_changed(self, key: dict, differ: list[str]) -> bool:
+        """Only the gate settings differ from the saved run: keep the measurements, drop the gate's records."""
+        if differ != ["recipe"] or "measurement" not in key or self.key.get("measurement") != key["measurement"]:
+            return False
+        dropped = 0
+        if is_main():
+            for p in self.folder.iterdir():
+                if p.name.startswith(GATE_PREFIX) and p.suffix == SUFFIX:
+                    p.unlink()
+                    dropped += 1
+            self.key["recipe"] = key["recipe"]
+            self._write_key()
+        logger.info("--resume: only the gate settings (policy budget, ffn_keep, …) differ from the saved run: its "
+                    "measurements are kept and the gate runs afresh (%d gate record(s) dropped)", dropped)
+        return True
+
+    def _compare(self, key: dict, what: str = "--resume") -> None:
+        if "measurement" in key and "measurement" not in self.key and self.key.get("recipe") == key.get("recipe"):
+            # saved by a version before the measurement key: the same recipe is the same measurements
+            self.key["measurement"] = key["measurement"]
+            if is_main() and self.folder is not None:
+                self._write_key()
         differ = [k for k in key if self.key.get(k) != key[k]]
-        if not differ:
+        if not differ or (what == "--resume" and self._gate_changed(key, differ)):
             return
+        if "measurement" in differ and "recipe" in differ:
+            differ.remove("recipe")  # the measurement settings say more
         names = [KEY_LABELS.get(k, k) for k in differ]
-        what = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        names_ = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         detail = "; ".join(self._explain(k, self.key.get(k), key[k]) for k in differ)
-        raise ResumeError(f"--resume: the saved run state at {self.folder} is of a different {what} than this run "
+        if what != "--resume":
+            raise ResumeError(f"{what}: the run state at {self.folder} is of a different {names_} than this run "
+                              f"({detail}); measurements are taken only from a run of the same model, data and "
+                              "measurement settings (only the policy's gate settings may differ).")
+        raise ResumeError(f"--resume: the saved run state at {self.folder} is of a different {names_} than this run "
                           f"({detail}). Run without --resume to start over (the saved state is then discarded), or "
                           "restore the inputs of the interrupted run.")
 
@@ -325,9 +422,7 @@ class RunState:
         self.key["calibration"] = fingerprint
         if not is_main():  # under a process group rank 0 alone writes (every rank's records are equal)
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        blob = {"format": STATE_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "key": self.key}
-        self._atomic(self.folder / STATE_FILE, lambda tmp: tmp.write_text(json.dumps(blob, indent=2) + "\n"))
+        self._write_key()
 
     def discard(self) -> None:
         """Delete the state (the run ended: published, or refused by the gate)."""
@@ -390,15 +485,23 @@ class RunState:
         self.put(name, what, value)
         return value
 
+    def begin_gate(self) -> None:
+        """The measurements are done: the records from here on depend on the gate settings too
+        (named ``gate-…``, dropped when a resumed run changes only those settings)."""
+        self._gate = True
+
+    def _scoped(self, name: str) -> str:
+        return GATE_PREFIX + name if self._gate else name
+
     def evaluation(self, desc: str, compute: Callable[[], Any]) -> Any:
         """The next gate evaluation of the run (recorded ones are not run again)."""
         self._evals += 1
-        return self.once(f"eval{self._evals:04d}", desc, compute)
+        return self.once(self._scoped(f"eval{self._evals:04d}"), desc, compute)
 
     def walk(self, desc: str) -> "WalkRecords":
         """The records of the next layer walk of the run."""
         self._walks += 1
-        return WalkRecords(self, f"walk{self._walks:02d}", desc)
+        return WalkRecords(self, self._scoped(f"walk{self._walks:02d}"), desc)
 
 
 class WalkRecords:

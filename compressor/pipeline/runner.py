@@ -24,7 +24,8 @@ class RunResult:
     result: CompressionResult | None = field(default=None, repr=False)
 
 
-def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) -> RunResult:
+def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False, keep_state: bool = False,
+        measurements_from: str | Path | None = None) -> RunResult:
     """Run a whole recipe. Raises :class:`~compressor.core.errors.RecipeError` /
     :class:`~compressor.core.errors.InputError` for bad input.
 
@@ -34,7 +35,11 @@ def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) 
     Every finished layer and evaluation is checkpointed beside the output
     (:mod:`compressor.engine.resume`); ``resume=True`` continues a run that was
     interrupted, with the same result as an uninterrupted one. Without it, an
-    earlier run's state for this output is discarded.
+    earlier run's state for this output is discarded. The state is deleted when
+    the run ends unless ``keep_state``; a later run whose recipe differs only in
+    the policy's gate settings then takes its measurements (pass A, loss
+    gradients, baseline) with ``measurements_from=<this output>``, or with
+    ``resume=True`` on the same output, and runs only its gate.
 
     Under a process group (``torchrun``; see :mod:`compressor.core.distributed`) every
     rank calls it: calibration and evaluation are sharded, the decisions come out
@@ -47,7 +52,8 @@ def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False) 
     """
     t_start = time.perf_counter()
     use_cache = recipe.measure.cache if use_cache is None else use_cache
-    checked = stages.check(recipe, resume=resume)
+    checked = stages.check(recipe, resume=resume, measurements_from=measurements_from)
+    checked.keep_state = keep_state
     try:
         return _run_checked(recipe, checked, use_cache, t_start)
     finally:
@@ -67,7 +73,7 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, use_cache: bool, t_sta
     if not result.gate_passed:
         report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
         logger.error("perplexity gate failed: %s; nothing was written", result.gate_message)
-        checked.state.discard()
+        _end_state(checked)
         return RunResult(EXIT_GATE, report, None, result)
     if not dist.is_main():
         return _wait_for_main(result)
@@ -80,10 +86,22 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, use_cache: bool, t_sta
         dist.broadcast_object(((exit_code_for(err), f"{type(err).__name__}: {err}"), None))
         raise
     dist.broadcast_object((None, report))
-    checked.state.discard()
+    _end_state(checked)
     logger.info("saved compressed model to %s", out)
     logger.info("%s", result.gate_message)
     return RunResult(EXIT_OK, report, out, result)
+
+
+def _end_state(checked: stages.Checked) -> None:
+    """The run ended: delete its state, or keep it (``keep_state``) for runs at other budgets."""
+    state = checked.state
+    if not checked.keep_state:
+        state.discard()
+    elif dist.is_main() and state.enabled:
+        size = sum(p.stat().st_size for p in state.folder.iterdir() if p.is_file())
+        logger.info("run state kept at %s (%.1f GB): a run of this recipe with other gate settings (policy.ppl_budget, "
+                    "ffn_keep, …) takes its measurements with --measurements-from %s; delete the folder when done",
+                    state.folder, size / 1e9, checked.out)
 
 
 def _wait_for_main(result: CompressionResult) -> RunResult:

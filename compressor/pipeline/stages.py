@@ -56,6 +56,8 @@ class Checked:
     """The multiple the kept FFN widths come in (:func:`compressor.recipe.schema.width_multiple`)."""
     seconds: float = 0.0
     """Wall time of the checks."""
+    keep_state: bool = False
+    """Keep the run state when the run ends (``--keep-state``)."""
 
     def release(self) -> None:
         if self.lock is not None:
@@ -112,7 +114,7 @@ def _model_type(recipe: Recipe) -> str:
     return AutoConfig.from_pretrained(src.path, **kwargs).model_type
 
 
-def check(recipe: Recipe, *, resume: bool) -> Checked:
+def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None = None) -> Checked:
     """Check inputs: files, data, output safety, evaluation text size, dtype rules and the
     resume state — everything that can be known before the model loads."""
     t0 = time.perf_counter()
@@ -140,7 +142,7 @@ def check(recipe: Recipe, *, resume: bool) -> Checked:
     lock = OutputLock(out).acquire() if dist.is_main() else None
     try:  # a run that cannot resume fails at once
         state = RunState.open(out, run_key(recipe, resolve_source(mc.source, mc.gguf_file), streams),
-                              resume=resume, reads=reads)
+                              resume=resume, reads=reads, measurements_from=measurements_from)
     except ResumeError as err:
         if lock is not None:
             lock.release()

@@ -289,6 +289,7 @@ def compress_model(
         batch_size={n: cfgs[n].batch_size for n in streams}, top_k=min(cfgs[n].kl_top_k for n in streams),
     ).teachers))
     baseline = evaluator.baseline
+    state.begin_gate()  # what follows depends on the budget too
     limit = ppl_limit(baseline.ppl, pol.ppl_budget, pol.budget_mode)
     logger.info("baseline perplexity %.4f over %d tokens; budget ≤ %.4f", baseline.ppl, baseline.tokens, limit)
     timings["baseline_s"] = time.perf_counter() - t0
@@ -354,7 +355,8 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
     allowed = f"+{100 * budget:.1f} %" if mode == "relative" else f"+{budget:g} perplexity"
     return (f"no cut passed the gate: even the smallest tried ({cost(smallest)} perplexity on the gate's text) is over "
             f"the budget of {allowed}; tried: {'; '.join(cost(a) for a in attempts)}. This model gives up little "
-            "of its FFN at this budget: raise policy.ppl_budget to a cost listed above, or calibrate on more text")
+            "of its FFN at this budget: raise policy.ppl_budget to a cost listed above, or calibrate on more text "
+            "(a run with --keep-state lets later runs at other budgets take its measurements: --measurements-from)")
 
 
 def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,

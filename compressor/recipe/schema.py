@@ -366,3 +366,19 @@ class Recipe(_Section):
         d = self.to_dict()
         d.pop("output")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+    def measurement_sha256(self) -> str:
+        """Hash of what the run measures before its gate: the recipe minus the output section and
+        the policy's :data:`GATE_FIELDS`. Two recipes with the same hash take the same statistics,
+        loss gradients and baseline, so a run can take them from the other's kept state."""
+        d = self.to_dict()
+        d.pop("output")
+        for name in GATE_FIELDS:
+            d["policy"].pop(name, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+#: Policy settings read only by the gate (after pass A, the loss-gradient pass and the baseline
+#: evaluation): a change to them alone keeps a run's measurements valid. ``strategy`` and
+#: ``allocation`` are not among them: they decide what pass A records.
+GATE_FIELDS = tuple(sorted(set(PolicyConfig.model_fields) - {"strategy", "allocation"}))
