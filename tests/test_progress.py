@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from compressor.core.progress import LogProgress, progress
 
 
@@ -69,6 +71,14 @@ def test_the_run_says_how_long_it_expects_to_take(caplog, monkeypatch):
     monkeypatch.setattr(estimate, "forward_seconds_per_token", lambda *a, **k: speed)
     assert (estimate_run(more, model, self_text_cached=True, hidden=True).stages["pass A"]
             > estimate_run(recipe, model, self_text_cached=True, hidden=True).stages["pass A"])
+    # a resumed run: what its state holds is not counted again
+    full = estimate_run(recipe, model, self_text_cached=True, hidden=True)
+    n = model.config.num_hidden_layers
+    half = estimate_run(recipe, model, self_text_cached=True, hidden=True, recorded={"gradients": True, "layers": n // 2})
+    assert "loss gradients" not in half.stages
+    assert half.stages["pass A"] == pytest.approx(full.stages["pass A"] * (n - n // 2) / n)
+    done = estimate_run(recipe, model, self_text_cached=True, hidden=True, recorded={"gradients": True, "layers": n})
+    assert done.stages["pass A"] == 0 and done.stages["gate"] == full.stages["gate"]
     with caplog.at_level(logging.INFO, logger="compressor.pipeline.estimate"):
         assert say_estimate(recipe, model, self_text_cached=True, hidden=True) is not None
     assert "expected run time: about" in caplog.text

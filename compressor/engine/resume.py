@@ -485,6 +485,15 @@ class RunState:
         self.put(name, what, value)
         return value
 
+    def recorded(self) -> dict:
+        """What a resumed state already holds of the measurements, for the run's time estimate:
+        ``{"gradients": bool, "layers": n}`` (loss-gradient statistics; layers of the first walk)."""
+        if not (self.resumed and self.enabled):
+            return {"gradients": False, "layers": 0}
+        names = {p.name for p in self.folder.iterdir()}
+        return {"gradients": f"sensitivity{SUFFIX}" in names,
+                "layers": sum(1 for n in names if n.startswith("walk01-layer") and n.endswith(SUFFIX))}
+
     def begin_gate(self) -> None:
         """The measurements are done: the records from here on depend on the gate settings too
         (named ``gate-…``, dropped when a resumed run changes only those settings)."""

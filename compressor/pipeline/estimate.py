@@ -108,8 +108,12 @@ def _shape(model: nn.Module) -> tuple[int, int, int, int, int]:
     return d, ff, int(cfg.num_hidden_layers), int(cfg.vocab_size), sum(p.numel() for p in model.parameters())
 
 
-def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool) -> Estimate:
-    """Expected seconds per stage of ``recipe`` on ``model`` (already loaded) on this machine."""
+def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool,
+                 recorded: dict | None = None) -> Estimate:
+    """Expected seconds per stage of ``recipe`` on ``model`` (already loaded) on this machine.
+    ``recorded``: what a saved run state already holds (:meth:`~compressor.engine.resume.RunState.recorded`),
+    which a resumed run does not measure again."""
+    recorded = recorded or {}
     c, pol, rc = recipe.calibration, recipe.policy, recipe.replacement
     fwd = forward_seconds_per_token(model, c.seq_len)
     d, ff, layers, vocab, params = _shape(model)
@@ -125,9 +129,12 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
         n_self = c.max_tokens if c.dataset == "self" else (c.self_tokens or c.max_tokens // 2)
         out["self-calibration"] = n_self * decode_seconds_per_token(model, 32)
     strategy = pol.strategy
-    if strategy == "allocate" and pol.allocation == "fisher" or getattr(rc, "selection", "obs") == "loss":
+    needs_gradients = strategy == "allocate" and pol.allocation == "fisher" or getattr(rc, "selection", "obs") == "loss"
+    if needs_gradients and not recorded.get("gradients"):
         out["loss gradients"] = min(fit, 128 * c.seq_len) * fwd * BACKWARD_FACTOR
-    out["pass A"] = cal * fwd * (1 + STATS_FACTOR * stats) + (layers * width ** 3 * per_mac * SOLVE_FACTOR if hidden else 0.0)
+    left = max(layers - recorded.get("layers", 0), 0) / layers
+    out["pass A"] = left * (cal * fwd * (1 + STATS_FACTOR * stats) + (layers * width ** 3 * per_mac * SOLVE_FACTOR
+                                                                      if hidden else 0.0))
     attempts = 1 + (pol.max_backoff if pol.gate else 0)
     teacher = getattr(rc, "target", "none") not in ("none", None)
     out["gate"] = evals * fwd * (1 + attempts + (1 if teacher else 0))
@@ -140,10 +147,11 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
     return Estimate(out, fwd)
 
 
-def say_estimate(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool) -> Estimate | None:
+def say_estimate(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool,
+                 recorded: dict | None = None) -> Estimate | None:
     """Log the estimate (never fails a run: a model that cannot be timed is simply not estimated)."""
     try:
-        est = estimate_run(recipe, model, self_text_cached=self_text_cached, hidden=hidden)
+        est = estimate_run(recipe, model, self_text_cached=self_text_cached, hidden=hidden, recorded=recorded)
     except Exception as err:  # noqa: BLE001 - an estimate is a courtesy, the run goes on without it
         logger.debug("no time estimate: %s", err)
         return None

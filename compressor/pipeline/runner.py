@@ -65,7 +65,7 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, use_cache: bool, t_sta
     loaded = stages.load(recipe.model)
     load_s = time.perf_counter() - t
     stages.check_loaded(recipe, loaded)
-    fp = stages.expect(recipe, loaded, use_cache=use_cache)
+    fp = stages.expect(recipe, loaded, use_cache=use_cache, checked=checked)
     calibrated = stages.calibrate(recipe, loaded, checked, use_cache=use_cache, model_fp=fp)
     result = stages.compress(recipe, loaded, calibrated, checked)
     result.timings = {"check_s": checked.seconds, "load_s": load_s, **result.timings}

@@ -241,7 +241,7 @@ def check_loaded(recipe: Recipe, loaded: Loaded) -> None:
                          "exclude fewer blocks")
 
 
-def expect(recipe: Recipe, loaded: Loaded, *, use_cache: bool) -> str | None:
+def expect(recipe: Recipe, loaded: Loaded, *, use_cache: bool, checked: Checked | None = None) -> str | None:
     """Say how long the run is expected to take (logged; see :mod:`.estimate`). Returns the model's
     fingerprint when it was needed to look up cached calibration text (the calibration reuses it)."""
     from compressor.engine.cache import model_fingerprint
@@ -255,7 +255,8 @@ def expect(recipe: Recipe, loaded: Loaded, *, use_cache: bool) -> str | None:
         fp = model_fingerprint(loaded.model)
         cached = is_cached(fp, loaded.tokenizer, self_settings(recipe))
     if dist.is_main():
-        say_estimate(recipe, loaded.model, self_text_cached=cached, hidden=get_kind(recipe.replacement.kind).needs_hidden)
+        say_estimate(recipe, loaded.model, self_text_cached=cached, hidden=get_kind(recipe.replacement.kind).needs_hidden,
+                     recorded=checked.state.recorded() if checked is not None else None)
     return fp
 
 
