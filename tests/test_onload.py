@@ -154,3 +154,27 @@ def test_block_store_spills_statistics_and_gives_them_back(tmp_path):
     assert folder.is_dir()
     store.close()
     assert not folder.exists()
+
+
+def test_block_store_reads_recorded_statistics_instead_of_writing_them(tmp_path):
+    """Statistics a run-state record already holds are read back from it: no second copy on disk."""
+    from compressor.fitting.kinds.base import BlockData
+    from compressor.engine.spill import BlockStore
+    from compressor.core.stats import Moments
+
+    m = Moments(4, 4)
+    m.update(torch.randn(20, 4, dtype=torch.float64), torch.randn(20, 4, dtype=torch.float64), torch.float64)
+    ffn = torch.nn.Identity()
+    data = BlockData(2, ffn, None, "silu", m, m, m)
+    loads = []
+    stored = BlockData(2, None, None, "silu", m, m, m)
+    store = BlockStore(4, spill=True, folder=tmp_path / "state")
+    store.keep_recorded(2, data, lambda: loads.append(1) or stored)
+    assert 2 in store and store._data[2].fit is None and loads == []
+    back = store[2]
+    assert loads == [1] and back.ffn is ffn and back.fit is m and back.zfit is m
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").rglob("*.safetensors"))
+    # a store that keeps statistics in RAM keeps them whole
+    ram = BlockStore(4, spill=False)
+    ram.keep_recorded(2, data, lambda: pytest.fail("read back from disk while in RAM"))
+    assert ram[2] is data

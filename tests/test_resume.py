@@ -349,3 +349,40 @@ def test_measurements_are_refused_from_another_setup(tmp_path, source, capsys):
     assert main(["run", str(path), *second, "--measurements-from", str(first), "--resume"]) == 2
     assert "--resume and --measurements-from" in capsys.readouterr().err
     assert not (tmp_path / "second").exists() and not state_dir(tmp_path / "second").exists()
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_spilled_statistics_are_read_from_the_records(tmp_path, source, reference, monkeypatch, interrupted):
+    """A run whose statistics spill to disk keeps no second copy of what its records hold (the
+    store reads them back from there), writes nothing to the system's temporary folder, and gives
+    the same result, also when resumed."""
+    import tempfile
+
+    from compressor.engine.spill import BlockStore
+    from compressor.policy import compress as policy_compress
+
+    monkeypatch.setattr(policy_compress, "KEEP_STATS_MEMORY_SHARE", 0.0)  # every run spills
+    systmp = tmp_path / "systmp"
+    systmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
+    copies = []
+    real_set = BlockStore.__setitem__
+    monkeypatch.setattr(BlockStore, "__setitem__", lambda self, i, d: copies.append(i) or real_set(self, i, d))
+    out = tmp_path / "out"
+    recipe = recipe_for(source, out, "allocate")
+    if interrupted:
+        with pytest.MonkeyPatch.context() as mp:
+            Counter(mp, fail_eval=2)
+            with pytest.raises(Interrupted):
+                compressor.run(recipe)
+        leftover = state_dir(out) / "compressor-stats-killed"  # what a SIGKILLed run's spill leaves behind
+        leftover.mkdir()
+        (leftover / "block0.safetensors").write_bytes(b"x" * 10)
+    res = compressor.run(recipe, resume=interrupted, keep_state=True)
+    assert res.exit_code == compressor.EXIT_OK
+    assert copies == [], "statistics the records hold were written again"
+    kept = state_dir(out)
+    assert (kept / "state.json").is_file() and not [p for p in kept.iterdir() if p.is_dir()], \
+        "a temporary folder outlived its run in the state folder"
+    assert outcome(res) == reference["allocate"]["outcome"]
+    assert list(systmp.iterdir()) == []

@@ -303,6 +303,10 @@ class RunState:
                               "a fresh run.")
         state = cls(folder, saved.get("key", {}), resumed=True)
         state._compare(key)
+        if is_main():  # temporary folders of the interrupted run (the output lock says it is gone)
+            for p in folder.iterdir():
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
         n = sum(1 for p in folder.iterdir() if p.suffix == SUFFIX)
         logger.info("resuming from %s: %d step(s) recorded by the interrupted run", folder, n)
         return state
@@ -454,8 +458,14 @@ class RunState:
         self._atomic(self.folder / f"{name}{SUFFIX}", lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     def get(self, name: str, what: str) -> tuple[bool, Any]:
-        """``(True, value)`` when step ``name`` was recorded, else ``(False, None)``."""
-        if not (self.resumed and self.enabled):
+        """``(True, value)`` when step ``name`` was recorded by the run this one resumes, else ``(False, None)``."""
+        if not self.resumed:
+            return False, None
+        return self.read(name, what)
+
+    def read(self, name: str, what: str) -> tuple[bool, Any]:
+        """``(True, value)`` when step ``name`` is on disk (recorded by this run or the one it resumes)."""
+        if not self.enabled:
             return False, None
         path = self.folder / f"{name}{SUFFIX}"
         if not path.is_file():
@@ -494,6 +504,11 @@ class RunState:
         return {"gradients": f"sensitivity{SUFFIX}" in names,
                 "layers": sum(1 for n in names if n.startswith("walk01-layer") and n.endswith(SUFFIX))}
 
+    def scratch_folder(self) -> Path | None:
+        """Where this run's temporary files go (inside the state folder, so they go with it; a
+        killed run's are cleared when the next run of the output opens the state), or None."""
+        return self.folder if self.enabled else None
+
     def begin_gate(self) -> None:
         """The measurements are done: the records from here on depend on the gate settings too
         (named ``gate-…``, dropped when a resumed run changes only those settings)."""
@@ -529,8 +544,13 @@ class WalkRecords:
     def save(self, i: int, value: Any) -> None:
         self.state.put(self._name(i), f"{self.desc}: layer {i}", value)
 
+    @property
+    def on_disk(self) -> bool:
+        """Whether this process's records are on disk to be read back (rank 0 alone writes them)."""
+        return self.state.enabled and is_main()
+
     def load(self, i: int) -> Any:
-        found, value = self.state.get(self._name(i), f"{self.desc}: layer {i}")
+        found, value = self.state.read(self._name(i), f"{self.desc}: layer {i}")
         if not found:
             raise ResumeError(f"--resume: the record of layer {i} ({self.desc}) in {self.state.folder} could not be "
                               "read. Run without --resume to start over.")

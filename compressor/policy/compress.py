@@ -132,18 +132,23 @@ class LayerResult:
 
 def checkpointed_walk(walker: LayerWalker, state: RunState, desc: str,
                       step: Callable[[int, LayerStats], LayerResult],
-                      apply: Callable[[LayerResult], nn.Module | None], **kwargs) -> None:
+                      apply: Callable[..., nn.Module | None], **kwargs) -> None:
     """One layer walk: ``step`` turns a layer's statistics into a :class:`LayerResult`,
-    which is recorded, then ``apply`` takes it in (and may return a replacement to install).
+    which is recorded, then ``apply(result, reload)`` takes it in (and may return a replacement to
+    install); ``reload()`` reads the record back from disk (None when the run records nothing).
     Layers an interrupted run finished are not measured again: their records are applied."""
     records = state.walk(desc)
+
+    def reloader(i: int) -> Callable[[], LayerResult] | None:
+        return (lambda: records.load(i)) if records.on_disk else None
 
     def on_layer(i: int, st: LayerStats):
         result = step(i, st)
         records.save(i, result)
-        return apply(result)
+        return apply(result, reloader(i))
 
-    walker.walk(on_layer, done=records.done, replay=lambda i: apply(records.load(i)), desc=desc, **kwargs)
+    walker.walk(on_layer, done=records.done, replay=lambda i: apply(records.load(i), reloader(i)), desc=desc,
+                **kwargs)
 
 
 def _activation(model: nn.Module, spec) -> str | None:
@@ -232,7 +237,7 @@ def compress_model(
     # allocate re-solves blocks from their statistics: in RAM while they fit, else spilled to
     # disk (always when the model is onloaded: memory then stays flat in depth).
     kept_data = BlockStore(n_blocks, spill=True if is_offloaded(model) else None,
-                           memory_share=KEEP_STATS_MEMORY_SHARE)
+                           memory_share=KEEP_STATS_MEMORY_SHARE, folder=state.scratch_folder())
 
     grad_moments: dict[int, torch.Tensor] = {}
     needs_grad = strategy == "allocate" and pol.allocation == "fisher" or getattr(rc, "selection", "obs") == "loss"
@@ -262,7 +267,7 @@ def compress_model(
         data.zheld = None  # the curve holds what the held-out rows had to say
         return LayerResult(i, prof, curve=BlockCurve(i, ffn_params[i], levels, weight), data=data)
 
-    def take(r: LayerResult) -> None:
+    def take(r: LayerResult, reload: Callable[[], LayerResult] | None = None) -> None:
         profiles[r.index] = r.profile
         if r.fitted is not None:
             fitted[r.index] = kept_data.keep_fit(r.fitted)
@@ -270,7 +275,10 @@ def compress_model(
             curves.append(r.curve)
         if r.data is not None:
             r.data.ffn, r.data.spec = model.get_submodule(modules[r.index]), spec  # not recorded: live objects
-            kept_data[r.index] = r.data
+            if reload is None:
+                kept_data[r.index] = r.data
+            else:  # the record holds the statistics already: a spilling store reads them from there
+                kept_data.keep_recorded(r.index, r.data, lambda: reload().data)
         return None
 
     # A width rule changes the recorded curves: its own description keeps a resume from mixing them.
@@ -432,7 +440,7 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
             def step(i: int, st: LayerStats) -> LayerResult:
                 return LayerResult(i, fitted=fit_at(block_data(i, st), choice[i].size))
 
-            def take(r: LayerResult) -> nn.Module:
+            def take(r: LayerResult, reload=None) -> nn.Module:
                 mod = r.fitted.build(originals[r.index])
                 fits[r.index] = kept_data.keep_fit(r.fitted)
                 return mod

