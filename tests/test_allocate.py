@@ -95,3 +95,15 @@ def test_allocating_whole_block_affine_swaps_runs_to_the_end(tmp_path):
     d["replacement"] = {"kind": "affine"}
     res = compressor.run(compressor.recipe_from_dict(d))
     assert res.exit_code == 0 and res.report["allocation_attempts"][-1]["target"] == "none"
+
+
+def test_scarce_calibration_rows_are_named_with_the_tokens_needed():
+    """Qwen2.5-Coder-1.5B at the default 16,384 tokens: 14,336 fit rows for 8,960 units is 1.6 per unit;
+    SmolLM2-135M's 1,536 units get 9.3 and no warning."""
+    from compressor.policy.compress import scarce_rows_message
+
+    msg = scarce_rows_message(14336, 8960, 16384, 0.125)
+    assert msg is not None and "1.6 per unit" in msg and "calibration.max_tokens ≥ 51,200 (now 16,384)" in msg
+    assert f"about {14336 / (14336 - 8704):.1f}×" in msg  # n / (n − p) at the first cut's 8,704 units
+    assert scarce_rows_message(14336, 1536, 16384, 0.125) is None
+    assert "underdetermined" in scarce_rows_message(4000, 8960, 4096, 0.125)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -53,6 +54,27 @@ KEEP_STATS_MEMORY_SHARE = 0.3
 FISHER_MAX_WINDOWS = 128
 # allocate without policy.ffn_keep: the bisection searches kept fractions above this.
 MIN_FFN_KEEP = 0.3
+# The hidden-unit kinds re-solve the down projection on the kept units: with fewer fit rows per
+# unit than this, its error on unseen text is visibly inflated by overfitting (n / (n − p)).
+MIN_ROWS_PER_UNIT = 5
+
+
+def scarce_rows_message(rows: int, units: int, max_tokens: int, heldout_fraction: float) -> str | None:
+    """A warning when ``rows`` fit rows are few for re-solving on up to ``units`` hidden units, or None.
+
+    Least squares on ``n`` rows and ``p`` regressors errs on unseen rows about ``n / (n − p)`` times
+    as much as it would with unlimited rows (the classical out-of-sample inflation of OLS)."""
+    if rows >= MIN_ROWS_PER_UNIT * units:
+        return None
+    p = max(units - 256, units // 2)  # a small cut: where the allocation starts
+    need = math.ceil(MIN_ROWS_PER_UNIT * units / (1 - heldout_fraction) / 1024) * 1024
+    effect = (f"about {rows / (rows - p):.1f}× the error the same units would have with unlimited text (at "
+              f"{p:,} units; 1.1× at 10 rows per unit)" if rows > p else
+              "underdetermined (fewer rows than units)")
+    return (f"calibration: {rows:,} fit rows for FFNs of {units:,} hidden units ({rows / units:.1f} per unit). A down "
+            f"projection re-solved on the kept units then errs on unseen text by {effect}, so even small cuts look "
+            f"costly to the gate. Give the prune/hybrid kinds ≥ {MIN_ROWS_PER_UNIT} rows per unit: "
+            f"calibration.max_tokens ≥ {need:,} (now {max_tokens:,})")
 
 
 @dataclass
@@ -255,11 +277,19 @@ def compress_model(
         return BlockData(i, model.get_submodule(modules[i]), spec, act, st.xy.fit, st.xy.heldout_total(),
                          st.zfit, st.zheld, output_weight=grad_moments.get(i))
 
+    warned: list[bool] = []
+
     def step(i: int, st: LayerStats) -> LayerResult:
         """Pass A on one layer: its profile, and its fit (greedy) or error curve (allocate)."""
         prof, _ = block_profile(st.xy, outlier_share_flag=m.outlier_share_flag)
         prof.ffn_params, prof.affine_params = ffn_params[i], prof.d_in * prof.d_out + prof.d_out
         data = block_data(i, st)
+        if kind.needs_hidden and not warned and data.zfit is not None:
+            warned.append(True)
+            msg = scarce_rows_message(int(data.zfit.n), data.d_ff, recipe.calibration.max_tokens,
+                                      recipe.calibration.heldout_fraction)
+            if msg:
+                logger.warning("%s", msg)
         if strategy == "greedy":
             return LayerResult(i, prof, fitted=fit_at(data, kind.default_level(data, rc, **widths)))
         levels = kind.levels(data, rc, **widths)
