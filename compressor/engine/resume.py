@@ -337,8 +337,9 @@ class RunState:
             raise ResumeError("--measurements-from names this run's own output; use --resume to continue it")
         donor = cls(source, saved.get("key", {}), resumed=True)
         donor._compare({k: v for k, v in key.items() if k != "recipe"}, what="--measurements-from")
+        own_key = {**donor.key, "recipe": key["recipe"]}
         if not is_main():  # rank 0 links the records; every rank reads them
-            return cls(folder, {**donor.key, "recipe": key["recipe"]}, resumed=True)
+            return cls(folder, own_key, resumed=True)
         if folder.exists():
             if cls._read_state(folder) is not None:
                 logger.info("discarding the saved state of an earlier interrupted run at %s", folder)
@@ -356,14 +357,14 @@ class RunState:
                 except OSError:
                     shutil.copy2(p, tmp / p.name)
                 taken += 1
-            state = cls(tmp, {**donor.key, "recipe": key["recipe"]}, resumed=True)
+            state = cls(tmp, own_key, resumed=True)
             state._write_key()
             os.replace(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         logger.info("measurements from %s: %d record(s) (statistics, loss gradients, baseline) taken; the gate "
                     "runs afresh", source, taken)
-        return cls(folder, {**donor.key, "recipe": key["recipe"]}, resumed=True)
+        return cls(folder, own_key, resumed=True)
 
     def _write_key(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
