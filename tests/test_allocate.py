@@ -104,6 +104,9 @@ def test_scarce_calibration_rows_are_named_with_the_tokens_needed():
 
     msg = scarce_rows_message(14336, 8960, 16384, 0.125)
     assert msg is not None and "1.6 per unit" in msg and "calibration.max_tokens ≥ 51,200 (now 16,384)" in msg
-    assert f"about {14336 / (14336 - 8704):.1f}×" in msg  # n / (n − p) at the first cut's 8,704 units
+    assert f"at least {14336 / (14336 - 8704):.1f}×" in msg  # n / (n − p) at the first cut's 8,704 units
+    assert "replacement.ridge" in msg
     assert scarce_rows_message(14336, 1536, 16384, 0.125) is None
     assert "underdetermined" in scarce_rows_message(4000, 8960, 4096, 0.125)
+    # the default ridge keeps the re-solve from fitting the rows' noise: no warning then
+    assert scarce_rows_message(14336, 8960, 16384, 0.125, ridge=1.0) is None

@@ -116,13 +116,29 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+def _ridge_rows(a: np.ndarray, y: np.ndarray, prior: np.ndarray, ridge: float) -> tuple[np.ndarray, np.ndarray]:
+    """The design ``a`` (last column: the intercept) and targets ``y`` with one extra row per regressor,
+    ``√(λ dⱼ) eⱼ → √(λ dⱼ) priorⱼ`` (``dⱼ``: the regressor's centred sum of squares): plain least squares
+    on them is the ridge toward ``prior`` with the intercept not shrunk."""
+    if not ridge:
+        return a, y
+    p = a.shape[1] - 1
+    d = ((a[:, :p] - a[:, :p].mean(0)) ** 2).sum(0)
+    rows = np.zeros((p, p + 1))
+    rows[np.arange(p), np.arange(p)] = np.sqrt(ridge * d)
+    return np.concatenate([a, rows]), np.concatenate([y, np.sqrt(ridge * d)[:, None] * prior])
+
+
+@pytest.mark.parametrize("ridge", [0.0, 1.0])
 @pytest.mark.parametrize("kind_name", ["prune", "hybrid"])
 @pytest.mark.parametrize("model_type", COMPRESSIBLE)
-def test_hidden_unit_fit_matches_lstsq_on_captured_rows(model_type, kind_name):
+def test_hidden_unit_fit_matches_lstsq_on_captured_rows(model_type, kind_name, ridge):
+    """The re-solve equals float64 lstsq on captured rows: exactly (ridge 0), or with the ridge toward the
+    original down projection written out as extra rows (ridge 1, the default)."""
     model = tiny_model(model_type).double()
     fit_w, held_w = random_windows(16, SEQ, seed=0), random_windows(4, SEQ, seed=1)
     data = _block_data(model, model_type, fit_w, held_w)
-    kind, cfg = get_kind(kind_name), CONFIGS[kind_name](keep=0.5)
+    kind, cfg = get_kind(kind_name), CONFIGS[kind_name](keep=0.5, ridge=ridge)
     k = data.d_ff // 2
     kept = kind.path(data, cfg).kept(k).numpy()
     assert kept.shape == (k,) and len(set(kept.tolist())) == k
@@ -132,7 +148,10 @@ def test_hidden_unit_fit_matches_lstsq_on_captured_rows(model_type, kind_name):
 
     bypass = kind_name == "hybrid"
     rows = _capture(model, model_type, fit_w)
-    coef = _lstsq(_design(rows["x"], rows["h"], kept, bypass), rows["y"])
+    w0 = ffn_down_reference(model, model_type, BLOCK).weight.detach().double().numpy()
+    w0 = w0 if w0.shape[0] == data.d_ff else w0.T  # [d_ff, d_out] (GPT-2's Conv1D stores [in, out])
+    prior = np.concatenate([w0[kept]] + ([np.zeros((data.d, data.d_out))] if bypass else []))
+    coef = _lstsq(*_ridge_rows(_design(rows["x"], rows["h"], kept, bypass), rows["y"], prior, ridge))
     held = _capture(model, model_type, held_w)
     expected = _design(held["x"], held["h"], kept, bypass) @ coef
     with torch.no_grad():
@@ -194,9 +213,16 @@ def _moments(z: np.ndarray, y: np.ndarray) -> Moments:
     return m
 
 
-def _refit(z, y, cols, zh=None, yh=None) -> tuple[float, float]:
-    """(fit-row SSE, held-out SSE) of the exact least-squares refit on columns ``cols`` (+ intercept)."""
+def _refit(z, y, cols, zh=None, yh=None, ridge=0.0, prior=None) -> tuple[float, float]:
+    """(fit-row SSE, held-out SSE) of the exact least-squares refit on columns ``cols`` (+ intercept);
+    with ``ridge``, of the refit shrunk toward ``prior`` ([p, d_out]), whose fit-row SSE then includes the
+    prior's rows of every regressor (those of the removed ones are left at their full prior)."""
     a = np.concatenate([z[:, cols], np.ones((z.shape[0], 1))], axis=1)
+    if ridge:
+        everything, _ = _ridge_rows(np.concatenate([z, np.ones((z.shape[0], 1))], axis=1), y, prior, ridge)
+        keep_cols = list(cols) + [z.shape[1]]
+        a, y = everything[:, keep_cols], _ridge_rows(np.concatenate([z, np.ones((z.shape[0], 1))], axis=1),
+                                                     y, prior, ridge)[1]
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     sse = float(((a @ coef - y) ** 2).sum())
     if zh is None:
@@ -274,6 +300,26 @@ def test_obs_path_errors_equal_brute_force_refits(seed, obs_tolerance, record_pr
     # reported, not asserted: greedy removal need not find the best subset
     record_property("greedy_equals_exhaustive_at_3", abs(greedy - best) <= obs_tolerance)
     record_property("greedy_minus_exhaustive_at_3", greedy - best)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_obs_path_with_a_ridge_equals_brute_force_ridge_refits(seed, obs_tolerance):
+    """With ``ridge`` and a prior, every step of the path is the ridge refit toward the prior on the kept
+    regressors: held-out error and the shrunk fit objective equal brute-force lstsq on augmented rows."""
+    (z, y), (zh, yh) = _obs_problem(seed)
+    p = N_FIXED + N_REM
+    prior = np.zeros((p, D_OUT))
+    prior[N_FIXED:] = np.random.default_rng(seed + 10).standard_normal((N_REM, D_OUT))
+    ridge = 0.7
+    path = obs_path(_moments(z, y), _moments(zh, yh), N_FIXED, step=1, ridge=ridge, prior=torch.from_numpy(prior))
+    sst, sst_h = _sst(y), _sst(yh)
+    for size, fit_err, held_err in zip(path.sizes, path.fit_rel_error, path.heldout_rel_error):
+        fit_sse, held_sse = _refit(z, y, _cols(path.kept(size)), zh, yh, ridge=ridge, prior=prior)
+        assert abs(fit_err - fit_sse / sst) <= 10 * obs_tolerance, (size, fit_err, fit_sse / sst)
+        assert abs(held_err - held_sse / sst_h) <= 10 * obs_tolerance, (size, held_err, held_sse / sst_h)
+    # not the same path as without the ridge (the prior terms change the costs)
+    plain = obs_path(_moments(z, y), _moments(zh, yh), N_FIXED, step=1)
+    assert plain.heldout_rel_error[1:] != pytest.approx(path.heldout_rel_error[1:], rel=1e-6)
 
 
 def test_obs_path_is_the_same_whether_its_matrices_shrink_every_step_or_never(monkeypatch):

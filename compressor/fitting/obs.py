@@ -18,6 +18,17 @@ curve used for allocation.
 
 Everything runs in float64 on standardized regressors (unit variance), so the
 costs do not depend on the scale of a unit.
+
+With ``ridge`` λ > 0 every solve along the path is shrunk toward ``prior``
+(the block's original coefficients): ``(S + λ I) B = S_y + λ B₀`` on the
+standardized regressors, i.e. ``λ`` times each regressor's own variance. The
+path is then exact OBS on the ridge-augmented normal equations (λ I is a set
+of extra rows ``√λ eⱼ → √λ B₀ⱼ``): removing a unit also gives up its prior
+term ``λ‖B₀ⱼ‖²``, which blends OBS with magnitude × activation pruning, and
+the held-out error is tracked exactly for the shrunk solutions. With λ → ∞ the
+kept units keep their original weights. When the fit rows barely outnumber the
+units, the exact re-solve (λ = 0) fits the fit rows' noise: see
+``tools/bench_resolve_rows.py``.
 """
 
 from __future__ import annotations
@@ -82,6 +93,8 @@ def obs_path(
     step: int = 1,
     output_weight: torch.Tensor | None = None,
     device: torch.device | str | None = None,
+    ridge: float = 0.0,
+    prior: torch.Tensor | None = None,
 ) -> ObsPath:
     """Greedy removal path over regressors ``n_fixed..p-1`` of ``zfit``.
 
@@ -91,7 +104,9 @@ def obs_path(
     cost_j = Σ_o w_o B_jo² / [S⁻¹]_jj; the coefficients do not depend on it,
     and the reported errors are then weighted the same way. The matrices
     shrink as regressors leave, and run on ``device`` (e.g. the GPU the
-    layer lives on).
+    layer lives on). ``ridge`` (≥ 0) shrinks every solve toward ``prior``
+    ([p, d_out] coefficients in the units of ``zfit``; zeros when None), and
+    ``fit_rel_error`` is then the shrunk objective, not the plain fit error.
 
     >>> path = obs_path(zfit, zheld, n_fixed=d, step=16)      # doctest: +SKIP
     >>> path.kept(512)                                         # doctest: +SKIP
@@ -100,6 +115,10 @@ def obs_path(
         raise ValueError("no calibration rows for the hidden-unit path")
     if step < 1:
         raise ValueError(f"step must be ≥ 1, got {step}")
+    if ridge < 0:
+        raise ValueError(f"ridge must be ≥ 0, got {ridge}")
+    if prior is not None and tuple(prior.shape) != (zfit.d_in, zfit.d_out):
+        raise ValueError(f"prior must be [{zfit.d_in}, {zfit.d_out}], got {list(prior.shape)}")
     dev = torch.device(device) if device is not None else zfit.cxx.device
     p = zfit.d_in
     n_rem = p - n_fixed
@@ -108,6 +127,8 @@ def obs_path(
     # barely outnumber the regressors (or do not), that can exceed the default damping.
     eye = torch.eye(p, dtype=_F64, device=dev)
     ladder = (PATH_DAMPING, *(x for x in PATH_RETRY_DAMPING if x > PATH_DAMPING))
+    diag_live = torch.nonzero(live).flatten()
+    r[diag_live, diag_live] += ridge  # dead regressors keep their 1
     for damping in ladder:
         chol, info = torch.linalg.cholesky_ex(r + damping * eye)
         if int(info) == 0:
@@ -122,11 +143,18 @@ def obs_path(
     rinv = torch.cholesky_inverse(chol)
     del r, chol, eye
     cy = zfit.cxy.to(dev) / zfit.n / s[:, None]
+    b0 = None
+    if ridge and prior is not None:
+        b0 = s[:, None] * prior.to(dev, _F64) * live[:, None]  # B₀ in standardized units
+        cy = cy + ridge * b0
     b = rinv @ cy
     b[~live] = 0
     w = torch.ones(zfit.d_out, dtype=_F64, device=dev) if output_weight is None else output_weight.to(dev, _F64)
     sst_fit = float((zfit.cyy_diag.to(dev) * w).sum()) / zfit.n
-    sse_fit = max(sst_fit - float((b * cy * w).sum()), 0.0)
+    # SSE of the augmented rows: the prior's rows add λ‖B₀‖² to the total they are fitted against.
+    prior_ss = ridge * float((b0 * b0 * w).sum()) if b0 is not None else 0.0
+    sse_fit = max(sst_fit + prior_ss - float((b * cy * w).sum()), 0.0)
+    del b0
 
     held = zheld is not None and zheld.n > 0
     if held:

@@ -158,11 +158,19 @@ class LowRankReplacement(_Section):
         return self
 
 
+DEFAULT_RIDGE = 1.0
+"""``replacement.ridge`` of prune/hybrid: measured on held-out rows in tools/results/resolve_rows_*.json."""
+
+
 class _HiddenUnitReplacement(_Section):
     keep: float | None = Field(None, gt=0, le=1, description="fraction of hidden units kept in every replaced block (greedy strategy); null: the allocate strategy sets it per block")
     step_units: int | None = Field(None, ge=1, description="hidden units removed per step of the OBS path (1 = exact greedy; null: d_ff/128)")
     selection: Literal["obs", "loss"] = Field(
         "obs", description="which units to keep: obs (greedy OBS on the output error) or loss (OBS weighted by the loss-gradient second moment of each output; one backward pass over the calibration data)")
+    ridge: float = Field(
+        DEFAULT_RIDGE, ge=0, description="shrinks the re-solved down projection toward the original one: λ times each kept "
+        "unit's own second moment on the normal equations' diagonal (0: the exact least-squares re-solve, which "
+        "fits the calibration rows' noise when they barely outnumber the units; see docs/recipes.md)")
     target: Literal["none", "teacher_output", "teacher_residual"] = Field(
         "none", description="fit target: none (block's own output, original inputs); teacher_output / teacher_residual (compressed model's inputs, toward the original model)")
 

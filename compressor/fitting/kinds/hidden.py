@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from compressor.fitting.solve import DEAD_COLUMN_RTOL, score, solve_affine, solve_linear, subset
+from compressor.fitting.solve import DEAD_COLUMN_RTOL, score, shrunk, solve_affine, solve_linear, subset
 from compressor.fitting.obs import ObsPath, obs_path
 from compressor.core.onload import execution_device, tensor
 from compressor.fitting.kinds.base import BlockData, Fitted, Kind, Level
@@ -71,6 +71,15 @@ class HiddenUnitKind(Kind):
         cols = torch.arange(data.d, data.d + data.d_ff)
         return subset(data.zfit, cols), subset(data.zheld, cols) if data.zheld is not None else None
 
+    @staticmethod
+    def prior(data: BlockData) -> torch.Tensor:
+        """The original model's coefficients over ``z = [x, h]`` ([d + d_ff, d_out], float64): zero for the
+        bypass ``x``, the down projection for ``h``. The ridge (``replacement.ridge``) shrinks toward them."""
+        w, _ = linear_params(data.ffn.get_submodule(data.spec.ffn_down))
+        out = torch.zeros(data.zfit.d_in, data.d_out, dtype=torch.float64)
+        out[data.d:] = w.T.to(torch.float64).cpu()
+        return out
+
     def path(self, data: BlockData, cfg, multiple: int = 1) -> ObsPath:
         step = cfg.step_units or max(1, math.ceil(data.d_ff / 128))
         if multiple > 1:
@@ -78,11 +87,16 @@ class HiddenUnitKind(Kind):
         weight = data.output_weight if cfg.selection == "loss" else None
         if cfg.selection == "loss" and weight is None:
             raise ValueError("replacement.selection: loss needs the loss-gradient statistics of the block output")
-        key = (self.name, step, cfg.selection)
+        ridge = getattr(cfg, "ridge", 0.0)
+        key = (self.name, step, cfg.selection, ridge)
         if data.cache.get("obs_key") != key:
             zfit, zheld = self._moments(data)
+            prior = None
+            if ridge:
+                prior = self.prior(data)
+                prior = prior if self.bypass else prior[data.d:]
             data.cache["obs"] = obs_path(zfit, zheld, data.d if self.bypass else 0, step=step,
-                                         output_weight=weight, device=_device(data))
+                                         output_weight=weight, device=_device(data), ridge=ridge, prior=prior)
             data.cache["obs_key"] = key
         return data.cache["obs"]
 
@@ -151,7 +165,10 @@ class HiddenUnitKind(Kind):
         if self.bypass:
             cols = torch.cat([cols, torch.arange(data.d)])
         if cols.numel():
-            f = (solve_affine if intercept else solve_linear)(subset(data.zfit, cols), device=_device(data))
+            m = subset(data.zfit, cols)
+            if getattr(cfg, "ridge", 0.0):
+                m = shrunk(m, cfg.ridge, self.prior(data)[cols])
+            f = (solve_affine if intercept else solve_linear)(m, device=_device(data))
             W, b, warnings = f.W, f.b, list(f.warnings)
         else:  # no units, no bypass: the best constant is the mean output
             my = data.zfit.my.cpu()
