@@ -317,3 +317,36 @@ def test_effective_rank_between_extremes_and_of_zero():
     assert effective_rank(v) == pytest.approx(ref, rel=1e-12)
     assert 1.0 < effective_rank(v) < 4.0
     assert effective_rank(torch.zeros(5)) == 0.0
+
+
+@pytest.mark.parametrize("intercept", [True, False])
+def test_shrunk_solve_equals_the_checked_solve_and_ridge_lstsq(intercept):
+    """The gate's lean re-solve on ridge statistics gives the checked solve's weights, and both equal
+    float64 lstsq with the ridge written out as extra rows toward the prior (a dead column gets 0)."""
+    from compressor.fitting.solve import shrunk, solve_linear, solve_shrunk
+
+    rng = np.random.default_rng(3)
+    n, p, q, lam = 40, 12, 3, 0.5  # barely more rows than inputs: where the ridge matters
+    x = rng.standard_normal((n, p)) @ (np.eye(p) + 0.4 * rng.standard_normal((p, p))) + 2.0
+    x[:, 5] = 0.0  # a dead column (a unit that never fires)
+    y = x @ rng.standard_normal((p, q)) + 0.5 * rng.standard_normal((n, q)) + 1.0
+    prior = rng.standard_normal((p, q))
+    m = Moments(p, q)
+    m.update(torch.from_numpy(x), torch.from_numpy(y), torch.float64)
+    ms = shrunk(m, lam, torch.from_numpy(prior))
+    W, b, warnings = solve_shrunk(ms, intercept=intercept)
+    ref = (solve_affine if intercept else solve_linear)(ms)
+    torch.testing.assert_close(W, ref.W, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(b, ref.b, rtol=1e-9, atol=1e-10)
+    assert float(W[5].abs().max()) == 0.0 and any("dead" in w for w in warnings)
+    # independent reference: the ridge as rows √(λ dⱼ) eⱼ → √(λ dⱼ) priorⱼ, dⱼ the centred sum of squares
+    live = [j for j in range(p) if j != 5]
+    d = ((x - x.mean(0)) ** 2).sum(0)
+    a = x[:, live] if not intercept else np.concatenate([x[:, live], np.ones((n, 1))], axis=1)
+    extra = np.zeros((len(live), a.shape[1]))
+    extra[np.arange(len(live)), np.arange(len(live))] = np.sqrt(lam * d[live])
+    coef, *_ = np.linalg.lstsq(np.concatenate([a, extra]),
+                               np.concatenate([y, np.sqrt(lam * d[live])[:, None] * prior[live]]), rcond=None)
+    np.testing.assert_allclose(W[live].numpy(), coef[:len(live)], rtol=1e-8, atol=1e-10)
+    if intercept:
+        np.testing.assert_allclose(b.numpy(), coef[-1], rtol=1e-8, atol=1e-10)

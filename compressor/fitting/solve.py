@@ -312,6 +312,34 @@ def effective_rank(values: torch.Tensor) -> float:
     return math.exp(float(-(p * p.log()).sum()))
 
 
+def solve_shrunk(m: Moments, *, intercept: bool = True,
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """``(W, b, warnings)`` on CPU of the solve on :func:`shrunk` statistics: the same Cholesky solve
+    as :func:`solve_affine`'s (or :func:`solve_linear`'s, ``intercept=False``) fast path, without its
+    rank check and explained spectrum — the ridge bounds the correlation matrix's smallest eigenvalue
+    below by λ / (1 + λ), so there is no singular direction to find, and a gate re-solve needs only
+    the weights. A factorisation that fails anyway takes the checked solve."""
+    dev = torch.device(device) if device is not None else m.cxx.device
+    mm = (m if intercept else uncentered(m)).to(dev)
+    cxx = mm.cxx / mm.n
+    diag = torch.diagonal(cxx)
+    live = diag > DEAD_COLUMN_RTOL * float(diag.mean())
+    c_live = cxx if bool(live.all()) else cxx[live][:, live]
+    chol, info = torch.linalg.cholesky_ex(c_live)
+    if int(info):
+        fit = (solve_affine if intercept else solve_linear)(m, device=device)
+        return fit.W, fit.b, list(fit.warnings)
+    rhs = mm.cxy / mm.n
+    W = torch.zeros(mm.d_in, mm.d_out, dtype=_F64, device=dev)
+    W[live] = torch.cholesky_solve(rhs[live] if not bool(live.all()) else rhs, chol)
+    b = mm.my - W.T @ mm.mx if intercept else torch.zeros_like(mm.my)
+    if not (torch.isfinite(W).all() and torch.isfinite(b).all()):
+        raise FloatingPointError("the re-solve produced non-finite weights; calibration activations overflowed")
+    dead = int((~live).sum())
+    warnings = [f"{dead} dead input column(s) (zero variance) left out of the solve"] if dead else []
+    return W.cpu(), b.cpu(), warnings
+
+
 def shrunk(m: Moments, ridge: float, prior: torch.Tensor) -> Moments:
     """The statistics of a ridge regression toward ``prior`` ([d_in, d_out]): every solve on them gives
     ``(C + λ·diag C) W = C_xy + λ·diag C · W₀`` (``λ`` = ``ridge`` times each input's own variance;

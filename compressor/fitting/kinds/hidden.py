@@ -24,7 +24,8 @@ import math
 import torch
 from torch import nn
 
-from compressor.fitting.solve import DEAD_COLUMN_RTOL, score, shrunk, solve_affine, solve_linear, subset
+from compressor.fitting.solve import (DEAD_COLUMN_RTOL, score, shrunk, solve_affine, solve_linear, solve_shrunk,
+                                      subset)
 from compressor.fitting.obs import ObsPath, obs_path
 from compressor.core.onload import execution_device, tensor
 from compressor.fitting.kinds.base import BlockData, Fitted, Kind, Level
@@ -164,11 +165,12 @@ class HiddenUnitKind(Kind):
         cols = kept + data.d
         if self.bypass:
             cols = torch.cat([cols, torch.arange(data.d)])
-        if cols.numel():
-            m = subset(data.zfit, cols)
-            if getattr(cfg, "ridge", 0.0):
-                m = shrunk(m, cfg.ridge, self.prior(data)[cols])
-            f = (solve_affine if intercept else solve_linear)(m, device=_device(data))
+        ridge = getattr(cfg, "ridge", 0.0)
+        if cols.numel() and ridge:
+            m = shrunk(subset(data.zfit, cols), ridge, self.prior(data)[cols])
+            W, b, warnings = solve_shrunk(m, intercept=intercept, device=_device(data))
+        elif cols.numel():
+            f = (solve_affine if intercept else solve_linear)(subset(data.zfit, cols), device=_device(data))
             W, b, warnings = f.W, f.b, list(f.warnings)
         else:  # no units, no bypass: the best constant is the mean output
             my = data.zfit.my.cpu()
