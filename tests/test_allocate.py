@@ -84,6 +84,60 @@ def test_when_no_cut_passes_the_message_gives_the_smallest_cut_and_its_cost():
     assert "keep 65.0 % → +50.0 %; keep 97.0 % → +8.5 %" in msg and "policy.ppl_budget" in msg
 
 
+def test_a_single_attempt_says_it_was_the_smallest_cut_the_search_reaches():
+    from compressor.policy.compress import no_cut_message
+
+    attempts = [{"ffn_params_kept": 978, "ffn_params_total": 1000, "ppl": 118.1}]
+    msg = no_cut_message(attempts, 100.0, 0.05, "relative")
+    assert "even the smallest tried (keep 97.8 % → +18.1 %" in msg and "tried first" in msg and "tried:" not in msg
+    assert "calibration.dataset: self" not in msg
+    # self-written calibration: its domain is the first thing to change
+    msg = no_cut_message(attempts, 100.0, 0.05, "relative", self_written=True)
+    assert "calibration.dataset: self" in msg and "domain you use the model for" in msg and "ppl_budget" in msg
+
+
+def test_the_smallest_cut_is_where_a_bisection_of_failures_ends():
+    from compressor.policy.compress import smallest_cut
+
+    # halving the removed share from a floor of 0.3 kept: 0.65, 0.825, 0.9125, 0.95625, 0.978125
+    assert smallest_cut(0.3, 5, lambda f: (f + 1.0) / 2) == pytest.approx(1 - 0.7 / 32)
+    assert smallest_cut(0.3, 0, lambda f: (f + 1.0) / 2) is None
+    grid = [0.5, 0.75]  # a grid search runs out of widths before its steps
+    assert smallest_cut(0.3, 5, lambda f: next((k for k in grid if k > f), None)) == 0.75
+
+
+def test_when_the_smallest_cut_fails_the_gate_stops_after_one_attempt(tmp_path):
+    """A budget nothing can meet: one gate attempt (the smallest cut), exit 3, and a message that says so."""
+    import compressor
+    from checkpoints import save_tiny_checkpoint
+    from test_cli import recipe_dict
+
+    d = recipe_dict(save_tiny_checkpoint(tmp_path / "in", "llama"), tmp_path / "out")
+    # two steps: the smallest cut removes 17.5 % of the FFN parameters (a few units of a tiny FFN at least)
+    d["policy"] = {"strategy": "allocate", "allocation": "residual", "metric": "kl", "kl_budget": 1e-12, "max_backoff": 2}
+    d["replacement"] = {"kind": "prune"}
+    res = compressor.run(compressor.recipe_from_dict(d))
+    attempts = res.report["allocation_attempts"]
+    assert res.exit_code == 3 and len(attempts) == 1 and attempts[0]["blocks_replaced"] > 0
+    assert attempts[0]["ffn_keep_target"] == pytest.approx(1 - 0.7 / 4)
+    assert "tried first" in res.report["message"]
+
+
+def test_a_passing_smallest_cut_leaves_the_bisection_where_it_was(tmp_path):
+    """The floor is tried first and reused: the bisection ends on the cut it found without it."""
+    import compressor
+    from checkpoints import save_tiny_checkpoint
+    from test_cli import recipe_dict
+
+    d = recipe_dict(save_tiny_checkpoint(tmp_path / "in", "llama"), tmp_path / "out")
+    d["policy"] = {"strategy": "allocate", "allocation": "residual", "ppl_budget": 100.0, "max_backoff": 3}
+    d["replacement"] = {"kind": "prune"}
+    res = compressor.run(compressor.recipe_from_dict(d))
+    keeps = [a["ffn_keep_target"] for a in res.report["allocation_attempts"]]
+    # the floor (0.9125) first, then the bisection from 0.65: every cut passes this budget
+    assert res.exit_code == 0 and keeps == pytest.approx([0.9125, 0.65, 0.475, 0.3875])
+
+
 def test_allocating_whole_block_affine_swaps_runs_to_the_end(tmp_path):
     """allocate with the affine kind (no teacher target) used to fail after the gate with an AttributeError."""
     import compressor

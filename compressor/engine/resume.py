@@ -79,7 +79,7 @@ SUFFIX = ".safetensors"
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt", ".py")
 KEY_LABELS = {
     "model": "model", "calibration": "calibration data", "evaluation": "evaluation data", "recipe": "recipe",
-    "measurement": "measurement settings", "tool_version": "tool version",
+    "measurement": "measurement settings", "widths": "FFN width multiple", "tool_version": "tool version",
 }
 #: Name prefix of the records the gate makes (see :meth:`RunState.begin_gate`).
 GATE_PREFIX = "gate-"
@@ -151,12 +151,15 @@ def tokens_fingerprint(streams: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def run_key(recipe, src, eval_streams: dict[str, torch.Tensor]) -> dict:
-    """The key of a run before its calibration data is known (see :meth:`RunState.bind_calibration`)."""
+def run_key(recipe, src, eval_streams: dict[str, torch.Tensor], width_multiple: int = 1) -> dict:
+    """The key of a run before its calibration data is known (see :meth:`RunState.bind_calibration`).
+    ``width_multiple``: the multiple the kept FFN widths come in, resolved from the output section
+    (which the recipe hashes leave out) — it decides the widths pass A measures."""
     from compressor.core.version import __version__
 
     return {"model": model_identity(src, recipe.model.revision), "evaluation": tokens_fingerprint(eval_streams),
-            "recipe": recipe.sha256(), "measurement": recipe.measurement_sha256(), "tool_version": __version__}
+            "recipe": recipe.sha256(), "measurement": recipe.measurement_sha256(), "widths": int(width_multiple),
+            "tool_version": __version__}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -393,6 +396,9 @@ class RunState:
             self.key["measurement"] = key["measurement"]
             if is_main() and self.folder is not None:
                 self._write_key()
+        if "widths" in key and "widths" not in self.key:
+            # saved by a version before the width key: the walk's step names still tell a mismatch
+            self.key["widths"] = key["widths"]
         differ = [k for k in key if self.key.get(k) != key[k]]
         if not differ or (what == "--resume" and self._gate_changed(key, differ)):
             return
@@ -414,6 +420,10 @@ class RunState:
         if k == "model" and isinstance(old, dict) and isinstance(new, dict):
             changed = sorted(f for f in set(old) | set(new) if old.get(f) != new.get(f))
             return f"model: its {', '.join(changed)} changed"
+        if k == "widths":
+            return (f"FFN width multiple: saved {old}, now {new} — output.formats and output.width_multiple decide "
+                    "it (a GGUF at the source's quantization keeps widths in multiples of its block); give this run "
+                    "the earlier run's output settings")
         short = (lambda v: v[:12] if isinstance(v, str) and len(v) == 64 else v)
         return f"{KEY_LABELS.get(k, k)}: saved {short(old)}, now {short(new)}"
 

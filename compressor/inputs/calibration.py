@@ -9,15 +9,19 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from compressor.core.errors import InputError
-from compressor.inputs.data import CalibrationSet, TextSource, calibration_set, evaluation_tokens
+from compressor.inputs.data import (CalibrationSet, TextSource, calibration_set, evaluation_tokens, start_windows,
+                                    window_start)
 from compressor.inputs.load import load_tokenizer as _load_tokenizer
 from compressor.inputs.load import resolve_source
 from compressor.recipe.schema import ModelConfig, Recipe
+
+logger = logging.getLogger(__name__)
 
 
 class DataInput:
@@ -56,9 +60,16 @@ def evaluation_streams(recipe: Recipe, tokenizer) -> dict[str, torch.Tensor]:
     """Token ids per evaluation domain, disjoint from calibration text; raises :class:`InputError`
     when a domain is below ``evaluation.min_tokens`` (needs only the tokenizer)."""
     cal_src = calibration_text(recipe) if recipe.calibration.dataset != "self" else None
+    start = window_start(tokenizer)
     out = {}
     for e in recipe.evaluation_domains():
         ids = evaluation_tokens(tokenizer, source_text(e), cal_src, max_tokens=e.max_tokens)
+        if start is not None and e.stride == e.seq_len:  # every window starts as the model's input does
+            ids = start_windows(ids, e.seq_len, start)[: e.max_tokens]
+        elif start is not None:
+            logger.warning("evaluation domain %r: the tokenizer starts every sequence with BOS, but windows that "
+                           "overlap (stride %d < seq_len %d) cannot each start with it; set evaluation.stride "
+                           "equal to seq_len", e.domain_name(), e.stride, e.seq_len)
         if ids.numel() < e.min_tokens:
             raise InputError(
                 f"evaluation domain {e.domain_name()!r} ({e.dataset}) has {ids.numel()} tokens, fewer than "

@@ -156,6 +156,31 @@ def tokenize_stream(tokenizer, documents: Iterable[str], max_tokens: int) -> tor
     return torch.tensor(ids[:max_tokens], dtype=torch.long)
 
 
+def window_start(tokenizer) -> int | None:
+    """The token every sequence must start with: the BOS id when the tokenizer puts one in front of
+    text by default (Gemma), else None (SmolLM2, Qwen2.5). Windows cut from a text stream lack it, and a
+    model trained with it is out of its regime without: Gemma-3-270M's perplexity on WikiText-2 valid is
+    170 in windows without BOS and 37 with it."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    try:
+        ids = tokenizer("a")["input_ids"]
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say is treated as adding nothing
+        return None
+    return int(bos) if ids and ids[0] == bos else None
+
+
+def start_windows(stream: torch.Tensor, seq_len: int, start: int | None) -> torch.Tensor:
+    """``stream`` laid out so that every ``seq_len``-token window starts with ``start``: chunks of
+    ``seq_len - 1`` ids, each with ``start`` in front (unchanged when ``start`` is None)."""
+    if start is None or stream.numel() == 0:
+        return stream
+    chunks = stream.flatten().to(torch.long).split(seq_len - 1)
+    head = torch.tensor([start], dtype=torch.long)
+    return torch.cat([torch.cat([head, c]) for c in chunks])
+
+
 @dataclass
 class CalibrationSet:
     """Token windows [N, seq_len] split into fit and held-out by whole windows."""
@@ -250,7 +275,8 @@ def calibration_set(
     streams = [calibration_text_tokens(tokenizer, source, max_tokens=max_tokens, evaluation=evaluation)] if max_tokens else []
     if extra is not None:
         streams.append(extra.flatten().to(torch.long))
-    cal = split_windows(streams, seq_len, heldout_fraction, seed)
+    start = window_start(tokenizer)
+    cal = split_windows([start_windows(s, seq_len, start) for s in streams], seq_len, heldout_fraction, seed)
     parts = ([source.dataset] if max_tokens else []) + ([f"{extra.numel()} self-generated tokens"] if extra is not None else [])
     logger.info("calibration: %d fit + %d held-out windows of %d tokens from %s",
                 cal.fit.shape[0], cal.heldout.shape[0], seq_len, " + ".join(parts))

@@ -40,9 +40,11 @@ SOLVE_FACTOR = 3.2
 #: the spill to disk): Qwen2.5-Coder-1.5B's forward and statistics took 48 s per block, 1.5× the
 #: forward-speed count.
 STATS_FACTOR = 1.5
-#: A re-solve at a chosen width, relative to the full path of the same block (11.4 s against 47.9 s,
-#: at 8,192 of 8,960 units: tools/results/bench_pass_a_pieces.json).
-REFIT_SHARE = 0.24
+#: A gate attempt's re-solves, relative to every block's full path: one re-solve is 0.24 of its
+#: block's path (11.4 s against 47.9 s at 8,192 of 8,960 units: tools/results/bench_pass_a_pieces.json),
+#: but an attempt re-solves only the blocks the allocation narrows, and a width solved once is reused:
+#: Qwen2.5-Coder-1.5B's default run spent 448 s on re-solves over 5 attempts, 0.28 of 28 × 11.4 s each.
+REFIT_SHARE = 0.24 * 0.28
 
 
 @dataclass
@@ -135,8 +137,10 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
     left = max(layers - recorded.get("layers", 0), 0) / layers
     out["pass A"] = left * (cal * fwd * (1 + STATS_FACTOR * stats) + (layers * width ** 3 * per_mac * SOLVE_FACTOR
                                                                       if hidden else 0.0))
-    # a fixed policy.ffn_keep is one attempt when it passes (the bisection runs only if it fails)
-    attempts = 1 if pol.ffn_keep is not None or not pol.gate else 1 + pol.max_backoff
+    # a fixed policy.ffn_keep is one attempt (counted as passing: the guess a caller who set it makes);
+    # the search tries its smallest cut first, then bisects max_backoff steps when that passes (a run
+    # whose smallest cut fails stops after one attempt, so this is the longer of the two)
+    attempts = 1 if pol.ffn_keep is not None or not pol.gate else 1 + pol.max_backoff if pol.max_backoff > 1 else 1
     teacher = getattr(rc, "target", "none") not in ("none", None)
     out["gate"] = evals * fwd * (1 + attempts + (1 if teacher else 0))
     if hidden:

@@ -141,7 +141,7 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
     # Before the resume state is touched: a second run must not discard the first one's.
     lock = OutputLock(out).acquire() if dist.is_main() else None
     try:  # a run that cannot resume fails at once
-        state = RunState.open(out, run_key(recipe, resolve_source(mc.source, mc.gguf_file), streams),
+        state = RunState.open(out, run_key(recipe, resolve_source(mc.source, mc.gguf_file), streams, multiple),
                               resume=resume, reads=reads, measurements_from=measurements_from)
     except ResumeError as err:
         if lock is not None:

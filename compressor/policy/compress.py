@@ -373,7 +373,8 @@ def compress_model(
 
     within, why = check(final)
     if not accepted and attempts:
-        passed, msg = False, no_cut_message(attempts, baseline.ppl, pol.ppl_budget, pol.budget_mode)
+        passed, msg = False, no_cut_message(attempts, baseline.ppl, pol.ppl_budget, pol.budget_mode,
+                                            self_written=recipe.calibration.dataset == "self")
     elif len(accepted) < pol.min_blocks:
         passed, msg = False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"
     elif not within:
@@ -387,18 +388,40 @@ def compress_model(
     )
 
 
-def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mode: str) -> str:
+def smallest_cut(failed: float, steps: int, next_keep: Callable[[float], float | None]) -> float | None:
+    """The kept fraction a bisection of ``steps`` steps reaches when every step fails, starting from the
+    failing ``failed`` (the floor) with the original model passing; None when it takes no step."""
+    last = None
+    for _ in range(steps):
+        mid = next_keep(failed)
+        if mid is None:
+            break
+        failed = last = mid
+    return last
+
+
+def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mode: str, *,
+                   self_written: bool = False) -> str:
     """Why nothing was written when every allocated cut failed: the smallest cut tried and what it
-    cost, every attempt, and what would let a cut through."""
+    cost, every attempt, and what would let a cut through. ``self_written``: the calibration is the
+    model's own writing, which need not be the domain the gate measures (on Qwen2.5-Coder-1.5B it was
+    mathematics, and the cost of a cut on the gate's Python text was up to 153x its cost on that text:
+    docs/checkpoints.md)."""
     def cost(a: dict) -> str:
         return f"keep {100 * a['ffn_params_kept'] / a['ffn_params_total']:.1f} % → {100 * (a['ppl'] / baseline_ppl - 1):+.1f} %"
 
     smallest = max(attempts, key=lambda a: a["ffn_params_kept"])
     allowed = f"+{100 * budget:.1f} %" if mode == "relative" else f"+{budget:g} perplexity"
+    tried = (f"; tried: {'; '.join(cost(a) for a in attempts)}" if len(attempts) > 1 else
+             " (the smallest cut the search can reach, tried first: no larger cut can pass)")
     return (f"no cut passed the gate: even the smallest tried ({cost(smallest)} perplexity on the gate's text) is over "
-            f"the budget of {allowed}; tried: {'; '.join(cost(a) for a in attempts)}. This model gives up little "
-            "of its FFN at this budget: raise policy.ppl_budget to a cost listed above, or calibrate on more text "
-            "(a run with --keep-state lets later runs at other budgets take its measurements: --measurements-from)")
+            f"the budget of {allowed}{tried}. "
+            + ("The calibration is the model's own writing (calibration.dataset: self), which may not be the domain "
+               "the gate measures: calibrate on text of the domain you use the model for (a file or dataset), or "
+               if self_written else "This model gives up little of its FFN at this budget: calibrate on more text "
+               "of the gate's domain, or ")
+            + "raise policy.ppl_budget to a cost listed above (a run with --keep-state lets later runs at other "
+            "budgets take its measurements: --measurements-from)")
 
 
 def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
@@ -499,6 +522,7 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         row = {"width": next(iter(choice.values())).size} if standard else {}
         attempts.append({**row, "ffn_keep_target": keep, "target": target, "ffn_params_kept": kept_params,
                          "ffn_params_total": ffn_total, "blocks_replaced": sum(lv is not None for lv in choice.values()),
+                         "blocks": {str(i): lv.size for i, lv in sorted(choice.items()) if lv is not None},
                          "ppl": r.ppl, "passed": ok, "gate": why,
                          "domains": {n: {"ppl": ev.ppl, "kl": ev.kl} for n, ev in r.domains.items()}})
         logger.info("keep %.1f%% of FFN parameters (%d blocks replaced%s): %s", 100 * kept_params / ffn_total,
@@ -517,11 +541,16 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         else:
             failed = pol.ffn_keep
     if pol.gate and best is None:
-        for _ in range(pol.max_backoff):
+        # The smallest cut the bisection can reach is tried first: when it fails, nothing can pass, and
+        # the run says so after one gate attempt instead of max_backoff of them. When it passes, the
+        # bisection runs as it would have and reuses that attempt, so it ends on the same cut.
+        floor = smallest_cut(failed, pol.max_backoff, lambda f: next_keep(f, 1.0))
+        probed = {floor: attempt(floor)} if floor is not None and pol.max_backoff > 1 else {}
+        for _ in range(pol.max_backoff if all(p[1] for p in probed.values()) else 0):
             mid = next_keep(failed, passed)
             if mid is None:  # one width: no grid width left between the last failure and success
                 break
-            r, ok, choice, fits = attempt(mid)
+            r, ok, choice, fits = probed[mid] if mid in probed else attempt(mid)
             if ok:
                 best, passed = (mid, r, choice, fits), mid
             else:
