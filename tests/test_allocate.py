@@ -120,7 +120,8 @@ def test_when_the_smallest_cut_fails_the_gate_stops_after_one_attempt(tmp_path):
     attempts = res.report["allocation_attempts"]
     assert res.exit_code == 3 and len(attempts) == 1 and attempts[0]["blocks_replaced"] > 0
     assert attempts[0]["ffn_keep_target"] == pytest.approx(1 - 0.7 / 4)
-    assert "tried first" in res.report["message"]
+    msg = res.report["message"]
+    assert "tried first" in msg and "KL 1e-12 nats/token" in msg and "policy.kl_budget" in msg and "+5.0 %" not in msg
 
 
 def test_a_passing_smallest_cut_leaves_the_bisection_where_it_was(tmp_path):

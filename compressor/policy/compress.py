@@ -374,7 +374,8 @@ def compress_model(
     within, why = check(final)
     if not accepted and attempts:
         passed, msg = False, no_cut_message(attempts, baseline.ppl, pol.ppl_budget, pol.budget_mode,
-                                            self_written=recipe.calibration.dataset == "self")
+                                            self_written=recipe.calibration.dataset == "self",
+                                            kl_budget=pol.kl_budget if pol.metric == "kl" else None)
     elif len(accepted) < pol.min_blocks:
         passed, msg = False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"
     elif not within:
@@ -401,26 +402,31 @@ def smallest_cut(failed: float, steps: int, next_keep: Callable[[float], float |
 
 
 def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mode: str, *,
-                   self_written: bool = False) -> str:
+                   self_written: bool = False, kl_budget: float | None = None) -> str:
     """Why nothing was written when every allocated cut failed: the smallest cut tried and what it
     cost, every attempt, and what would let a cut through. ``self_written``: the calibration is the
     model's own writing, which need not be the domain the gate measures (on Qwen2.5-Coder-1.5B it was
     mathematics, and the cost of a cut on the gate's Python text was up to 153x its cost on that text:
     docs/checkpoints.md)."""
     def cost(a: dict) -> str:
-        return f"keep {100 * a['ffn_params_kept'] / a['ffn_params_total']:.1f} % → {100 * (a['ppl'] / baseline_ppl - 1):+.1f} %"
+        kept = f"keep {100 * a['ffn_params_kept'] / a['ffn_params_total']:.1f} % → "
+        if kl_budget is not None:  # policy.metric kl: the gate's own words (the KL of the worst domain)
+            return kept + a.get("gate", "over the KL budget")
+        return kept + f"{100 * (a['ppl'] / baseline_ppl - 1):+.1f} %"
 
     smallest = max(attempts, key=lambda a: a["ffn_params_kept"])
-    allowed = f"+{100 * budget:.1f} %" if mode == "relative" else f"+{budget:g} perplexity"
+    allowed = (f"KL {kl_budget:g} nats/token" if kl_budget is not None else
+               f"+{100 * budget:.1f} %" if mode == "relative" else f"+{budget:g} perplexity")
     tried = (f"; tried: {'; '.join(cost(a) for a in attempts)}" if len(attempts) > 1 else
              " (the smallest cut the search can reach, tried first: no larger cut can pass)")
-    return (f"no cut passed the gate: even the smallest tried ({cost(smallest)} perplexity on the gate's text) is over "
+    on = "" if kl_budget is not None else " perplexity"
+    return (f"no cut passed the gate: even the smallest tried ({cost(smallest)}{on} on the gate's text) is over "
             f"the budget of {allowed}{tried}. "
             + ("The calibration is the model's own writing (calibration.dataset: self), which may not be the domain "
                "the gate measures: calibrate on text of the domain you use the model for (a file or dataset), or "
                if self_written else "This model gives up little of its FFN at this budget: calibrate on more text "
                "of the gate's domain, or ")
-            + "raise policy.ppl_budget to a cost listed above (a run with --keep-state lets later runs at other "
+            + f"raise policy.{'kl_budget' if kl_budget is not None else 'ppl_budget'} to a cost listed above (a run with --keep-state lets later runs at other "
             "budgets take its measurements: --measurements-from)")
 
 
