@@ -140,7 +140,10 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
     # a fixed policy.ffn_keep is one attempt (counted as passing: the guess a caller who set it makes);
     # the search tries its smallest cut first, then bisects max_backoff steps when that passes (a run
     # whose smallest cut fails stops after one attempt, so this is the longer of the two)
-    attempts = 1 if pol.ffn_keep is not None or not pol.gate else 1 + pol.max_backoff if pol.max_backoff > 1 else 1
+    if pol.ffn_keep is not None or not pol.gate:
+        attempts = 1
+    else:
+        attempts = 1 + pol.max_backoff if pol.max_backoff > 1 else 1
     teacher = getattr(rc, "target", "none") not in ("none", None)
     out["gate"] = evals * fwd * (1 + attempts + (1 if teacher else 0))
     if hidden:

@@ -420,14 +420,15 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
     tried = (f"; tried: {'; '.join(cost(a) for a in attempts)}" if len(attempts) > 1 else
              " (the smallest cut the search can reach, tried first: no larger cut can pass)")
     on = "" if kl_budget is not None else " perplexity"
+    field = "kl_budget" if kl_budget is not None else "ppl_budget"
+    if self_written:
+        first = ("The calibration is the model's own writing (calibration.dataset: self), which may not be the "
+                 "domain the gate measures: calibrate on text of the domain you use the model for (a file or dataset)")
+    else:
+        first = "This model gives up little of its FFN at this budget: calibrate on more text of the gate's domain"
     return (f"no cut passed the gate: even the smallest tried ({cost(smallest)}{on} on the gate's text) is over "
-            f"the budget of {allowed}{tried}. "
-            + ("The calibration is the model's own writing (calibration.dataset: self), which may not be the domain "
-               "the gate measures: calibrate on text of the domain you use the model for (a file or dataset), or "
-               if self_written else "This model gives up little of its FFN at this budget: calibrate on more text "
-               "of the gate's domain, or ")
-            + f"raise policy.{'kl_budget' if kl_budget is not None else 'ppl_budget'} to a cost listed above (a run with --keep-state lets later runs at other "
-            "budgets take its measurements: --measurements-from)")
+            f"the budget of {allowed}{tried}. {first}, or raise policy.{field} to a cost listed above (a run with "
+            "--keep-state lets later runs at other budgets take its measurements: --measurements-from)")
 
 
 def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
@@ -552,7 +553,8 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         # bisection runs as it would have and reuses that attempt, so it ends on the same cut.
         floor = smallest_cut(failed, pol.max_backoff, lambda f: next_keep(f, 1.0))
         probed = {floor: attempt(floor)} if floor is not None and pol.max_backoff > 1 else {}
-        for _ in range(pol.max_backoff if all(p[1] for p in probed.values()) else 0):
+        floor_failed = any(not ok for _, ok, _, _ in probed.values())
+        for _ in range(0 if floor_failed else pol.max_backoff):
             mid = next_keep(failed, passed)
             if mid is None:  # one width: no grid width left between the last failure and success
                 break
