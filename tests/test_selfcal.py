@@ -80,3 +80,16 @@ def test_decode_threads_follow_model_size(monkeypatch):
     assert selfcal.decode_threads(small, 2) == 1
     monkeypatch.setattr(selfcal, "SINGLE_THREAD_BELOW", 1)
     assert selfcal.decode_threads(small, 2) == 2
+
+
+def test_openings_include_source_code():
+    """A code model writes no code from prose openings alone (Qwen2.5-Coder wrote mathematics from "The"):
+    a third of the rows open with the first token of a code construct."""
+    tok = tiny_tokenizer()
+    n = len(selfcal.OPENINGS)
+    rows = selfcal._prompts(tok, 2 * n, len(tok))
+    assert rows.shape == (2 * n, 2) and (rows[:, 0] == tok.bos_token_id).all()
+    first = {w: tok(w, add_special_tokens=False)["input_ids"][0] for w in selfcal.OPENINGS}
+    assert rows[:, 1].tolist() == [first[w] for w in selfcal.OPENINGS] * 2
+    assert set(selfcal.CODE_OPENINGS) <= set(selfcal.OPENINGS) and len(selfcal.CODE_OPENINGS) * 3 == n
+    assert {first[w] for w in selfcal.CODE_OPENINGS} != {tok.unk_token_id}
