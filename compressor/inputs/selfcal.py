@@ -5,8 +5,10 @@ text's activations; self-generated text follows the model's own distribution
 instead, which transfers better across domains (Williams et al. 2024,
 "Self-calibration for language model quantization and pruning",
 arXiv 2410.17170). Sampling: temperature 1, nucleus top-p 0.95, from the BOS
-token followed by one of a few generic opening words — two thirds prose, one
-third source code (``def``, ``import``, ``#``, ``<``…) — batched with a KV cache
+token followed by one of a few generic opening words — 16 of prose, 8 of
+source code (``def``, ``import``, ``#``, ``<``…), row ``i`` of a batch taking
+opening ``i mod 24``, so a quarter of the rows of a 32-row batch open with code
+— batched with a KV cache
 (``model.generate``) under a fixed seed.
 
 Results are cached as safetensors under ``cache_dir()/selfcal/``, keyed by the
