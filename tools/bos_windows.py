@@ -32,6 +32,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from compressor.inputs.data import window_start
+
     path, kw = gguf_location(args.model)
     tok = AutoTokenizer.from_pretrained(path, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
@@ -51,7 +53,7 @@ def main() -> None:
         "what": "perplexity in windows cut from a token stream, without and with BOS in front of each (same scored "
                 "tokens); plain transformers, float32",
         "model": args.model, "text": args.text, "seq_len": L, "windows": args.windows,
-        "tokenizer_adds_bos": tok("a")["input_ids"][:1] == [tok.bos_token_id], **out, "environment": environment()})
+        "tokenizer_adds_bos": window_start(tok) is not None, **out, "environment": environment()})
     print({k: v["ppl"] for k, v in out.items()})
 
 

@@ -552,17 +552,20 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         # the run says so after one gate attempt instead of max_backoff of them. When it passes, the
         # bisection runs as it would have and reuses that attempt, so it ends on the same cut.
         floor = smallest_cut(failed, pol.max_backoff, lambda f: next_keep(f, 1.0))
-        probed = {floor: attempt(floor)} if floor is not None and pol.max_backoff > 1 else {}
-        floor_failed = any(not ok for _, ok, _, _ in probed.values())
-        for _ in range(0 if floor_failed else pol.max_backoff):
-            mid = next_keep(failed, passed)
-            if mid is None:  # one width: no grid width left between the last failure and success
-                break
-            r, ok, choice, fits = probed[mid] if mid in probed else attempt(mid)
-            if ok:
-                best, passed = (mid, r, choice, fits), mid
-            else:
-                failed = mid
+        probed = {}
+        if floor is not None and pol.max_backoff > 1:
+            probed[floor] = attempt(floor)
+        floor_failed = floor in probed and not probed[floor][1]
+        if not floor_failed:
+            for _ in range(pol.max_backoff):
+                mid = next_keep(failed, passed)
+                if mid is None:  # one width: no grid width left between the last failure and success
+                    break
+                r, ok, choice, fits = probed[mid] if mid in probed else attempt(mid)
+                if ok:
+                    best, passed = (mid, r, choice, fits), mid
+                else:
+                    failed = mid
     if best is None:
         restore()
         for d in decisions:
