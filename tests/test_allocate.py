@@ -89,7 +89,7 @@ def test_a_single_attempt_says_it_was_the_smallest_cut_the_search_reaches():
 
     attempts = [{"ffn_params_kept": 978, "ffn_params_total": 1000, "ppl": 118.1}]
     msg = no_cut_message(attempts, 100.0, 0.05, "relative")
-    assert "even the smallest tried (keep 97.8 % → +18.1 %" in msg and "tried first" in msg and "tried:" not in msg
+    assert "even the smallest tried (keep 97.8 % → +18.1 %" in msg and "only cut" in msg and "tried:" not in msg
     assert "calibration.dataset: self" not in msg
     # self-written calibration: its domain is the first thing to change
     msg = no_cut_message(attempts, 100.0, 0.05, "relative", self_written=True)
@@ -106,22 +106,47 @@ def test_the_smallest_cut_is_where_a_bisection_of_failures_ends():
     assert smallest_cut(0.3, 5, lambda f: next((k for k in grid if k > f), None)) == 0.75
 
 
-def test_when_the_smallest_cut_fails_the_gate_stops_after_one_attempt(tmp_path):
-    """A budget nothing can meet: one gate attempt (the smallest cut), exit 3, and a message that says so."""
+def _prune_run(tmp_path, name: str, policy: dict):
     import compressor
     from checkpoints import save_tiny_checkpoint
     from test_cli import recipe_dict
 
-    d = recipe_dict(save_tiny_checkpoint(tmp_path / "in", "llama"), tmp_path / "out")
-    # two steps: the smallest cut removes 17.5 % of the FFN parameters (a few units of a tiny FFN at least)
-    d["policy"] = {"strategy": "allocate", "allocation": "residual", "metric": "kl", "kl_budget": 1e-12, "max_backoff": 2}
+    d = recipe_dict(save_tiny_checkpoint(tmp_path / "in", "llama"), tmp_path / name)
+    d["policy"] = {"strategy": "allocate", "allocation": "residual", **policy}
     d["replacement"] = {"kind": "prune"}
-    res = compressor.run(compressor.recipe_from_dict(d))
+    return compressor.run(compressor.recipe_from_dict(d))
+
+
+def test_when_the_smallest_cut_fails_the_search_goes_below_it(tmp_path):
+    """A budget nothing can meet: the smallest cut of the bisection first, then smaller cuts (one
+    attempt per allocation, none at a target that replaces nothing), exit 3, and a message that says so."""
+    # two steps: the smallest cut removes 17.5 % of the FFN parameters (a few units of a tiny FFN at least)
+    res = _prune_run(tmp_path, "out", {"metric": "kl", "kl_budget": 1e-12, "max_backoff": 2})
     attempts = res.report["allocation_attempts"]
-    assert res.exit_code == 3 and len(attempts) == 1 and attempts[0]["blocks_replaced"] > 0
-    assert attempts[0]["ffn_keep_target"] == pytest.approx(1 - 0.7 / 4)
+    keeps = [a["ffn_keep_target"] for a in attempts]
+    assert res.exit_code == 3 and 1 < len(attempts) <= 3 and not any(a["passed"] for a in attempts)
+    assert keeps[0] == pytest.approx(1 - 0.7 / 4) and keeps == sorted(keeps)  # then halving the cut
+    assert all(a["blocks_replaced"] > 0 for a in attempts)
+    allocations = [tuple(sorted(a["blocks"].items())) for a in attempts]
+    assert len(set(allocations)) == len(allocations)
+    kept = [a["ffn_params_kept"] for a in attempts]
+    assert kept == sorted(kept) and kept[0] < kept[-1]
     msg = res.report["message"]
-    assert "tried first" in msg and "KL 1e-12 nats/token" in msg and "policy.kl_budget" in msg and "+5.0 %" not in msg
+    assert f"keep {100 * kept[-1] / attempts[0]['ffn_params_total']:.1f} %" in msg.split("tried:")[0]
+    assert "KL 1e-12 nats/token" in msg and "policy.kl_budget" in msg and "+5.0 %" not in msg
+
+
+def test_a_cut_below_the_smallest_of_the_bisection_passes_when_it_is_within_budget(tmp_path):
+    """The smallest cut of the bisection fails, a smaller one is within budget: it is written (exit 0)."""
+    probe = _prune_run(tmp_path, "probe", {"metric": "kl", "kl_budget": 1e-12, "max_backoff": 2})
+    floor, below = probe.report["allocation_attempts"][:2]
+    kl = lambda a: max(d["kl"] for d in a["domains"].values())  # noqa: E731
+    assert kl(below) < kl(floor)
+    res = _prune_run(tmp_path, "out", {"metric": "kl", "kl_budget": (kl(below) * kl(floor)) ** 0.5, "max_backoff": 2})
+    attempts = res.report["allocation_attempts"]
+    assert res.exit_code == 0 and [a["passed"] for a in attempts][:2] == [False, True]
+    assert attempts[1]["ffn_keep_target"] == pytest.approx(below["ffn_keep_target"])
+    assert res.report["params"]["after"] < res.report["params"]["before"]
 
 
 def test_a_passing_smallest_cut_leaves_the_bisection_where_it_was(tmp_path):

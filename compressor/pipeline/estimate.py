@@ -138,8 +138,8 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
     out["pass A"] = left * (cal * fwd * (1 + STATS_FACTOR * stats) + (layers * width ** 3 * per_mac * SOLVE_FACTOR
                                                                       if hidden else 0.0))
     # a fixed policy.ffn_keep is one attempt (counted as passing: the guess a caller who set it makes);
-    # the search tries its smallest cut first, then bisects max_backoff steps when that passes (a run
-    # whose smallest cut fails stops after one attempt, so this is the longer of the two)
+    # the search tries its smallest cut first, then bisects max_backoff steps: above it when it passes,
+    # below it (smaller cuts) when it fails; fewer when targets allocate the same widths
     if pol.ffn_keep is not None or not pol.gate:
         attempts = 1
     else:

@@ -418,7 +418,7 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
     allowed = (f"KL {kl_budget:g} nats/token" if kl_budget is not None else
                f"+{100 * budget:.1f} %" if mode == "relative" else f"+{budget:g} perplexity")
     tried = (f"; tried: {'; '.join(cost(a) for a in attempts)}" if len(attempts) > 1 else
-             " (the smallest cut the search can reach, tried first: no larger cut can pass)")
+             " (the only cut the search could try: no larger cut can pass)")
     on = "" if kl_budget is not None else " perplexity"
     field = "kl_budget" if kl_budget is not None else "ppl_budget"
     if self_written:
@@ -536,36 +536,50 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
                     attempts[-1]["blocks_replaced"], f", width {row['width']}" if standard else "", why)
         return r, ok, choice, fits
 
+    # One gate attempt per allocation: targets a width step apart can allocate the same widths, and
+    # such a target takes the measured attempt (with the target it was measured at) instead of another.
+    tried: dict[tuple, tuple] = {}
+
+    def allocation(keep: float) -> tuple:
+        return tuple(sorted((i, lv.size) for i, lv in choose(keep).items() if lv is not None))
+
+    def measured(keep: float):
+        sig = allocation(keep)
+        if sig not in tried:
+            tried[sig] = (keep, *attempt(keep))
+        return tried[sig]
+
     # Bisection on the kept fraction: `failed` is the largest known failing
     # target (or the floor), `passed` the smallest known passing one (1.0:
     # the original model passes trivially).
     best = None
     failed, passed = MIN_FFN_KEEP, 1.0
     if pol.ffn_keep is not None:
-        r, ok, choice, fits = attempt(pol.ffn_keep)
+        at, r, ok, choice, fits = measured(pol.ffn_keep)
         if ok or not pol.gate:
-            best = (pol.ffn_keep, r, choice, fits)
+            best = (at, r, choice, fits)
         else:
             failed = pol.ffn_keep
     if pol.gate and best is None:
-        # The smallest cut the bisection can reach is tried first: when it fails, nothing can pass, and
-        # the run says so after one gate attempt instead of max_backoff of them. When it passes, the
-        # bisection runs as it would have and reuses that attempt, so it ends on the same cut.
+        # The smallest cut the bisection can reach is tried first. When it passes, the bisection runs
+        # as it would have and reuses that attempt, so it ends on the same cut. When it fails, no
+        # larger cut can pass: the bisection runs below it instead (between it and the original model),
+        # down to one width step of one block at most.
         floor = smallest_cut(failed, pol.max_backoff, lambda f: next_keep(f, 1.0))
-        probed = {}
-        if floor is not None and pol.max_backoff > 1:
-            probed[floor] = attempt(floor)
-        floor_failed = floor in probed and not probed[floor][1]
-        if not floor_failed:
-            for _ in range(pol.max_backoff):
-                mid = next_keep(failed, passed)
-                if mid is None:  # one width: no grid width left between the last failure and success
-                    break
-                r, ok, choice, fits = probed[mid] if mid in probed else attempt(mid)
-                if ok:
-                    best, passed = (mid, r, choice, fits), mid
-                else:
-                    failed = mid
+        if floor is not None and pol.max_backoff > 1 and not measured(floor)[2]:
+            logger.warning("the smallest cut of the bisection (%s) is over the gate's budget (%s); searching "
+                           "smaller cuts (at most %d attempts)", describe(floor), attempts[-1]["gate"],
+                           pol.max_backoff)
+            failed = floor
+        for _ in range(pol.max_backoff):
+            mid = next_keep(failed, passed)
+            if mid is None or not allocation(mid):  # no grid width left between, or a cut below one width step
+                break
+            at, r, ok, choice, fits = measured(mid)
+            if ok:
+                best, passed = (at, r, choice, fits), mid
+            else:
+                failed = mid
     if best is None:
         restore()
         for d in decisions:
