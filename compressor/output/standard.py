@@ -42,7 +42,7 @@ from compressor.core.archs import ARCHITECTURES, arch_for, find_blocks
 from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
 from compressor.output.base import VerificationError, WriteRequest, Writer, register_writer
 from compressor.output.hf import (
-    cast_state_dict, compare_reloaded, finish_folder,
+    cast_state_dict, compare_reloaded, finish_folder, reference_logits,
 )
 
 logger = logging.getLogger(__name__)
@@ -172,13 +172,14 @@ class StandardWriter(Writer):
         from transformers import AutoModelForCausalLM
 
         model = request.model
+        reference = reference_logits(request)  # before the reload: never three models in memory at once
         reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).eval()
         cls = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
         if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not type(model):
             raise VerificationError(f"the standard folder reloaded as {cls}, not the base class "
                                     f"{type(model).__name__}; the folder was not published")
         width_attr = WIDTH_ATTR.get(model.config.model_type, "intermediate_size")
-        return compare_reloaded(request, reloaded, "standard reload check", **{
+        return compare_reloaded(request, reloaded, "standard reload check", reference, **{
             "class": cls, width_attr: getattr(reloaded.config, width_attr),
             "mlp_bias": getattr(reloaded.config, "mlp_bias", None)})
 
