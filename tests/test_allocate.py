@@ -151,14 +151,7 @@ def test_a_cut_below_the_smallest_of_the_bisection_passes_when_it_is_within_budg
 
 def test_a_passing_smallest_cut_leaves_the_bisection_where_it_was(tmp_path):
     """The floor is tried first and reused: the bisection ends on the cut it found without it."""
-    import compressor
-    from checkpoints import save_tiny_checkpoint
-    from test_cli import recipe_dict
-
-    d = recipe_dict(save_tiny_checkpoint(tmp_path / "in", "llama"), tmp_path / "out")
-    d["policy"] = {"strategy": "allocate", "allocation": "residual", "ppl_budget": 100.0, "max_backoff": 3}
-    d["replacement"] = {"kind": "prune"}
-    res = compressor.run(compressor.recipe_from_dict(d))
+    res = _prune_run(tmp_path, "out", {"ppl_budget": 100.0, "max_backoff": 3})
     keeps = [a["ffn_keep_target"] for a in res.report["allocation_attempts"]]
     # the floor (0.9125) first, then the bisection from 0.65: every cut passes this budget
     assert res.exit_code == 0 and keeps == pytest.approx([0.9125, 0.65, 0.475, 0.3875])

@@ -418,7 +418,7 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
     allowed = (f"KL {kl_budget:g} nats/token" if kl_budget is not None else
                f"+{100 * budget:.1f} %" if mode == "relative" else f"+{budget:g} perplexity")
     tried = (f"; tried: {'; '.join(cost(a) for a in attempts)}" if len(attempts) > 1 else
-             " (the only cut the search could try: no larger cut can pass)")
+             " (the only cut the search tried)")
     on = "" if kl_budget is not None else " perplexity"
     field = "kl_budget" if kl_budget is not None else "ppl_budget"
     if self_written:
@@ -566,7 +566,8 @@ def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_da
         # larger cut can pass: the bisection runs below it instead (between it and the original model),
         # down to one width step of one block at most.
         floor = smallest_cut(failed, pol.max_backoff, lambda f: next_keep(f, 1.0))
-        if floor is not None and pol.max_backoff > 1 and not measured(floor)[2]:
+        floor_passed = measured(floor)[2] if floor is not None and pol.max_backoff > 1 else None
+        if floor_passed is False:
             logger.warning("the smallest cut of the bisection (%s) is over the gate's budget (%s); searching "
                            "smaller cuts (at most %d attempts)", describe(floor), attempts[-1]["gate"],
                            pol.max_backoff)
