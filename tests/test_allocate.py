@@ -96,6 +96,35 @@ def test_a_single_attempt_says_it_was_the_smallest_cut_the_search_reaches():
     assert "calibration.dataset: self" in msg and "domain you use the model for" in msg and "ppl_budget" in msg
 
 
+def test_with_several_gate_domains_the_message_gives_each_cut_the_cost_of_its_worst_domain():
+    """Qwen2.5-Coder-1.5B gated on WikiText and Python: the message said "+0.4 % … is over the budget
+    of +5.0 %" (the first domain's change) where the cut failed at +16.8 % on Python."""
+    from compressor.policy.compress import no_cut_message
+
+    def tried(kept, wiki, python, blocks):
+        return {"ffn_params_kept": kept, "ffn_params_total": 1000, "ppl": wiki, "passed": False, "blocks": blocks,
+                "domains": {"wikitext": {"ppl": wiki, "kl": 0.0}, "python": {"ppl": python, "kl": 0.0}}}
+
+    attempts = [tried(978, 16.44, 10.087, {"5": 8448, "27": 8704}), tried(999, 16.44, 9.497, {"27": 8704})]
+    msg = no_cut_message(attempts, 16.376, 0.05, "relative", baselines={"wikitext": 16.376, "python": 8.134})
+    assert "even the smallest tried (keep 99.9 % → +16.8 % on python)" in msg
+    assert "keep 97.8 % → +24.0 % on python" in msg and "+0.4 %" not in msg
+    # the block narrowed alone, every cut tried narrowed it: named, with the way to leave it out
+    assert "Block 27 narrowed alone (to 8,704 units) fails" in msg and "every cut tried narrowed it" in msg
+    assert "policy.exclude: [27]" in msg and "--measurements-from" in msg
+    # one domain: the cost as before, no domain named
+    one = no_cut_message(attempts, 16.376, 0.05, "relative", baselines={"wikitext": 16.376})
+    assert "keep 99.9 % → +0.4 % perplexity on the gate's text" in one and "on python" not in one
+
+
+def test_no_block_is_named_when_every_failed_cut_narrowed_several():
+    from compressor.policy.compress import no_cut_message
+
+    attempts = [{"ffn_params_kept": 970, "ffn_params_total": 1000, "ppl": 108.5, "passed": False,
+                 "blocks": {"1": 64, "2": 64}}]
+    assert "policy.exclude" not in no_cut_message(attempts, 100.0, 0.05, "relative")
+
+
 def test_the_smallest_cut_is_where_a_bisection_of_failures_ends():
     from compressor.policy.compress import smallest_cut
 

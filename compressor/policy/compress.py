@@ -375,7 +375,8 @@ def compress_model(
     if not accepted and attempts:
         passed, msg = False, no_cut_message(attempts, baseline.ppl, pol.ppl_budget, pol.budget_mode,
                                             self_written=recipe.calibration.dataset == "self",
-                                            kl_budget=pol.kl_budget if pol.metric == "kl" else None)
+                                            kl_budget=pol.kl_budget if pol.metric == "kl" else None,
+                                            baselines={n: ev.ppl for n, ev in getattr(baseline, "domains", {}).items()})
     elif len(accepted) < pol.min_blocks:
         passed, msg = False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"
     elif not within:
@@ -402,33 +403,62 @@ def smallest_cut(failed: float, steps: int, next_keep: Callable[[float], float |
 
 
 def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mode: str, *,
-                   self_written: bool = False, kl_budget: float | None = None) -> str:
+                   self_written: bool = False, kl_budget: float | None = None,
+                   baselines: dict[str, float] | None = None) -> str:
     """Why nothing was written when every allocated cut failed: the smallest cut tried and what it
     cost, every attempt, and what would let a cut through. ``self_written``: the calibration is the
     model's own writing, which need not be the domain the gate measures (on Qwen2.5-Coder-1.5B it was
     mathematics, and the cost of a cut on the gate's Python text was up to 153x its cost on that text:
-    docs/checkpoints.md)."""
+    docs/checkpoints.md). ``baselines``: each evaluation domain's baseline perplexity; with more than
+    one, an attempt's cost is that of the domain it did worst on, named (``baseline_ppl`` is the first
+    domain's). When one block narrowed alone failed, the message names it and how to leave it out."""
+    several = baselines is not None and len(baselines) > 1
+
+    def worst(a: dict) -> tuple[str, float]:
+        doms = {n: d["ppl"] / baselines[n] - 1 for n, d in (a.get("domains") or {}).items()
+                if several and n in baselines}
+        if not doms:
+            return "", a["ppl"] / baseline_ppl - 1
+        name = max(doms, key=doms.get)
+        return f" on {name}", doms[name]
+
     def cost(a: dict) -> str:
         kept = f"keep {100 * a['ffn_params_kept'] / a['ffn_params_total']:.1f} % → "
         if kl_budget is not None:  # policy.metric kl: the gate's own words (the KL of the worst domain)
             return kept + a.get("gate", "over the KL budget")
-        return kept + f"{100 * (a['ppl'] / baseline_ppl - 1):+.1f} %"
+        where, change = worst(a)
+        return kept + f"{100 * change:+.1f} %{where}"
 
     smallest = max(attempts, key=lambda a: a["ffn_params_kept"])
     allowed = (f"KL {kl_budget:g} nats/token" if kl_budget is not None else
                f"+{100 * budget:.1f} %" if mode == "relative" else f"+{budget:g} perplexity")
     tried = (f"; tried: {'; '.join(cost(a) for a in attempts)}" if len(attempts) > 1 else
              " (the only cut the search tried)")
-    on = "" if kl_budget is not None else " perplexity"
+    on = "" if kl_budget is not None or several else " perplexity on the gate's text"
     field = "kl_budget" if kl_budget is not None else "ppl_budget"
     if self_written:
         first = ("The calibration is the model's own writing (calibration.dataset: self), which may not be the "
                  "domain the gate measures: calibrate on text of the domain you use the model for (a file or dataset)")
     else:
         first = "This model gives up little of its FFN at this budget: calibrate on more text of the gate's domain"
-    return (f"no cut passed the gate: even the smallest tried ({cost(smallest)}{on} on the gate's text) is over "
-            f"the budget of {allowed}{tried}. {first}, or raise policy.{field} to a cost listed above (a run with "
-            "--keep-state lets later runs at other budgets take its measurements: --measurements-from)")
+    return (f"no cut passed the gate: even the smallest tried ({cost(smallest)}{on}) is over "
+            f"the budget of {allowed}{tried}.{_one_block_fails(attempts, cost)} {first}, or raise policy.{field} to "
+            "a cost listed above (a run with --keep-state lets later runs at other budgets take its measurements: "
+            "--measurements-from)")
+
+
+def _one_block_fails(attempts: list[dict], cost) -> str:
+    """A sentence naming the block when an attempt that narrowed one block alone failed (every
+    smaller cut the search could try narrows it too: it is the allocation's first step), else ''."""
+    alone = [a for a in attempts if len(a.get("blocks") or {}) == 1 and not a.get("passed")]
+    if not alone:
+        return ""
+    a = alone[-1]
+    (index, width), = a["blocks"].items()
+    in_all = all(index in (b.get("blocks") or {}) for b in attempts)
+    return (f" Block {index} narrowed alone (to {width:,} units) fails: {cost(a)}"
+            f"{'; every cut tried narrowed it' if in_all else ''}. Leave it out (policy.exclude: [{index}]) and "
+            "run again — with this run's --keep-state, --measurements-from reuses its measurements.")
 
 
 def _allocate_and_gate(model, walker, kind, rc, pol, curves, kept_data, block_data, modules, decisions, fitted,
