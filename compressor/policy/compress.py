@@ -415,12 +415,11 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
     several = baselines is not None and len(baselines) > 1
 
     def worst(a: dict) -> tuple[str, float]:
-        doms = {n: d["ppl"] / baselines[n] - 1 for n, d in (a.get("domains") or {}).items()
-                if several and n in baselines}
-        if not doms:
+        if not several:
             return "", a["ppl"] / baseline_ppl - 1
-        name = max(doms, key=doms.get)
-        return f" on {name}", doms[name]
+        changes = {n: d["ppl"] / baselines[n] - 1 for n, d in a["domains"].items()}
+        name = max(changes, key=changes.get)
+        return f" on {name}", changes[name]
 
     def cost(a: dict) -> str:
         kept = f"keep {100 * a['ffn_params_kept'] / a['ffn_params_total']:.1f} % → "
