@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "heavy", True):  # e.g. `compressor cache info`: no torch, no error mapping needed
         return args.handler(args)
     from compressor.core.distributed import RankFailed
-    from compressor.core.errors import EXIT_ERROR, EXIT_INVALID, INVALID_INPUT_ERRORS, NonFiniteActivationError
+    from compressor.core.errors import (EXIT_ERROR, EXIT_GATE, EXIT_INVALID, INVALID_INPUT_ERRORS, GateFailed,
+                                        NonFiniteActivationError)
 
     try:
         return args.handler(args)
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteActivationError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except GateFailed as e:
+        print(f"gate failed: {e}", file=sys.stderr)
+        return EXIT_GATE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

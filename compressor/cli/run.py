@@ -160,7 +160,9 @@ def _print_summary(result) -> None:
             print(f"size: {human_bytes(same['output_bytes'])} against the source's {human_bytes(same['source_bytes'])} "
                   f"({same['ratio']:.3f}x; {same['what']})")
         gguf = (r.get("verification") or {}).get("gguf") or {}
-        if gguf.get("source_perplexity") is not None:
+        if gguf.get("quant") == "plan":
+            _print_size_plan(r, gguf)
+        elif gguf.get("source_perplexity") is not None:
             print(f"llama.cpp: perplexity {gguf['perplexity']:.4f} against the source GGUF's "
                   f"{gguf['source_perplexity']:.4f} ({100 * gguf['source_relative_change']:+.2f} %, same windows)")
         elif size.get("gguf_bytes") is not None:
@@ -175,6 +177,22 @@ def _print_summary(result) -> None:
         print(f"report: {result.output / 'report.json'}")
 
 
+
+
+def _print_size_plan(r: dict, gguf: dict) -> None:
+    """``output.size``: the planned GGUF beside llama.cpp's preset of that size, same windows."""
+    from compressor.engine.cache import human_bytes
+
+    plan = r.get("size_plan") or {}
+    types = ", ".join(f"{t} ×{n}" for t, n in plan.get("types_used", {}).items())
+    print(f"gguf: {human_bytes(gguf['file_bytes'])} (budget {human_bytes(gguf['budget_bytes'])}, output.size "
+          f"{plan.get('size')}); tensor types: {types}")
+    print(f"llama.cpp: perplexity {gguf['perplexity']:.4f}, {100 * gguf['relative_change']:+.2f} % against the "
+          f"original's {gguf['reference_perplexity']:.4f} (predicted {100 * gguf['predicted_relative_change']:+.2f} %)")
+    preset = gguf.get("preset")
+    if preset:
+        print(f"beside it: llama.cpp's {preset['name']} from the same F16, {human_bytes(preset['file_bytes'])}: "
+              f"perplexity {preset['perplexity']:.4f}, {100 * preset['relative_change']:+.2f} % (same windows)")
 
 
 def _flag_path(value: str, flag: str) -> str:

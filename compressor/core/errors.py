@@ -38,6 +38,14 @@ class NonFiniteActivationError(FloatingPointError):
     """A block's activations became NaN/Inf during the forward pass (runtime error, exit 1)."""
 
 
+class GateFailed(RuntimeError):
+    """The quality gate was not met: nothing was written (exit 3). ``attempts``: what was tried."""
+
+    def __init__(self, message: str, attempts: list | None = None):
+        super().__init__(message)
+        self.attempts = list(attempts or [])
+
+
 #: Errors that mean "bad input" (exit code EXIT_INVALID) wherever they surface.
 INVALID_INPUT_ERRORS: tuple[type[BaseException], ...] = (
     InputError, RecipeError, UnsupportedModelError, DataFileError, NonFiniteWeightsError,
@@ -49,4 +57,6 @@ def exit_code_for(error: BaseException) -> int:
     """The CLI's exit code for an exception (see ``docs/exit-codes.md``)."""
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED
+    if isinstance(error, GateFailed):
+        return EXIT_GATE
     return EXIT_INVALID if isinstance(error, INVALID_INPUT_ERRORS) else EXIT_ERROR

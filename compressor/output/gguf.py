@@ -104,6 +104,9 @@ REFUSED = {
 _REPLACEMENTS = (AffineFFN, LowRankAffineFFN, HiddenUnitFFN)
 _FFN_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)$")
 _HF_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2"}  # gguf-py tensor-name maps
+#: Model types whose GGUF source the size planner re-quantizes tensor by tensor (widths unchanged, the
+#: source's own architecture and metadata): gguf-py's tensor-name map for each.
+REQUANTIZE_ARCH = {**_HF_ARCH, "gemma3_text": "GEMMA3", "gemma3": "GEMMA3", "qwen3": "QWEN3"}
 
 
 class GGUFWidthError(InputError):
@@ -169,6 +172,9 @@ class Plan:
     """Layers whose down projection stays F16 (``unquantizable: f16``)."""
     padded: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Layer → (fitted width, written width) for ``unquantizable: pad``."""
+    size_plan: object = None
+    """quant ``plan``: the size planner's choice (:class:`compressor.policy.quantplan.SizePlan`): a GGML type
+    and an importance matrix per tensor."""
 
     @property
     def widths(self) -> list[int]:
@@ -189,7 +195,7 @@ def down_blocks(quant: str, n_layers: int, source_types: dict) -> list[int]:
     if quant == "source":
         f16 = gguf.GGMLQuantizationType.F16
         return [gguf.GGML_QUANT_SIZES[source_types.get(f"blk.{i}.ffn_down.weight", f16)][0] for i in range(n_layers)]
-    return [{"q8_0": 32, "q4_k_m": 256}.get(quant, 1)] * n_layers
+    return [{"q8_0": 32, "q4_k_m": 256}.get(quant, 1)] * n_layers  # plan: the planner offers fitting types
 
 
 def width_error(quant: str, bad: list[tuple[int, int, int]]) -> GGUFWidthError:
@@ -234,9 +240,10 @@ def plan_for(request: WriteRequest, options: dict) -> Plan:
     modules = [b.get_submodule(spec.ffn_out) for b in blocks]
     ffns = [as_gated(m, spec.ffn_up, spec.ffn_down, in_features=hidden) for m in modules]
     replaced = [isinstance(m, _REPLACEMENTS) for m in modules]
-    quant = resolve_quant(options.get("quant", "source"), request)
+    size_plan = options.get("size_plan")
+    quant = "plan" if size_plan is not None else resolve_quant(options.get("quant", "source"), request)
     src = Path(request.source.path) / request.source.gguf_file if quant == "source" else None
-    plan = Plan(model_type, "", ffns, replaced, quant, src)
+    plan = Plan(model_type, "", ffns, replaced, quant, src, size_plan=size_plan)
     types = source_tensor_types(src) if src is not None else {}
     how = options.get("unquantizable", "error")
     bad = []
@@ -387,13 +394,15 @@ def _target_type(t: Tensor, plan: Plan, source_types: dict):
         return Q.F16
     if plan.quant == "source":
         return source_types.get(t.name, Q.F16)
+    if plan.quant == "plan":
+        return getattr(Q, plan.size_plan.types[t.name]) if t.name in plan.size_plan.types else Q.F16
     # q8_0 / q4_k_m: F16 first, llama.cpp's quantizer after
     return {"f32": Q.F32, "bf16": Q.BF16}.get(plan.quant, Q.F16)
 
 
-def encode(data: np.ndarray, qtype) -> np.ndarray:
+def encode(data: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> np.ndarray:
     """float32 ``data`` in GGML type ``qtype``: numpy for float types, ggml's own quantizer
-    (from llama-cpp-python's libggml) for quantized ones."""
+    (from llama-cpp-python's libggml; ``imatrix``: column weights) for quantized ones."""
     gguf = _gguf()
     Q = gguf.GGMLQuantizationType
     data = np.ascontiguousarray(data, dtype=np.float32)
@@ -403,32 +412,20 @@ def encode(data: np.ndarray, qtype) -> np.ndarray:
         return data.astype(np.float16)
     if qtype == Q.BF16:
         return gguf.quants.quantize(data, Q.BF16)
-    return ggml_quantize(data, qtype)
+    return ggml_quantize(data, qtype, imatrix)
 
 
-def ggml_quantize(data: np.ndarray, qtype) -> np.ndarray:
+def ggml_quantize(data: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Quantize rows with ggml's ``ggml_quantize_chunk`` (the code llama.cpp quantizes with)."""
-    gguf = _gguf()
-    import llama_cpp._ggml as ggml_lib
+    from compressor.core import ggml
 
-    lib = ggml_lib.libggml
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
-    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
-    if lib.ggml_quantize_requires_imatrix(int(qtype)):
-        raise ValueError(f"GGML type {qtype.name} needs an importance matrix; use quant q4_k_m or q8_0")
     rows, n = data.reshape(-1, data.shape[-1]).shape
-    block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    block = ggml.BLOCKS[ggml.GGMLType(int(qtype))][0]
     if n % block:
         raise GGUFWidthError(f"row length {n} is not a multiple of {block} ({qtype.name})")
-    out = np.empty((rows, n // block * type_bytes), dtype=np.uint8)
-    src = np.ascontiguousarray(data.reshape(rows, n))
-    written = lib.ggml_quantize_chunk(int(qtype), src.ctypes.data, out.ctypes.data, 0, rows, n, None)
-    if written != out.nbytes:
-        raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, expected {out.nbytes}")
-    return out
+    if imatrix is None and ggml.requires_imatrix(ggml.GGMLType(int(qtype))):
+        raise ValueError(f"GGML type {qtype.name} needs an importance matrix; use quant q4_k_m or q8_0")
+    return ggml.quantize(data.reshape(rows, n), ggml.GGMLType(int(qtype)), imatrix)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -600,7 +597,11 @@ def hf_tokenizer_metadata(writer, tokenizer, vocab_size: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 _FTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
-           "q4_k_m": "MOSTLY_Q4_K_M"}
+           "q4_k_m": "MOSTLY_Q4_K_M", "plan": "GUESSED"}
+#: llama.cpp's presets a size can be named by (``output.size: Q3_K_M``) → gguf-py's LlamaFileType name.
+PRESETS = {"Q8_0": "MOSTLY_Q8_0", "Q6_K": "MOSTLY_Q6_K", "Q5_K_M": "MOSTLY_Q5_K_M", "Q5_K_S": "MOSTLY_Q5_K_S",
+           "Q4_K_M": "MOSTLY_Q4_K_M", "Q4_K_S": "MOSTLY_Q4_K_S", "Q3_K_L": "MOSTLY_Q3_K_L", "Q3_K_M": "MOSTLY_Q3_K_M",
+           "Q3_K_S": "MOSTLY_Q3_K_S", "Q2_K": "MOSTLY_Q2_K", "Q4_0": "MOSTLY_Q4_0", "Q5_0": "MOSTLY_Q5_0"}
 
 
 def _sort_key(name: str):
@@ -610,9 +611,54 @@ def _sort_key(name: str):
     return (0, 0, name) if name.startswith(("token_embd", "rope")) else (2, 0, name)
 
 
-def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan:
-    """Write ``request.model`` to ``path``; returns the plan written."""
+def requantizes(request: WriteRequest, options: dict) -> bool:
+    """Whether the file is the GGUF source re-quantized tensor by tensor — a size plan, or ``from_source``
+    F16, of a model whose blocks are all unchanged: any architecture llama.cpp loads, in its own layout."""
+    if not request.source.gguf_file:
+        return False
+    if options.get("size_plan") is None and not (options.get("quant") == "f16" and options.get("from_source")):
+        return False
+    return not any(isinstance(m, _REPLACEMENTS) for m in request.model.modules())
+
+
+def write_requantized(source: Path, path: Path, types: dict[str, str], imatrix: dict[str, np.ndarray] | None = None,
+                      default: str = "F16") -> None:
+    """The GGUF at ``source`` with every tensor of two or more dimensions dequantized (gguf-py) and written
+    in ``types[name]`` (else ``default``) by ggml's quantizer with ``imatrix[name]`` as column weights; 1-D
+    tensors in F32; metadata (tokenizer, chat template) copied. The source's own architecture and layout:
+    the tensors are read as llama.cpp stores them, so nothing is renamed or permuted."""
     gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    reader = gguf.GGUFReader(source)
+    arch = _field(reader, "general.architecture")
+    writer = gguf.GGUFWriter(str(path), arch)
+    copy_source_metadata(writer, reader, arch, {"general.file_type", "general.quantization_version"})
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if not types else gguf.LlamaFileType.GUESSED))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for t in reader.tensors:
+        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if data.ndim < 2 or int(np.prod(data.shape[:-1])) == 1:
+            writer.add_tensor(t.name, data, raw_dtype=Q.F32)
+            continue
+        qtype = getattr(Q, types.get(t.name, default))
+        weights = (imatrix or {}).get(t.name)
+        writer.add_tensor(t.name, encode(data.reshape(-1, data.shape[-1]), qtype, weights).reshape(
+            *data.shape[:-1], -1) if qtype not in (Q.F32, Q.F16) else encode(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
+    """Write ``request.model`` to ``path``; returns the plan written (None for a re-quantized source)."""
+    gguf = _gguf()
+    if requantizes(request, options):
+        src = Path(request.source.path) / request.source.gguf_file
+        size_plan = options.get("size_plan")
+        write_requantized(src, path, dict(size_plan.types) if size_plan is not None else {},
+                          size_plan.imatrix if size_plan is not None else None)
+        return None
     plan = plan_for(request, options)
     model, config, source = request.model, request.model.config, request.source
     n = len(plan.ffns)
@@ -649,7 +695,8 @@ def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan:
             writer.add_tensor(t.name, t.data, raw_dtype=t.raw_type)
         else:
             qtype = _target_type(t, plan, types)
-            writer.add_tensor(t.name, encode(t.data, qtype), raw_dtype=qtype)
+            imatrix = plan.size_plan.imatrix.get(t.name) if plan.quant == "plan" else None
+            writer.add_tensor(t.name, encode(t.data, qtype, imatrix), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -695,22 +742,28 @@ class _CapturedOutput:
 def llama_quantize(src: Path, dst: Path, plan: Plan) -> None:
     """llama.cpp's own quantizer (its per-tensor mix for the file type); down projections of
     ``plan.kept_f16`` stay F16."""
+    quantize_file(src, dst, _FTYPES[plan.quant], plan.kept_f16)
+
+
+def quantize_file(src: Path, dst: Path, ftype: str, kept_f16: list[int] = ()) -> None:
+    """``llama_model_quantize`` from ``src`` to ``dst`` at gguf-py's ``LlamaFileType`` name ``ftype``
+    (llama.cpp's own per-tensor mix for that preset, no importance matrix)."""
     import llama_cpp
 
     gguf = _gguf()
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = int(getattr(gguf.LlamaFileType, _FTYPES[plan.quant]))
+    params.ftype = int(getattr(gguf.LlamaFileType, ftype))
     params.nthread = max(1, torch.get_num_threads())
     f16 = int(gguf.GGMLQuantizationType.F16)
     keep = [llama_cpp.llama_model_tensor_override(rf"^blk\.{i}\.ffn_down\.weight$".encode(), f16)
-            for i in plan.kept_f16]
+            for i in kept_f16]
     if keep:
         arr = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))(*keep)  # last entry: NULL pattern
         params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
     with _CapturedOutput() as out:
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
-        raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) turning {src.name} into {plan.quant}:\n{out.tail()}")
+        raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) turning {src.name} into {ftype}:\n{out.tail()}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -813,7 +866,8 @@ class GGUFWriter(Writer):
             raise ValueError(problem)
         path = Path(folder) / options.get("file", FILE_NAME)
         plan = write_gguf(request, path, options)
-        logger.info("gguf: wrote %s (%s, %s, %.1f MB)", path.name, plan.arch, plan.quant, path.stat().st_size / 1e6)
+        how = f"{plan.arch}, {plan.quant}" if plan is not None else "the source re-quantized by the size plan"
+        logger.info("gguf: wrote %s (%s, %.1f MB)", path.name, how, path.stat().st_size / 1e6)
         return [path]
 
     def verify(self, request: WriteRequest, folder: Path) -> dict:
@@ -825,7 +879,9 @@ class GGUFWriter(Writer):
 
         options = _options(request)
         path = Path(folder) / options.get("file", FILE_NAME)
-        quant = resolve_quant(options.get("quant", "source"), request)
+        quant = "plan" if options.get("size_plan") is not None else resolve_quant(options.get("quant", "source"), request)
+        if quant == "plan":
+            return planned_check(path, request, options)
         ppl, n = llama_cpp_perplexity(path, request.probe_tokens, request.probe_seq_len, request.probe_stride)
         expected = request.expected_ppl
         rel = abs(ppl - expected) / expected if expected else None
@@ -843,6 +899,36 @@ class GGUFWriter(Writer):
         if quant == "source" and request.ppl_limit_ratio is not None:
             check.update(same_quant_check(path, request, ppl))
         return check
+
+
+def planned_check(path: Path, request: WriteRequest, options: dict) -> dict:
+    """A size-planned file in llama.cpp: its perplexity on the probe windows against the in-memory model's
+    (there is no float original of a mixed file to match), the size against the budget, and llama.cpp's
+    preset of that size (``options['preset']``: name, path, made from the same F16) on the same windows.
+    Raises :class:`VerificationError` over the byte budget; the perplexity gate is the caller's."""
+    import llama_cpp
+
+    ppl, n = llama_cpp_perplexity(path, request.probe_tokens, request.probe_seq_len, request.probe_stride)
+    expected, size_plan = request.expected_ppl, options["size_plan"]
+    budget = int(options.get("size_budget") or 0)
+    check = {"runtime": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, **gguf_summary(path),
+             "quant": "plan", "perplexity": ppl, "scored_tokens": n, "reference_perplexity": expected,
+             "relative_change": ppl / expected - 1.0 if expected else None,
+             "predicted_relative_change": math.expm1(size_plan.predicted_nll_increase),
+             "file_bytes": path.stat().st_size, "budget_bytes": budget or None,
+             "passed": math.isfinite(ppl) and (not budget or path.stat().st_size <= budget)}
+    preset = options.get("preset")
+    if preset:
+        p_ppl, _ = llama_cpp_perplexity(Path(preset["path"]), request.probe_tokens, request.probe_seq_len,
+                                        request.probe_stride)
+        check["preset"] = {"name": preset["name"], "file_bytes": preset["file_bytes"], "perplexity": p_ppl,
+                           "relative_change": p_ppl / expected - 1.0 if expected else None,
+                           "made_by": "llama.cpp llama_model_quantize from the same F16, no importance matrix"}
+    if not check["passed"]:
+        raise VerificationError(
+            f"llama.cpp check failed: {path.name} is {check['file_bytes']:,} bytes against the budget of "
+            f"{budget:,} (perplexity {ppl:.4f}); nothing was published")
+    return check
 
 
 def same_quant_check(path: Path, request: WriteRequest, ppl: float) -> dict:

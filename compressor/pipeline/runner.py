@@ -77,19 +77,58 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, use_cache: bool, t_sta
         return RunResult(EXIT_GATE, report, None, result)
     if not dist.is_main():
         return _wait_for_main(result)
+    sizing = None
     try:
         request = stages.write_request(recipe, loaded, checked, result, report)
+        if recipe.output.size is not None:
+            sizing = sized(recipe, request, calibrated, checked, report)
         tmp = stages.write(recipe.output, request, checked, report["timings"])
+        if sizing is not None:
+            tmp = fit_budget(sizing, recipe, request, checked, report, tmp)
         stages.verify(recipe.output, request, tmp, report)
+        if sizing is not None:
+            stages.size_gate(recipe, report, tmp)
         out = stages.publish_output(tmp, checked.out, report, t_start)
     except BaseException as err:
         dist.broadcast_object(((exit_code_for(err), f"{type(err).__name__}: {err}"), None))
         raise
+    finally:
+        if sizing is not None:
+            sizing.cleanup()
     dist.broadcast_object((None, report))
     _end_state(checked)
     logger.info("saved compressed model to %s", out)
     logger.info("%s", result.gate_message)
     return RunResult(EXIT_OK, report, out, result)
+
+
+def sized(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stages.Checked, report: dict):
+    """The size stage (:mod:`compressor.pipeline.sizing`): plan every tensor's type; the writers get the plan."""
+    import torch
+
+    from compressor.pipeline.sizing import plan_size
+
+    t0 = time.perf_counter()
+    cal = calibrated.cal
+    sizing = plan_size(recipe, request, torch.cat([cal.fit, cal.heldout]), checked.out)
+    request.options.update(sizing.writer_options())
+    report["size_plan"] = sizing.to_json()
+    report["timings"]["size_plan_s"] = time.perf_counter() - t0
+    return sizing
+
+
+def fit_budget(sizing, recipe: Recipe, request, checked: stages.Checked, report: dict, tmp: Path) -> Path:
+    """Re-plan and write again while the GGUF is over its budget (its non-tensor bytes were estimated)."""
+    from compressor.pipeline.sizing import replan
+
+    for _ in range(3):
+        if not replan(sizing, (tmp / "model.gguf").stat().st_size):
+            break
+        stages._remove(tmp)
+        request.options.update(sizing.writer_options())
+        report["size_plan"] = sizing.to_json()
+        tmp = stages.write(recipe.output, request, checked, report["timings"])
+    return tmp
 
 
 def _end_state(checked: stages.Checked) -> None:

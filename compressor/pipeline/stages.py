@@ -34,6 +34,7 @@ from compressor.inputs.safety import OutputLock
 from compressor.inputs.validate import check_inputs, run_reads
 from compressor.output import VerificationError, WriteRequest, get_writer, publish, staging_folder
 from compressor.output.hf import output_dtype, source_weight_bytes
+from compressor.evaluation.evaluate import ppl_limit
 from compressor.policy.compress import CompressionResult, compress_model
 from compressor.recipe.schema import ModelConfig, OutputConfig, Recipe, width_multiple
 from compressor.reports.render import model_card
@@ -134,6 +135,7 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
     except ValueError as err:
         raise InputError(str(err)) from None
     _check_writers(recipe, tokenizer, model_type)
+    _check_size(recipe)
     _check_offload_dtype(mc, recipe.output)
     multiple = _check_architecture(recipe)
     out = Path(recipe.output.path).expanduser().resolve()
@@ -192,6 +194,19 @@ def _check_writers(recipe: Recipe, tokenizer, model_type: str) -> None:
                 f" ({name} is in output.formats by default for a GGUF source; set output.formats: [hf] to write "
                 "only the Hugging Face folder)")
             raise InputError(f"output.formats: {name}: {why}{chosen}")
+
+
+def _check_size(recipe: Recipe) -> None:
+    """``output.size`` plans a GGUF: the gguf format must be written, from a model held in memory."""
+    oc = recipe.output
+    if oc.size is None:
+        return
+    if "gguf" not in oc.formats:
+        raise InputError(f"output.size: {oc.size} is the size of the GGUF file, but output.formats is {oc.formats}; "
+                         "add gguf to output.formats (or remove output.size)")
+    if recipe.model.offload != "none":
+        raise InputError("output.size prices every weight from one backward pass over the whole model, which an "
+                         f"onloaded model (model.offload: {recipe.model.offload}) does not hold; use model.offload: none")
 
 
 def _check_offload_dtype(mc: ModelConfig, oc: OutputConfig) -> None:
@@ -276,7 +291,14 @@ def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bo
 
 
 def compress(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Checked) -> CompressionResult:
-    """The policy engine: measure, fit, select and gate (:func:`compressor.policy.compress.compress_model`)."""
+    """The policy engine: measure, fit, select and gate (:func:`compressor.policy.compress.compress_model`).
+    With ``output.size`` the blocks stay as they are and the size stage plans the file instead."""
+    if recipe.output.size is not None:
+        from compressor.pipeline.sizing import baseline_only
+
+        result = baseline_only(loaded.model, recipe, checked.eval_streams)
+        result.timings = {"calibration_s": calibrated.info.pop("calibration_s"), **result.timings}
+        return result
     try:
         result = compress_model(loaded.model, recipe, calibrated.cal, checked.eval_streams, state=checked.state,
                                 width_multiple=checked.width_multiple)
@@ -376,6 +398,29 @@ def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> Non
     except BaseException:
         _remove(tmp)
         raise
+
+
+def size_gate(recipe: Recipe, rep: dict, tmp: Path) -> None:
+    """``output.size``: the planned GGUF's perplexity in llama.cpp on the gate's windows is the gate
+    (``policy.ppl_budget`` over the original's); over it, nothing is published (exit 3)."""
+    from compressor.core.errors import GateFailed
+
+    check, pol = rep["verification"]["gguf"], recipe.policy
+    base = check["reference_perplexity"]
+    limit = ppl_limit(base, pol.ppl_budget, pol.budget_mode)
+    check["gate_limit"] = limit
+    check["gate_passed"] = bool(check["perplexity"] <= limit) or not pol.gate
+    preset = check.get("preset")
+    beside = "" if not preset else (f"; llama.cpp's {preset['name']} of that size: "
+                                    f"{100 * preset['relative_change']:+.2f} %")
+    rep["message"] = (f"GGUF of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}): perplexity "
+                      f"{check['perplexity']:.4f} in llama.cpp, {100 * check['relative_change']:+.2f} % against the "
+                      f"original's {base:.4f} (budget ≤ {limit:.4f}){beside}")
+    if not check["gate_passed"]:
+        _remove(tmp)
+        rep.update(status="rejected", exit_code=3)
+        raise GateFailed(rep["message"] + ". Nothing was written; give a larger output.size or raise "
+                         "policy.ppl_budget")
 
 
 def publish_output(tmp: Path, out: Path, rep: dict, t_start: float) -> Path:

@@ -217,10 +217,24 @@ class OutputConfig(_Section):
         "source", description="gguf format: tensor types; source = a GGUF source's own (unchanged tensors copied as "
         "they are), else output.dtype; q8_0/q4_k_m use llama.cpp's quantizer (see docs/gguf.md)"
     )
+    size: str | None = Field(
+        None, description="gguf format: the file's size, met from below with the least predicted loss by choosing "
+        "every weight's GGML type (docs/size.md): bytes (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), or a "
+        "llama.cpp preset's name (Q4_K_M, Q3_K_M, Q2_K, …: that preset's size for this model, made from the same "
+        "F16 and measured beside the output); null: the source's own types (gguf_quant)")
     gguf_unquantizable: Literal["error", "f16", "pad"] = Field(
         "error", description="gguf format: an FFN width the quantization block does not divide is an error, keeps "
         "its down projection in F16, or is padded with dead units"
     )
+
+    @model_validator(mode="after")
+    def _size_rule(self):
+        if self.size is not None:
+            parse_size(self.size)
+            if self.gguf_quant != "source":
+                raise ValueError(f"output.size plans every tensor's type itself; remove output.gguf_quant: "
+                                 f"{self.gguf_quant} (or output.size)")
+        return self
 
     @model_validator(mode="after")
     def _width_rule(self):
@@ -245,6 +259,39 @@ class OutputConfig(_Section):
         with ``hf`` written by ``hf-standard`` when ``architecture`` is ``standard``."""
         names = ["hf-standard" if f == "hf" and self.architecture == "standard" else f for f in self.formats]
         return list(dict.fromkeys(names))
+
+
+#: llama.cpp presets ``output.size`` may name (their size for the model at hand is the budget).
+SIZE_PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "Q3_K_L", "Q3_K_M", "Q3_K_S",
+                "Q2_K")
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> tuple[str, float | str]:
+    """``output.size`` → ("bytes", n) | ("bpw", bits) | ("preset", name); ValueError naming the forms.
+
+    >>> parse_size("750MB"), parse_size("4.5bpw"), parse_size("q3_k_m")
+    (('bytes', 750000000), ('bpw', 4.5), ('preset', 'Q3_K_M'))
+    """
+    import re
+
+    t = str(text).strip()
+    if t.upper() in SIZE_PRESETS:
+        return "preset", t.upper()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*bpw", t, flags=re.I)
+    if m:
+        bits = float(m.group(1))
+        if not 1.5 <= bits <= 16:
+            raise ValueError(f"output.size: {t}: bits per weight must be between 1.5 and 16")
+        return "bpw", bits
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMG]i?B|B)?", t, flags=re.I)
+    if m:
+        n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "B").upper()])
+        if n <= 0:
+            raise ValueError(f"output.size: {t} must be positive")
+        return "bytes", n
+    raise ValueError(f"output.size: {t!r} is not a size: give bytes (750MB, 1.2GB, 123456789), bits per weight "
+                     f"(4.5bpw) or a llama.cpp preset ({', '.join(SIZE_PRESETS)})")
 
 
 #: Multiple of the one FFN width of ``output.architecture: standard``: serving kernels (vLLM, llama.cpp,

@@ -1,0 +1,140 @@
+"""Per-weight statistics that price a change of any weight matrix in closed form.
+
+For a linear map ``y = W x`` whose weight becomes ``W + ΔW``, the output error
+at token ``t`` is ``e_t = ΔW x_t``. With ``G_t = ∂(Σ nll)/∂y_t`` the gradient of
+the summed next-token loss, the diagonal empirical-Fisher estimate of the mean
+loss change is
+
+    Δ nll ≈ ½ Σ_o F_o · (ΔW Ĥ ΔWᵀ)_oo,   F_o = mean_t G²_{t,o},   Ĥ = mean_t x_t x_tᵀ
+
+(second order, assuming the squared gradient and the squared error of an output
+are uncorrelated over tokens). Two passes measure the pieces:
+
+* :func:`output_fisher` — one forward + backward over the calibration windows:
+  ``F`` at every ``nn.Linear``'s output, at the token embedding's output, and
+  the token counts (the embedding's "input moment" is diagonal: ``Ĥ_vv`` is
+  token ``v``'s frequency);
+* :func:`input_moments` — forward only: ``Ĥ`` at the input of each named
+  ``nn.Linear``; modules fed the same tensor (q/k/v, gate/up) share one matrix.
+  Float64 sums, ``d_in²`` each: the caller decides how many modules a pass holds
+  (Qwen2.5-1.5B's down projections are 8,960² = 640 MB each).
+
+``diag(Ĥ)`` is also what llama.cpp's ``llama-imatrix`` collects (its importance
+matrix), so the same pass gives the quantizer its column weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compressor.core.progress import progress
+from compressor.engine.sensitivity import backward_rows
+
+#: Key of the token embedding in :func:`output_fisher`'s result.
+EMBEDDING = "<embedding>"
+
+
+@dataclass
+class Fisher:
+    """Mean squared loss gradient at each module's output, and token counts."""
+
+    grad_sq: dict[str, torch.Tensor]
+    """Module name (``EMBEDDING`` for the token embedding) → mean over tokens of G², float64 [d_out]."""
+    token_counts: torch.Tensor
+    """Occurrences of each token id among the inputs, float64 [vocab]."""
+    tokens: int
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Every ``nn.Linear`` of the model, the output head included, in module order."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8,
+                  names: list[str] | None = None) -> Fisher:
+    """One forward + backward per batch of ``windows`` ([n, seq_len] token ids): ``F`` at the output of
+    each linear in ``names`` (default: all) and of the token embedding."""
+    names = linear_names(model) if names is None else names
+    sums: dict[str, torch.Tensor] = {}
+
+    def add(key: str, g: torch.Tensor) -> None:
+        g2 = g.detach().double().pow(2).sum(dim=tuple(range(g.dim() - 1))).cpu()
+        sums[key] = g2 if key not in sums else sums[key] + g2
+
+    def hook(name: str):
+        def fwd(module, args, output):
+            output.register_hook(lambda g: add(name, g))
+        return fwd
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    embed = model.get_input_embeddings()
+    vocab = embed.weight.shape[0]
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    was_training, req = model.training, {n: p.requires_grad for n, p in model.named_parameters()}
+    model.eval()
+    model.requires_grad_(False)
+    rows = backward_rows(model, windows.shape[1], batch_size)
+    try:
+        for first in progress(range(0, windows.shape[0], rows), desc="price: loss gradients", unit="batch"):
+            ids = windows[first:first + rows].to(embed.weight.device)
+            counts += torch.bincount(ids.flatten().cpu(), minlength=vocab).double()
+            emb = embed(ids).detach().requires_grad_(True)
+            logits = model(inputs_embeds=emb, use_cache=False).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+            del logits
+            loss.backward()
+            add(EMBEDDING, emb.grad)
+            del loss, emb
+    finally:
+        for h in handles:
+            h.remove()
+        for n, p in model.named_parameters():
+            p.requires_grad_(req[n])
+        model.train(was_training)
+    n_tokens = windows.numel()
+    return Fisher({k: v / n_tokens for k, v in sums.items()}, counts, n_tokens)
+
+
+def input_moments(model: nn.Module, windows: torch.Tensor, names: list[str], *,
+                  batch_size: int = 8) -> dict[str, torch.Tensor]:
+    """``Ĥ = mean_t x_t x_tᵀ`` (float64 [d_in, d_in], CPU) at the input of each linear in ``names``; modules
+    that read the same tensor get the same matrix object."""
+    sums: dict[str, torch.Tensor] = {}
+    # this batch's inputs by tensor identity → (the module that took it first, the tensor, held so that
+    # its memory cannot be reused by a later input of the same batch)
+    first_reader: dict[int, tuple[str, torch.Tensor]] = {}
+    alias: dict[str, str] = {}
+
+    def hook(name: str):
+        def fwd(module, args):
+            x = args[0]
+            seen = first_reader.get(id(x))
+            if seen is not None and seen[1] is x and seen[0] != name:
+                alias[name] = seen[0]
+                return
+            first_reader[id(x)] = (name, x)
+            x = x.detach().reshape(-1, x.shape[-1]).float()
+            xx = (x.T @ x).double().cpu()
+            sums[name] = xx if name not in sums else sums[name] + xx
+        return fwd
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    device = model.get_input_embeddings().weight.device
+    try:
+        with torch.no_grad():
+            for first in progress(range(0, windows.shape[0], batch_size), desc="price: input moments",
+                                  unit="batch"):
+                first_reader.clear()
+                model(windows[first:first + batch_size].to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    n = windows.numel()
+    out = {k: v / n for k, v in sums.items()}
+    for name, src in alias.items():
+        out[name] = out[src]
+    return out

@@ -1,0 +1,229 @@
+"""The size stage: a GGUF of a given size with the least predicted loss (``output.size``).
+
+budget → measure → plan, then the GGUF writer writes the plan and the llama.cpp
+check gates it:
+
+1. **budget**: the model is written once as F16 (the file a deployer would
+   quantize); a preset name (``Q3_K_M``) is made from it by llama.cpp's own
+   quantizer and its bytes are the budget, and the preset file is kept to be
+   measured beside the output on the same windows; ``750MB`` / ``4.5bpw`` are
+   bytes directly (bits per weight over every weight the file stores). What is
+   not tensor data (metadata, tokenizer, norms) is read off the F16 file.
+2. **measure**: one forward + backward and one forward pass over the calibration
+   windows (:mod:`compressor.engine.tensorstats`).
+3. **plan**: every 2-D weight priced in each GGML type by ggml's quantizer with
+   the run's importance matrix, then allocated under the bytes
+   (:mod:`compressor.policy.quantplan`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from compressor.core.errors import InputError
+from compressor.core.params import count_params
+from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
+from compressor.evaluation.evaluate import Evaluator, ppl_limit
+from compressor.output.base import WriteRequest
+from compressor.policy.compress import CompressionResult
+from compressor.policy.quantplan import SizePlan, plan, price_all, sites
+from compressor.recipe.schema import Recipe, parse_size
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of alignment padding GGUF puts after each tensor's data, at most.
+GGUF_ALIGNMENT = 32
+#: Each re-plan after a file came out over its budget shrinks the tensor budget by the excess and this much more.
+REPLAN_MARGIN = 4096
+
+
+@dataclass
+class Sizing:
+    """The size stage's result: the plan and what the writer and its check need."""
+
+    plan: SizePlan
+    budget_bytes: int
+    size: str
+    preset: dict | None
+    workdir: Path
+    overhead_bytes: int
+    timings: dict = field(default_factory=dict)
+
+    def writer_options(self) -> dict:
+        return {"size_plan": self.plan, "size_budget": self.budget_bytes, "preset": self.preset}
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "budget_bytes": self.budget_bytes, "non_tensor_bytes": self.overhead_bytes,
+                "preset": None if self.preset is None else {k: v for k, v in self.preset.items() if k != "path"},
+                **self.plan.to_json(), "timings": self.timings}
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> CompressionResult:
+    """No structural change: the original model's evaluation on the gate's domains (teacher caches), as a
+    :class:`CompressionResult` whose final is its baseline."""
+    cfgs = {c.domain_name(): c for c in recipe.evaluation_domains()}
+    t0 = time.perf_counter()
+    ev = Evaluator.build(model, streams, seq_len={n: cfgs[n].seq_len for n in streams},
+                         stride={n: cfgs[n].stride for n in streams},
+                         batch_size={n: cfgs[n].batch_size for n in streams},
+                         top_k=min(c.kl_top_k for c in cfgs.values()))
+    base = ev.baseline
+    pol = recipe.policy
+    params = count_params(model)
+    return CompressionResult(
+        model=model, profiles=[], decisions=[], baseline=base, final=base,
+        budget_ppl=ppl_limit(base.ppl, pol.ppl_budget, pol.budget_mode), params_before=params, params_after=params,
+        gate_passed=True, gate_message="no structural change (output.size plans the tensor types)",
+        strategy="size", timings={"baseline_s": time.perf_counter() - t0})
+
+
+F16_OPTIONS = {"quant": "f16", "from_source": True}
+
+
+def _f16_request(request: WriteRequest) -> WriteRequest:
+    return WriteRequest(model=request.model, tokenizer=request.tokenizer, compression=request.compression,
+                        source=request.source, dtype=torch.float16, options=dict(F16_OPTIONS))
+
+
+def _tensor_bytes(path: Path) -> tuple[int, int, int]:
+    """(file bytes, bytes of 2-D tensors, bytes of the others) of a GGUF."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    two_d = sum(int(t.n_bytes) for t in reader.tensors if len([d for d in t.shape if d > 1]) >= 2)
+    rest = sum(int(t.n_bytes) for t in reader.tensors) - two_d
+    return path.stat().st_size, two_d, rest
+
+
+def budget(size: str, request: WriteRequest, workdir: Path) -> tuple[int, int, dict | None]:
+    """(file bytes allowed, bytes that are not planned tensor data, the preset file when ``size`` names one)."""
+    from compressor.output.gguf import PRESETS, quantize_file, write_gguf
+
+    f16 = workdir / "f16.gguf"
+    write_gguf(_f16_request(request), f16, dict(F16_OPTIONS))
+    total, planned, other = _tensor_bytes(f16)
+    n_tensors = len(__import__("gguf").GGUFReader(f16).tensors)
+    overhead = total - planned + GGUF_ALIGNMENT * n_tensors
+    kind, value = parse_size(size)
+    preset = None
+    if kind == "preset":
+        path = workdir / f"{value}.gguf"
+        quantize_file(f16, path, PRESETS[value])
+        preset = {"name": value, "path": str(path), "file_bytes": path.stat().st_size}
+        limit = preset["file_bytes"]
+    elif kind == "bpw":
+        weights = sum(p.numel() for p in {id(p): p for p in request.model.parameters()}.values())
+        limit = int(value * weights / 8) + (total - planned - other)
+    else:
+        limit = int(value)
+    if limit <= overhead:
+        raise InputError(f"output.size: {size} ({limit:,} bytes) does not even hold what is not weights "
+                         f"({overhead:,} bytes: metadata, tokenizer, norms); give a larger size")
+    return limit, overhead, preset
+
+
+#: Bytes of input second moments one pass holds (float64 d_in² per distinct input): Qwen2.5-1.5B's 28
+#: layers need 19.6 GB at once, so they are measured and priced in groups of layers, one pass each.
+MOMENTS_BUDGET_BYTES = 3 << 30
+
+
+def moment_groups(model, names: list[str], budget: int = MOMENTS_BUDGET_BYTES) -> list[list[str]]:
+    """``names`` (in module order) cut into consecutive groups whose moments fit ``budget``; modules of
+    one parent (q/k/v, gate/up, which share their input) stay in one group."""
+    groups: list[list[str]] = [[]]
+    used, parent = 0, None
+    for n in names:
+        size = 8 * model.get_submodule(n).in_features ** 2
+        p = n.rsplit(".", 1)[0]
+        if groups[-1] and used + size > budget and p != parent:
+            groups.append([])
+            used = 0
+        groups[-1].append(n)
+        used += size
+        parent = p
+    return groups
+
+
+def gguf_namer(model) -> callable:
+    """Hugging Face parameter name → GGUF tensor name (gguf-py's map for the model's architecture)."""
+    import gguf
+
+    from compressor.output.gguf import REQUANTIZE_ARCH
+
+    cfg = getattr(model.config, "text_config", None) or model.config
+    model_type = str(cfg.model_type).removeprefix("compressed_")
+    if model_type not in REQUANTIZE_ARCH:
+        raise InputError(f"output.size: no GGUF tensor names are mapped for model type {model_type!r} "
+                         f"(mapped: {', '.join(sorted(REQUANTIZE_ARCH))})")
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, REQUANTIZE_ARCH[model_type]), cfg.num_hidden_layers)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+
+    def name(hf: str) -> str | None:
+        out = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        return None if out is None or (tied and out == "output.weight") else out
+    return name
+
+
+def plan_size(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, out: Path) -> Sizing:
+    """Budget, measure and plan (see the module's docstring); the F16 and preset files live in a work
+    folder beside the output until :meth:`Sizing.cleanup`."""
+    size = recipe.output.size
+    workdir = Path(tempfile.mkdtemp(prefix=".compressor-size-", dir=out.parent))
+    try:
+        t0 = time.perf_counter()
+        limit, overhead, preset = budget(size, request, workdir)
+        timings = {"budget_s": time.perf_counter() - t0}
+        logger.info("output.size %s: %s bytes (%s%d bytes are not weights)", size, f"{limit:,}",
+                    f"llama.cpp's {preset['name']} from the same F16; " if preset else "", overhead)
+        model, bs = request.model, recipe.calibration.batch_size
+        t0 = time.perf_counter()
+        fisher = output_fisher(model, windows, batch_size=bs)
+        timings["statistics_s"] = time.perf_counter() - t0
+        units, all_sites, namer = {}, [], gguf_namer(model)
+        groups = moment_groups(model, linear_names(model))
+        for i, group in enumerate(groups):
+            t0 = time.perf_counter()
+            moments = input_moments(model, windows, group, batch_size=bs)
+            timings["statistics_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            these = sites(model, fisher, moments, namer, modules=set(group))
+            del moments
+            units.update(price_all(these))
+            for s in these:  # priced: the input moments are not needed again
+                s.h = None
+            all_sites += these
+            timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
+        chosen = plan(units, all_sites, limit - overhead)
+        logger.info("size plan: %s MB of tensor data, predicted perplexity %+.2f %%; types %s",
+                    f"{chosen.tensor_bytes / 1e6:.1f}", 100 * chosen.to_json()["predicted_ppl_change"],
+                    chosen.to_json()["types_used"])
+        sizing = Sizing(chosen, limit, size, preset, workdir, overhead, timings)
+        sizing.units, sizing.sites = units, all_sites
+        return sizing
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+def replan(sizing: Sizing, file_bytes: int) -> bool:
+    """The written file came out ``file_bytes`` long: when over the budget, shrink the tensor budget by the
+    excess and plan again (True: re-planned, write again)."""
+    excess = file_bytes - sizing.budget_bytes
+    if excess <= 0:
+        return False
+    tensor_budget = sizing.plan.budget_bytes - excess - REPLAN_MARGIN
+    sizing.plan = plan(sizing.units, sizing.sites, tensor_budget)
+    logger.info("size plan: the file was %d bytes over; planned again for %.1f MB of tensor data", excess,
+                tensor_budget / 1e6)
+    return True
+

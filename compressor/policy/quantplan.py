@@ -1,0 +1,245 @@
+"""The size planner: every weight matrix's GGML type, chosen under one byte budget.
+
+plan → allocate: :func:`price` turns each 2-D weight into options (one per GGML
+type its rows fit), each with its exact bytes and a predicted loss increase
+computed in closed form (:mod:`compressor.engine.tensorstats`):
+
+    cost(type) = ½ Σ_o F_o · (ΔW Ĥ ΔWᵀ)_oo,   ΔW = dequant(quant(W, imatrix)) − W
+
+with ``quant`` ggml's own quantizer (:mod:`compressor.core.ggml`) given the
+importance matrix ``diag(Ĥ)`` — the same column weights llama.cpp's
+``llama-imatrix`` collects, here from the run's own calibration text. The token
+embedding is priced for both of its roles: a lookup (its error enters the
+residual stream, weighted by each token's frequency and the loss gradient
+there) and, when tied, the output head. :func:`plan` then allocates
+(:func:`compressor.policy.options.allocate`): the least summed predicted cost
+whose bytes fit the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from compressor.core.ggml import BLOCKS, GGMLType, bits_per_weight, bytes_per_row, fits, roundtrip
+from compressor.core.progress import progress
+from compressor.engine.tensorstats import EMBEDDING, Fisher
+from compressor.policy.options import Option, allocate, smallest, total_cost, total_size
+
+logger = logging.getLogger(__name__)
+
+#: Types offered by default: everything llama.cpp runs on CPU and GPU that ggml quantizes in well under a
+#: second per million weights (the IQ2 family takes ~10 s and needs an importance matrix everywhere).
+DEFAULT_TYPES: tuple[GGMLType, ...] = (
+    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ3_S, GGMLType.IQ4_XS, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+    GGMLType.Q4_0, GGMLType.IQ4_NL, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.F16,
+)
+
+
+@dataclass
+class Site:
+    """One weight matrix to plan: its GGUF name, rows ``[n_rows, n_per_row]`` and what prices it."""
+
+    name: str
+    module: str
+    weight: torch.Tensor
+    """float32 ``[n_rows, n_per_row]`` as the GGUF stores it (rows quantized independently)."""
+    h: torch.Tensor | None
+    """Ĥ over the row's elements (d_in × d_in), or None for the token embedding."""
+    f: torch.Tensor
+    """F per row (the loss gradient's mean square at that output)."""
+    imatrix: np.ndarray
+    extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """Per-row cost of a second role of the same ΔW (a tied embedding's lookup), given the row indices."""
+    rows: torch.Tensor | None = None
+    """Rows priced (None: all) and :attr:`row_weight`, their inverse inclusion probabilities: a sum over
+    the priced rows, so weighted, estimates the sum over all rows without bias (:func:`sample_rows`)."""
+    row_weight: torch.Tensor | None = None
+    lookup_freq: torch.Tensor | None = None
+    """An embedding's token frequencies (its lookup role), or None."""
+
+    def row_costs(self, delta: torch.Tensor) -> torch.Tensor:
+        """Predicted loss increase of each priced row's error ``delta`` ([len(rows), n])."""
+        idx = self.rows if self.rows is not None else torch.arange(delta.shape[0])
+        out = torch.zeros(delta.shape[0], dtype=torch.float64)
+        if self.h is not None:
+            out += 0.5 * self.f[idx].double() * ((delta @ self.h) * delta).sum(1).double()
+        if self.extra is not None:
+            out += self.extra(delta, idx)
+        return out
+
+    def cost(self, delta: torch.Tensor) -> float:
+        """Predicted loss increase of an error ``delta`` of the priced rows (all rows, or the sample)."""
+        per_row = self.row_costs(delta)
+        return float(per_row.sum() if self.row_weight is None else (per_row * self.row_weight).sum())
+
+    def priced_weight(self) -> torch.Tensor:
+        return self.weight if self.rows is None else self.weight[self.rows]
+
+
+@dataclass
+class SizePlan:
+    """What the size planner chose: a GGML type and an importance matrix per GGUF tensor."""
+
+    types: dict[str, str]
+    imatrix: dict[str, np.ndarray] = field(repr=False)
+    tensor_bytes: int
+    budget_bytes: int
+    predicted_nll_increase: float
+    rows: list[dict] = field(default_factory=list, repr=False)
+    """Per tensor: name, type, bytes, predicted cost, and the cost of every option offered."""
+
+    def to_json(self) -> dict:
+        counts: dict[str, int] = {}
+        for t in self.types.values():
+            counts[t] = counts.get(t, 0) + 1
+        return {"tensor_bytes": self.tensor_bytes, "budget_tensor_bytes": self.budget_bytes,
+                "predicted_nll_increase": self.predicted_nll_increase,
+                "predicted_ppl_change": float(np.expm1(self.predicted_nll_increase)),
+                "types_used": dict(sorted(counts.items())), "tensors": self.rows}
+
+
+def _embedding_lookup_cost(f_emb: torch.Tensor, freq: torch.Tensor):
+    """Per-row cost of an embedding error ``ΔE`` (rows ``idx`` of [vocab, d]) as a lookup: ½ p_v Σ_o F_o ΔE_vo²."""
+    def cost(delta: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return 0.5 * freq[idx] * (delta.double().pow(2) * f_emb).sum(1)
+    return cost
+
+
+#: Tensors with more elements than this are priced on a sample of their rows (:func:`sample_rows`): every
+#: type's round trip through ggml then costs about the same for every tensor (SmolLM2-135M: only the
+#: embeddings are sampled; Qwen2.5-1.5B: most tensors).
+MAX_PRICED_ELEMENTS = 1 << 21
+MIN_PRICED_ROWS = 256
+
+
+def sample_rows(site: Site, limit: int | None = None, seed: int = 0) -> Site:
+    """Price ``site`` on ``limit`` of its rows: the half with the largest loss weight (F, and a token's
+    frequency for an embedding) always, the other half drawn uniformly from the rest and weighted by the
+    inverse of their inclusion probability — an unbiased estimate of the sum over all rows, exact for the
+    rows that matter most. Quantization is row by row, so a row's error is the same in the sample."""
+    n, width = site.weight.shape
+    if limit is None:
+        limit = max(MIN_PRICED_ROWS, MAX_PRICED_ELEMENTS // width)
+    if n <= limit:
+        return site
+    score = site.f.double().clone()
+    if site.extra is not None and site.lookup_freq is not None:
+        score = score + site.lookup_freq * float(site.f.double().mean() + 1e-30) * n
+    top = torch.topk(score, limit // 2).indices
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[top] = False
+    others = torch.nonzero(rest).flatten()
+    g = torch.Generator().manual_seed(seed)
+    drawn = others[torch.randperm(len(others), generator=g)[: limit - len(top)]]
+    site.rows = torch.cat([top, drawn]).sort().values
+    weight = torch.ones(n, dtype=torch.float64)
+    weight[others] = len(others) / max(len(drawn), 1)
+    site.row_weight = weight[site.rows]
+    return site
+
+
+def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
+          gguf_name: Callable[[str], str | None], modules: set[str] | None = None) -> list[Site]:
+    """Every 2-D weight the GGUF stores (of ``modules`` only, when given: the token embedding counts as
+    the output head's module), with what prices it. ``gguf_name`` maps a Hugging Face parameter name to
+    its GGUF tensor name (None: not written, e.g. a tied output head)."""
+    out: list[Site] = []
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    freq = (fisher.token_counts / max(fisher.tokens, 1)).double()
+    # an embedding that scales its rows (Gemma's √d) passes that scale on to its error
+    scale = float(torch.as_tensor(getattr(embed, "embed_scale", 1.0)).float())
+    lookup = _embedding_lookup_cost(fisher.grad_sq[EMBEDDING] * scale ** 2, freq)
+    names = {id(m): n for n, m in model.named_modules()}
+    head_name = names.get(id(head)) if head is not None else None
+    for module_name, module in model.named_modules():
+        if modules is not None and module_name not in modules and not (module is embed and head_name in modules):
+            continue
+        if module is embed:
+            w = embed.weight.detach().float()
+            imat = (fisher.grad_sq[EMBEDDING] * float(freq.mean())).float()
+            h = f = None
+            if tied:
+                hname = names[id(head)]
+                h, f = moments[hname].float(), fisher.grad_sq[hname]
+                imat = imat + float(f.mean()) * torch.diagonal(h)
+            name = gguf_name(f"{module_name}.weight")
+            out.append(Site(name, module_name, w, h, f if f is not None else torch.zeros(w.shape[0]),
+                            _imatrix(imat), extra=lookup, lookup_freq=freq))
+        elif isinstance(module, nn.Linear) and not (tied and module is head):
+            name = gguf_name(f"{module_name}.weight")
+            if name is None:
+                continue
+            h = moments[module_name].float()
+            out.append(Site(name, module_name, module.weight.detach().float(), h, fisher.grad_sq[module_name],
+                            _imatrix(torch.diagonal(h))))
+    return [sample_rows(s) for s in out]
+
+
+def _imatrix(w: torch.Tensor) -> np.ndarray:
+    w = w.detach().double().clamp_min(0).numpy()
+    top = float(w.max()) if w.size else 0.0
+    # ggml weights each element's error by these; all-zero (a dead column set) would leave it unweighted
+    return (w / top + 1e-8).astype(np.float32) if top > 0 else np.ones_like(w, dtype=np.float32)
+
+
+#: 32-element types that a 256-element type of no more bits beats almost everywhere both fit (ggml's
+#: k-quants and IQ4_XS store finer scales): a large tensor (priced on a sample of rows) whose rows take the
+#: k-quants is not priced in them, to bound the time. Small tensors get every type: a source already on
+#: a 32-element grid (SmolLM2's Q4_1) is re-quantized onto it without loss.
+SUPERSEDED = {GGMLType.Q4_0: GGMLType.IQ4_XS, GGMLType.IQ4_NL: GGMLType.IQ4_XS, GGMLType.Q4_1: GGMLType.Q4_K,
+              GGMLType.Q5_0: GGMLType.Q5_K, GGMLType.Q5_1: GGMLType.Q5_K}
+
+
+def offered(types: tuple[GGMLType, ...], n_per_row: int, every: bool = True) -> list[GGMLType]:
+    """The types rows of ``n_per_row`` take; unless ``every``, less those a k-quant supersedes there."""
+    fit = [t for t in types if fits(t, n_per_row)]
+    return fit if every else [t for t in fit if SUPERSEDED.get(t) not in fit]
+
+
+def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES) -> list[Option]:
+    """One option per type whose blocks fit the rows: its bytes and predicted loss increase."""
+    n_rows, n = site.weight.shape
+    w = site.priced_weight().numpy()
+    opts = []
+    for t in offered(types, n, every=site.rows is None):
+        approx = torch.from_numpy(roundtrip(w, t, site.imatrix if BLOCKS[t][0] > 1 else None))
+        cost = site.cost(approx - site.priced_weight())
+        opts.append(Option(site.name, t.name, n_rows * bytes_per_row(t, n), max(cost, 0.0), payload=t))
+    return opts
+
+
+def price_all(all_sites: list[Site], types: tuple[GGMLType, ...] = DEFAULT_TYPES,
+              threads: int | None = None) -> dict[str, list[Option]]:
+    """:func:`price` for every site; ggml's quantizer releases the GIL, so sites run on ``threads``."""
+    threads = threads or max(1, torch.get_num_threads())
+    with ThreadPoolExecutor(threads) as pool:
+        priced = list(progress(pool.map(lambda s: price(s, types), all_sites), total=len(all_sites),
+                               desc="price: tensor types", unit="tensor"))
+    return {s.name: opts for s, opts in zip(all_sites, priced)}
+
+
+def plan(units: dict[str, list[Option]], all_sites: list[Site], budget_bytes: int) -> SizePlan:
+    """The least predicted cost within ``budget_bytes`` of tensor data (every site's smallest type when
+    even that does not fit: the caller compares ``tensor_bytes`` with the budget)."""
+    choice = allocate(units, budget_bytes)
+    if total_size(choice) > budget_bytes:
+        logger.warning("size plan: even the smallest types need %.1f MB of tensor data, over the %.1f MB budget",
+                       total_size(smallest(units)) / 1e6, budget_bytes / 1e6)
+    by_name = {s.name: s for s in all_sites}
+    rows = []
+    for name, o in choice.items():
+        s = by_name[name]
+        rows.append({"tensor": name, "module": s.module, "shape": list(s.weight.shape), "type": o.name,
+                     "bits_per_weight": bits_per_weight(o.payload), "bytes": int(o.size),
+                     "predicted_cost": o.cost, "offered": {x.name: x.cost for x in units[name]}})
+    return SizePlan({n: o.name for n, o in choice.items()}, {s.name: s.imatrix for s in all_sites},
+                    int(total_size(choice)), int(budget_bytes), total_cost(choice), rows)

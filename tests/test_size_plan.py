@@ -1,0 +1,232 @@
+"""The size planner: GGML types from ggml's own quantizer, closed-form costs checked by brute force,
+the allocation against exhaustive search, and a planned GGUF that an unmodified llama.cpp runs.
+
+Tiny models from configs; the llama.cpp parts skip where llama-cpp-python is not installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from compressor.core import ggml
+from compressor.core.ggml import GGMLType
+from compressor.engine.tensorstats import EMBEDDING, input_moments, linear_names, output_fisher
+from compressor.policy.options import Option, allocate, total_cost, total_size
+from compressor.recipe.schema import OutputConfig, parse_size
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+# --------------------------------------------------------------------------------------------------
+# GGML types
+# --------------------------------------------------------------------------------------------------
+
+
+def test_block_table_matches_gguf_py():
+    gguf = pytest.importorskip("gguf")
+    for t in GGMLType:
+        q = gguf.GGMLQuantizationType(int(t))
+        assert q.name == t.name and ggml.BLOCKS[t] == tuple(gguf.GGML_QUANT_SIZES[q])
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_1, GGMLType.IQ4_NL, GGMLType.Q2_K,
+                               GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.IQ4_XS, GGMLType.IQ3_S])
+def test_quantize_roundtrip_error_shrinks_with_bits_and_obeys_the_imatrix(t):
+    """ggml's quantizer via ctypes: the bytes have the size the block table says, the error is small
+    relative to the weights, and an importance matrix lowers the weighted error it was given."""
+    pytest.importorskip("llama_cpp")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 512)).astype(np.float32)
+    raw = ggml.quantize(w, t)
+    assert raw.shape == (64, ggml.bytes_per_row(t, 512))
+    back = ggml.dequantize(raw, t, 512)
+    rel = float(((back - w) ** 2).mean() / (w ** 2).mean())
+    assert rel < {8: 1e-4}.get(int(ggml.bits_per_weight(t)), 0.2)
+    imatrix = np.ones(512, dtype=np.float32)
+    imatrix[:64] = 100.0  # the first columns matter far more
+    weighted = ggml.roundtrip(w, t, imatrix)
+    err_plain = float((((back - w) ** 2) * imatrix).sum())
+    err_weighted = float((((weighted - w) ** 2) * imatrix).sum())
+    assert err_weighted <= err_plain * 1.0001
+
+
+def test_sizes_per_row_and_refusals():
+    assert ggml.bytes_per_row(GGMLType.Q4_K, 512) == 288 and ggml.bits_per_weight(GGMLType.Q8_0) == 8.5
+    assert ggml.fits(GGMLType.Q4_0, 576) and not ggml.fits(GGMLType.Q4_K, 576)
+    with pytest.raises(ValueError, match="not a multiple of 256"):
+        ggml.bytes_per_row(GGMLType.Q2_K, 576)
+
+
+# --------------------------------------------------------------------------------------------------
+# Allocation
+# --------------------------------------------------------------------------------------------------
+
+
+def _brute(units: dict[str, list[Option]], budget: float) -> float:
+    best = float("inf")
+    for combo in itertools.product(*units.values()):
+        if sum(o.size for o in combo) <= budget:
+            best = min(best, sum(o.cost for o in combo))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_is_feasible_maximal_and_near_the_exhaustive_optimum(seed):
+    """Random units with convex-ish cost curves: the choice fits the budget, no single upgrade that
+    saves cost still fits (the greedy fill), and its cost is within 10 % of exhaustive search."""
+    rng = np.random.default_rng(seed)
+    units = {}
+    for u in range(5):
+        sizes = np.sort(rng.choice(np.arange(1, 40), 4, replace=False)).astype(float)
+        costs = np.sort(rng.random(4) * 10)[::-1]
+        units[f"u{u}"] = [Option(f"u{u}", f"o{i}", s, c) for i, (s, c) in enumerate(zip(sizes, costs))]
+    floor = sum(min(o.size for o in opts) for opts in units.values())
+    budget = floor + rng.random() * 60
+    choice = allocate(units, budget)
+    assert total_size(choice) <= budget
+    left = budget - total_size(choice)
+    for u, opts in units.items():
+        assert not any(o.cost < choice[u].cost and o.size - choice[u].size <= left for o in opts)
+    assert total_cost(choice) <= _brute(units, budget) * 1.1 + 1e-9
+
+
+def test_allocation_below_the_floor_returns_the_smallest_options():
+    units = {"a": [Option("a", "big", 10, 0.0), Option("a", "small", 6, 1.0)]}
+    assert allocate(units, 3)["a"].name == "small"
+
+
+# --------------------------------------------------------------------------------------------------
+# Statistics and the closed-form cost, against brute force
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from tests.tiny import tiny_model
+
+    torch.manual_seed(0)
+    return tiny_model("llama").eval()
+
+
+def _windows(model, n=6, seq=16):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, model.config.vocab_size, (n, seq), generator=g)
+
+
+def test_input_moments_match_collected_inputs_and_share_one_matrix(llama):
+    windows = _windows(llama)
+    names = linear_names(llama)
+    moments = input_moments(llama, windows, names, batch_size=4)
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    hooks = [llama.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, n=n: seen[n].append(a[0].detach().reshape(-1, a[0].shape[-1]).double())) for n in names]
+    with torch.no_grad():
+        llama(windows)
+    for h in hooks:
+        h.remove()
+    for n in names:
+        x = torch.cat(seen[n])
+        assert torch.allclose(moments[n], x.T @ x / windows.numel(), rtol=1e-4, atol=1e-6), n
+    q, k = (n for n in names if n.endswith("layers.0.self_attn.q_proj") or n.endswith("layers.0.self_attn.k_proj"))
+    assert moments[q] is moments[k]  # q and k read the same tensor: one matrix
+
+
+def test_the_closed_form_cost_equals_the_per_token_sum(llama):
+    """½ Σ_o F_o (ΔW Ĥ ΔWᵀ)_oo equals ½ mean_t Σ_o F_o e_{t,o}² computed token by token."""
+    from compressor.policy.quantplan import Site, _imatrix
+
+    windows = _windows(llama)
+    name = "model.layers.1.mlp.down_proj"
+    fisher = output_fisher(llama, windows, batch_size=4, names=[name])
+    h = input_moments(llama, windows, [name])[name]
+    assert fisher.tokens == windows.numel() and fisher.grad_sq[EMBEDDING].shape == (llama.config.hidden_size,)
+    w = llama.get_submodule(name).weight.detach().float()
+    delta = torch.randn_like(w) * 0.01
+    site = Site("blk.1.ffn_down.weight", name, w, h.float(), fisher.grad_sq[name], _imatrix(torch.diagonal(h)))
+    xs = []
+    hook = llama.get_submodule(name).register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        llama(windows)
+    hook.remove()
+    e = torch.cat(xs).double() @ delta.double().T  # [tokens, d_out]
+    brute = 0.5 * float((fisher.grad_sq[name] * e.pow(2).mean(0)).sum())
+    assert site.cost(delta) == pytest.approx(brute, rel=1e-4)
+
+
+def test_fisher_is_the_squared_gradient_of_the_summed_loss(llama):
+    windows = _windows(llama, n=2)
+    name = "model.layers.0.mlp.up_proj"
+    fisher = output_fisher(llama, windows, batch_size=2, names=[name])
+    outs = []
+
+    def keep(module, args, out):
+        out.retain_grad()
+        outs.append(out)
+
+    hook = llama.get_submodule(name).register_forward_hook(keep)
+    llama.requires_grad_(False)
+    emb = llama.get_input_embeddings()(windows).detach().requires_grad_(True)
+    logits = llama(inputs_embeds=emb).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten(), reduction="sum").backward()
+    hook.remove()
+    g2 = outs[0].grad.double().pow(2).sum((0, 1)) / windows.numel()
+    assert torch.allclose(fisher.grad_sq[name], g2, rtol=1e-4, atol=1e-12)
+    assert fisher.token_counts.sum() == windows.numel()
+
+
+# --------------------------------------------------------------------------------------------------
+# Recipe
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, want", [("750MB", ("bytes", 750_000_000)), ("1.5GiB", ("bytes", 1_610_612_736)),
+                                        ("123456", ("bytes", 123456)), ("4.5bpw", ("bpw", 4.5)),
+                                        ("q3_k_m", ("preset", "Q3_K_M")), ("Q2_K", ("preset", "Q2_K"))])
+def test_sizes_parse(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text, match", [("huge", "is not a size"), ("40bpw", "between 1.5 and 16"),
+                                         ("0MB", "must be positive")])
+def test_bad_sizes_name_the_forms(text, match):
+    with pytest.raises(ValueError, match=match):
+        OutputConfig(size=text, formats=["gguf"])
+
+
+def test_size_with_another_quant_is_refused():
+    with pytest.raises(ValueError, match="remove output.gguf_quant"):
+        OutputConfig(size="Q4_K_M", formats=["gguf"], gguf_quant="q8_0")
+
+
+def test_presets_the_schema_names_are_the_writer_s():
+    pytest.importorskip("gguf")
+    from compressor.output.gguf import PRESETS
+    from compressor.recipe.schema import SIZE_PRESETS
+
+    assert set(SIZE_PRESETS) == set(PRESETS)
+
+
+def test_row_sampling_is_unbiased_and_keeps_the_rows_that_matter():
+    """A tensor priced on a sample of its rows: the heaviest rows always, the rest drawn and reweighted;
+    over many draws the weighted sum averages to the full sum."""
+    from compressor.policy.quantplan import Site, sample_rows
+
+    torch.manual_seed(0)
+    n, d = 600, 8
+    w = torch.randn(n, d)
+    f = torch.rand(n).double() ** 4
+    h = torch.eye(d)
+    delta = torch.randn(n, d) * 0.1
+    full = Site("t", "m", w, h, f, np.ones(d, dtype=np.float32)).cost(delta)
+    estimates = []
+    for seed in range(200):
+        s = sample_rows(Site("t", "m", w, h, f, np.ones(d, dtype=np.float32)), limit=100, seed=seed)
+        assert len(s.rows) == 100 and set(torch.topk(f, 50).indices.tolist()) <= set(s.rows.tolist())
+        estimates.append(s.cost(delta[s.rows]))
+    assert np.mean(estimates) == pytest.approx(full, rel=0.03)
+    small = Site("t", "m", w[:50], h, f[:50], np.ones(d, dtype=np.float32))
+    assert sample_rows(small, limit=100).rows is None
