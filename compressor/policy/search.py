@@ -11,8 +11,9 @@ knows nothing of what a target means; the caller gives
 * ``between(failed, passed)``: the next target between a failing and a passing one, or None.
 
 Every attempt is measured once and kept in the order measured (:attr:`TargetSearch.attempts`): one
-cache, which a later step (a re-fit at the found target, a confirmation on other windows that steps
-back with :meth:`TargetSearch.bisect`) goes on from.
+cache, which a later step goes on from: a re-fit at the found target (another variant), or a
+confirmation on other windows that rejects the choice (:meth:`TargetSearch.step_back`, then
+:meth:`TargetSearch.bisect`).
 
 >>> s = TargetSearch(lambda t, v: Attempt(t, t >= 0.6, ""), key=lambda t: round(t, 3),
 ...                  between=lambda f, p: (f + p) / 2, floor=0.0)
@@ -91,6 +92,8 @@ class TargetSearch:
             first = self.measured(start)
             if first.passed or not gate:
                 self.best = first
+                if first.passed:
+                    self.passed = start
                 return first
             self.failed = start
         if not gate:
@@ -115,4 +118,15 @@ class TargetSearch:
                 self.best, self.passed = a, mid
             else:
                 self.failed = mid
+        return self.best
+
+    def step_back(self) -> Attempt | None:
+        """The best attempt failed elsewhere (a confirmation on other windows): its target counts as
+        failing, and the best is the passing attempt next above it (None: only the ceiling passes).
+        :meth:`bisect` then searches between them."""
+        self.failed = self.passed
+        above = [a for (variant, _), a in self._tried.items()
+                 if variant == "none" and a.passed and a.target > self.failed]
+        self.best = min(above, key=lambda a: a.target, default=None)
+        self.passed = self.best.target if self.best else self.ceiling
         return self.best
