@@ -72,7 +72,8 @@ def compress_model(
     model: nn.Module, recipe: Recipe, calibration: CalibrationSet, eval_tokens: torch.Tensor | dict[str, torch.Tensor],
     *, state: RunState | None = None, width_multiple: int | None = None,
 ) -> CompressionResult:
-    """Run measure → fit → select → replace → validate on ``model`` in place.
+    """Run measure → fit → select → replace → validate on ``model`` in place: plan (pass A), then
+    the strategy (greedy swaps, or allocate → gate → apply).
 
     ``eval_tokens``: one id stream, or ``{domain name: ids}`` for the
     recipe's evaluation domains (the gate must hold on each). ``state``
