@@ -48,7 +48,7 @@ from compressor.fitting.kinds import BlockData, get_kind  # noqa: E402
 from compressor.fitting.replace import ffn_path  # noqa: E402
 from compressor.inputs.data import tokenize_stream  # noqa: E402
 from compressor.policy.allocate import BlockCurve, allocate  # noqa: E402
-from compressor.policy.compress import _activation, block_weight  # noqa: E402
+from compressor.policy.plan import activation, block_weight  # noqa: E402
 from compressor.recipe.schema import AffineReplacement, HybridReplacement, PruneReplacement  # noqa: E402
 
 logger = logging.getLogger("bench_frontier")
@@ -145,7 +145,7 @@ def main() -> int:
             grads = output_grad_moments(model, fit_w[:128], modules, batch_size=args.batch_size)
         t0 = time.perf_counter()
         walker = LayerWalker(model, {"fit": fit_w, "heldout": held_w}, batch_size=args.batch_size)
-        spec, act = walker.spec, _activation(model, walker.spec)
+        spec, act = walker.spec, activation(model, walker.spec)
         data: dict[int, BlockData] = {}
         weights: dict[str, dict[int, float]] = {"residual": {}, "fisher": {}, "uniform": {}}
         flagged: set[int] = set()

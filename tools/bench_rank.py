@@ -18,7 +18,7 @@ per block, all from those tokens alone:
 
 * ``-R²_lin``: held-out R² of the block's affine fit (the profile), negated;
 * ``fisher cost``: the fisher block weight (loss-gradient second moment × output
-  variance, ``compress.block_weight``) × the replacement's held-out relative
+  variance, ``plan.block_weight``) × the replacement's held-out relative
   error (SSE/SST), i.e. the cost the allocate strategy predicts;
 * ``cal ΔKL`` / ``cal ΔPPL``: KL(original ‖ swapped) and relative perplexity
   change on the held-out calibration windows (one evaluation per block);
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from compressor.policy.compress import FISHER_MAX_WINDOWS, _activation, block_weight
+    from compressor.policy.compress import FISHER_MAX_WINDOWS
+    from compressor.policy.plan import activation, block_weight
     from compressor.inputs.data import TextSource, check_disjoint, evaluation_tokens
     from compressor.engine.walker import LayerWalker
     from compressor.evaluation.evaluate import Evaluator
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         grads = output_grad_moments(model, cal.fit[:FISHER_MAX_WINDOWS], modules, batch_size=c.batch_size)
     t0 = time.perf_counter()
     walker = LayerWalker(model, {"fit": cal.fit, "heldout": cal.heldout}, batch_size=c.batch_size)
-    spec, act = walker.spec, _activation(model, walker.spec)
+    spec, act = walker.spec, activation(model, walker.spec)
     cfgs = {"affine": AffineReplacement(), "prune": PruneReplacement()}
     measured: dict[int, dict] = {}
     fitted: dict[tuple[int, str], object] = {}
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             "rel_error": "held-out calibration SSE/SST of the replacement's output, from kind.levels: affine = "
                          "1 − R² of the whole-block affine fit on the held-out rows (the same fit and rows as R²_lin); "
                          "prune = the OBS path's held-out relative error at the kept size",
-            "fisher_weight": "compress.block_weight('fisher'): Σ_o E[g_o²] Var(y_o), g the loss gradient at the "
+            "fisher_weight": "plan.block_weight('fisher'): Σ_o E[g_o²] Var(y_o), g the loss gradient at the "
                              f"FFN output over the first {FISHER_MAX_WINDOWS} fit windows",
             "fisher_cost": "fisher_weight × rel_error (the allocate strategy's predicted cost)",
             "spearman": "Pearson correlation of average ranks; ci95 = percentile bootstrap over blocks (1000 resamples)",

@@ -1,15 +1,16 @@
-"""Allocate one global parameter target across blocks from their error curves.
+"""Allocate: one global parameter target split across blocks, from their error curves.
 
-Each block offers its original FFN (cost 0) and the rungs of its kind's
-ladder (:class:`~compressor.fitting.kinds.Level`). A rung's cost is its held-out
-relative error times the block's *sensitivity* weight; the allocation
-minimises the summed cost subject to the total FFN parameters, by bisection
-on the Lagrange multiplier (each block then picks the rung minimising
-``cost + λ·params``, which handles non-convex curves through their lower
-convex hull). ``uniform`` instead gives every block the same kept fraction:
-the baseline that allocation must beat.
+Each block offers its options (:mod:`compressor.policy.options`): its original FFN (cost 0) and
+the rungs of its kind's ladder (:class:`~compressor.fitting.kinds.Level`), sized in parameters. A
+rung's cost is its held-out relative error times the block's *sensitivity* weight; the allocation
+minimises the summed cost subject to the total FFN parameters (:func:`compressor.policy.options.allocate`:
+bisection on the Lagrange multiplier, which handles non-convex curves through their lower convex
+hull; no greedy fill, see :func:`allocate`). ``uniform`` instead gives every block the same kept
+fraction: the baseline that allocation must beat. :class:`Allocation` is the choice at a kept
+fraction as the gate's search sees it, per block or (``output.architecture: standard``) one width
+for every block.
 
-Sensitivity weights (computed by the caller, :mod:`compressor.policy.compress`):
+Sensitivity weights (computed by :func:`compressor.policy.plan.block_weight`):
 
 * ``fisher``: ``Σ_o M_oo Var(y_o)`` with ``M`` the loss-gradient second moment
   at the block output (:mod:`compressor.engine.sensitivity`), so a rung's cost
@@ -22,8 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compressor.core.errors import InputError
 from compressor.fitting.kinds import Level
 from compressor.engine.resume import register_record
+from compressor.policy import options
+from compressor.policy.options import Option
 
 
 @dataclass
@@ -35,13 +39,11 @@ class BlockCurve:
     """Cost per unit of held-out relative error (the block's sensitivity)."""
 
 
-def _pick(c: BlockCurve, lam: float) -> Level | None:
-    best, best_val = None, lam * c.ffn_params  # the original block: no error
-    for lv in c.levels:
-        val = c.weight * lv.heldout_rel_error + lam * lv.params
-        if val < best_val - 1e-18:
-            best, best_val = lv, val
-    return best
+def block_options(c: BlockCurve) -> list[Option]:
+    """The block's original FFN (cost 0, payload None) and its rungs (payload: the :class:`Level`)."""
+    unit = f"block {c.index}"
+    return [Option(unit, "original", c.ffn_params, 0.0)] + [
+        Option(unit, f"{lv.size} units", lv.params, c.weight * lv.heldout_rel_error, lv) for lv in c.levels]
 
 
 def _total(curves: list[BlockCurve], choice: dict[int, Level | None]) -> int:
@@ -51,29 +53,16 @@ def _total(curves: list[BlockCurve], choice: dict[int, Level | None]) -> int:
 def allocate(curves: list[BlockCurve], budget_params: int, mode: str = "fisher") -> dict[int, Level | None]:
     """Per block: the chosen rung, or None to keep the original FFN.
 
-    The total of the chosen parameters is ≤ ``budget_params`` when any
-    choice reaches it (otherwise the smallest rung of every block)."""
+    The total of the chosen parameters is ≤ ``budget_params`` when any choice reaches it (otherwise
+    the smallest rung of every block). The multiplier's choice is taken as it is (``fill=False``):
+    the gate's search sets the target, and a greedy fill would move every target's allocation."""
     if mode == "uniform":
         return _uniform(curves, budget_params)
     if mode not in ("fisher", "residual"):
         raise ValueError(f"allocation must be 'fisher', 'residual' or 'uniform', got {mode!r}")
-    floor = {c.index: min(c.levels, key=lambda lv: lv.params) if c.levels else None for c in curves}
-    if _total(curves, floor) > budget_params:
-        return floor
-    lo, hi = 0.0, 1.0
-    while _total(curves, {c.index: _pick(c, hi) for c in curves}) > budget_params:
-        hi *= 4
-        if hi > 1e30:
-            return floor
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if _total(curves, {c.index: _pick(c, mid) for c in curves}) > budget_params:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-12 * hi:
-            break
-    return {c.index: _pick(c, hi) for c in curves}
+    units = {f"block {c.index}": block_options(c) for c in curves}
+    choice = options.allocate(units, budget_params, fill=False)
+    return {c.index: choice[f"block {c.index}"].payload for c in curves}
 
 
 def uniform_widths(curves: list[BlockCurve]) -> list[int]:
@@ -109,6 +98,49 @@ def _uniform(curves: list[BlockCurve], budget_params: int) -> dict[int, Level | 
         else:
             hi = mid
     return at(lo)
+
+
+class Allocation:
+    """The choice at a kept fraction of the FFN parameters of ``curves`` (the blocks that may change):
+    per block by :func:`allocate`, or with ``standard`` one width for every block, the largest on the
+    grid (:func:`uniform_widths`) within the target. What the gate's search
+    (:class:`compressor.policy.search.TargetSearch`) searches over."""
+
+    def __init__(self, curves: list[BlockCurve], mode: str = "fisher", *, standard: bool = False,
+                 multiple: int = 1) -> None:
+        self.curves, self.mode, self.standard, self.multiple = curves, mode, standard, multiple
+        self.total = sum(c.ffn_params for c in curves)
+        self.grid = uniform_widths(curves) if standard else []
+        if standard and not self.grid:
+            raise InputError(f"output.architecture: standard: no FFN width in multiples of {multiple} is both "
+                             "offered by every block and smaller than the original FFN; this model's FFN is too "
+                             "narrow for that grid (set output.width_multiple, or use output.architecture: custom)")
+
+    def choose(self, keep: float) -> dict[int, Level | None]:
+        if not self.standard:
+            return allocate(self.curves, int(keep * self.total), self.mode)
+        fitting = [w for w in self.grid if widths_params(self.curves, w) <= keep * self.total] or self.grid[:1]
+        return {c.index: next(lv for lv in c.levels if lv.size == fitting[-1]) for c in self.curves}
+
+    def key(self, keep: float) -> tuple:
+        """(block, units) of every block ``keep`` narrows: empty when it narrows none."""
+        return tuple(sorted((i, lv.size) for i, lv in self.choose(keep).items() if lv is not None))
+
+    def between(self, failed: float, passed: float) -> float | None:
+        """The next target of the bisection: halfway, or for one width, the middle grid width between."""
+        if not self.standard:
+            return (failed + passed) / 2
+        inside = [k for k in (widths_params(self.curves, w) / self.total for w in self.grid) if failed < k < passed]
+        return inside[len(inside) // 2] if inside else None
+
+    def describe(self, keep: float) -> str:
+        if self.standard:
+            return f"FFN width {next(iter(self.choose(keep).values())).size} in every block"
+        return f"keep {keep:.1%} of FFN parameters" + (
+            f" (widths in multiples of {self.multiple})" if self.multiple > 1 else "")
+
+    def kept_params(self, choice: dict[int, Level | None]) -> int:
+        return _total(self.curves, choice)
 
 
 register_record(BlockCurve)

@@ -43,48 +43,23 @@ def greedy_gate(
     def install(i: int):
         return swap(model, i, fitted[i].build(model.get_submodule(modules[i])))
 
-    swap_delta: dict[int, float] | None = None
     swap_evals: dict[int, DomainEvaluations] = {}
+    swap_delta: dict[int, float] | None = None
     if sweep_all or policy.order == "swap_ppl":
-        swap_delta = {}
         by_index = policy.model_copy(update={"order": "index"})
         sweep = range(len(profiles)) if sweep_all else candidates(profiles, by_index)[0]
-        for k, i in enumerate(sweep):
-            s = install(i)
-            try:
-                r = evaluate(f"single-swap sweep ({k + 1}/{len(sweep)})")
-            finally:
-                s.undo()
-            decisions[i].swap_ppl = r.ppl
-            swap_evals[i] = r
-            swap_delta[i] = r.ppl - baseline.ppl
-            logger.info("block %d alone: perplexity %.4f (Δ %+.4f)", i, r.ppl, swap_delta[i])
-
-    order, reasons = candidates(profiles, policy, swap_delta)
-    for i, why in reasons.items():
-        decisions[i].reason = why
-    for i in order:
-        decisions[i].decision = "not tried"
-    logger.info("%d candidate block(s) in order %s", len(order), order)
+        swap_evals = _single_swaps(sweep, install, evaluate, decisions, baseline)
+        swap_delta = {i: r.ppl - baseline.ppl for i, r in swap_evals.items()}
+    order = _order(profiles, policy, decisions, swap_delta)
 
     params_before = count_params(model)
     params_now = params_before
     current = baseline
     accepted: list[int] = []
     rejected_in_a_row = 0
-
-    def stop_reason() -> str | None:
-        if policy.max_blocks is not None and len(accepted) >= policy.max_blocks:
-            return f"policy.max_blocks={policy.max_blocks} reached"
-        if policy.target_ratio is not None and params_now <= policy.target_ratio * params_before:
-            return f"policy.target_ratio={policy.target_ratio} reached"
-        if policy.patience is not None and rejected_in_a_row >= policy.patience:
-            return f"policy.patience={policy.patience}: stopped after {rejected_in_a_row} rejections in a row"
-        return None
-
     for k, i in enumerate(order):
         d = decisions[i]
-        why = stop_reason()
+        why = _stop_reason(policy, len(accepted), params_now, params_before, rejected_in_a_row)
         if why:
             d.reason = why
             continue
@@ -122,3 +97,43 @@ def greedy_gate(
     if not policy.gate:
         current = evaluate("final perplexity") if accepted else baseline
     return current, accepted
+
+
+def _stop_reason(policy: PolicyConfig, kept: int, params_now: int, params_before: int,
+                 rejected_in_a_row: int) -> str | None:
+    """Why the greedy policy tries no more blocks, or None."""
+    if policy.max_blocks is not None and kept >= policy.max_blocks:
+        return f"policy.max_blocks={policy.max_blocks} reached"
+    if policy.target_ratio is not None and params_now <= policy.target_ratio * params_before:
+        return f"policy.target_ratio={policy.target_ratio} reached"
+    if policy.patience is not None and rejected_in_a_row >= policy.patience:
+        return f"policy.patience={policy.patience}: stopped after {rejected_in_a_row} rejections in a row"
+    return None
+
+
+def _single_swaps(sweep, install: Callable, evaluate: Callable[[str], DomainEvaluations], decisions: list,
+                  baseline: DomainEvaluations) -> dict[int, DomainEvaluations]:
+    """Each block of ``sweep`` replaced alone, evaluated, and put back (the single-swap sweep)."""
+    evals: dict[int, DomainEvaluations] = {}
+    for k, i in enumerate(sweep):
+        s = install(i)
+        try:
+            r = evaluate(f"single-swap sweep ({k + 1}/{len(sweep)})")
+        finally:
+            s.undo()
+        decisions[i].swap_ppl = r.ppl
+        evals[i] = r
+        logger.info("block %d alone: perplexity %.4f (Δ %+.4f)", i, r.ppl, r.ppl - baseline.ppl)
+    return evals
+
+
+def _order(profiles: list[BlockProfile], policy: PolicyConfig, decisions: list,
+           swap_delta: dict[int, float] | None) -> list[int]:
+    """The candidates in the order they are tried; every other block's decision says why it is not one."""
+    order, reasons = candidates(profiles, policy, swap_delta)
+    for i, why in reasons.items():
+        decisions[i].reason = why
+    for i in order:
+        decisions[i].decision = "not tried"
+    logger.info("%d candidate block(s) in order %s", len(order), order)
+    return order

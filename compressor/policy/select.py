@@ -1,13 +1,17 @@
-"""Select: which blocks are candidates of the greedy policy, and in which order.
+"""Select: which blocks are candidates, of the greedy policy (and in which order) or of the allocation.
 
-Pure functions of the profile and the recipe's policy; the gate that decides
-which candidates survive lives in :mod:`compressor.policy.greedy`.
+Functions of the profile and the recipe's policy; the gates that decide which candidates survive
+live in :mod:`compressor.policy.greedy` and :mod:`compressor.policy.gate`.
 """
 
 from __future__ import annotations
 
+import logging
+
 from compressor.engine.profiling import BlockProfile
 from compressor.recipe.schema import PolicyConfig
+
+logger = logging.getLogger(__name__)
 
 
 def candidates(
@@ -43,3 +47,21 @@ def candidates(
     else:
         chosen.sort(key=lambda p: p.index)
     return [p.index for p in chosen], reasons
+
+
+def allocation_excluded(decisions: list, policy: PolicyConfig, *, standard: bool = False) -> set[int]:
+    """The blocks the allocate strategy leaves as they are (``policy.exclude``, and outlier-dominated
+    blocks unless ``standard``: one width for every block), each decision marked with why."""
+    excluded = set(policy.exclude)
+    flagged = [d.index for d in decisions if d.outlier_dominated]
+    if policy.skip_outlier_dominated and not standard:
+        excluded |= set(flagged)
+    elif policy.skip_outlier_dominated and flagged:
+        logger.info("blocks %s are outlier-dominated; output.architecture: standard prunes them to the one width "
+                    "too (policy.skip_outlier_dominated does not apply)", flagged)
+    for d in decisions:
+        if d.index in excluded:
+            d.decision = "not a candidate"
+            d.reason = "excluded by policy.exclude" if d.index in policy.exclude else (
+                "outlier-dominated; set policy.skip_outlier_dominated: false to allow it")
+    return excluded

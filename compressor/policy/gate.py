@@ -1,0 +1,105 @@
+"""The allocate strategy's gate: the largest FFN cut the gate lets through.
+
+Each attempt allocates a kept fraction (:class:`~compressor.policy.allocate.Allocation`), installs it
+(:class:`~compressor.policy.apply.Installer`: re-solves from the kept statistics) and evaluates it;
+:class:`~compressor.policy.search.TargetSearch` bisects the kept fraction, one attempt per
+allocation. At the fraction found, the teacher-target fit (one more calibration pass) is tried and
+kept if it passes; then the chosen fits are installed and every block's decision recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from compressor.evaluation.evaluate import DomainEvaluations
+from compressor.fitting.kinds import Fitted
+from compressor.policy.allocate import Allocation
+from compressor.policy.apply import Choice, Installer, record_choice, reject_all
+from compressor.policy.result import BlockDecision
+from compressor.policy.search import Attempt, TargetSearch
+from compressor.policy.select import allocation_excluded
+from compressor.recipe.schema import PolicyConfig
+
+logger = logging.getLogger(__name__)
+
+# Without policy.ffn_keep the bisection searches kept fractions above this.
+MIN_FFN_KEEP = 0.3
+
+
+class AllocationAttempts:
+    """The search's ``measure``: install the allocation at a kept fraction, fitted to a target
+    (``"none"``: independent fits re-solved from the kept statistics), evaluate it, gate it. An
+    attempt's record is a row of the report's ``allocation_attempts``."""
+
+    def __init__(self, allocation: Allocation, installer: Installer, evaluate: Callable[[str], DomainEvaluations],
+                 check: Callable[[DomainEvaluations], tuple[bool, str]], timings: dict[str, float]) -> None:
+        self.allocation, self.installer, self.evaluate, self.check, self.timings = (
+            allocation, installer, evaluate, check, timings)
+
+    def install(self, keep: float, target: str) -> tuple[Choice, dict[int, Fitted]]:
+        a = self.allocation
+        choice = a.choose(keep)
+        desc = f"fit ({target}) at ffn_keep {keep!r}" + (f", {a.describe(keep)}" if a.standard or a.multiple > 1 else "")
+        return choice, self.installer.install(choice, target, desc)
+
+    def __call__(self, keep: float, target: str = "none") -> Attempt:
+        a, t = self.allocation, time.perf_counter()
+        choice, fits = self.install(keep, target)
+        key = "refit_s" if target == "none" else "teacher_pass_s"  # re-solves, or one more calibration pass
+        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t
+        r = self.evaluate(f"gate: {a.describe(keep)}")
+        kept_params = a.kept_params(choice)
+        ok, why = self.check(r)
+        row = {"width": next(iter(choice.values())).size} if a.standard else {}
+        row.update({"ffn_keep_target": keep, "target": target, "ffn_params_kept": kept_params,
+                    "ffn_params_total": a.total, "blocks_replaced": sum(lv is not None for lv in choice.values()),
+                    "blocks": {str(i): lv.size for i, lv in sorted(choice.items()) if lv is not None},
+                    "ppl": r.ppl, "passed": ok, "gate": why,
+                    "domains": {n: {"ppl": ev.ppl, "kl": ev.kl} for n, ev in r.domains.items()}})
+        logger.info("keep %.1f%% of FFN parameters (%d blocks replaced%s): %s", 100 * kept_params / a.total,
+                    row["blocks_replaced"], f", width {row['width']}" if a.standard else "", why)
+        return Attempt(keep, ok, why, outcome=(r, choice, fits), record=row)
+
+
+def allocate_gate(attempts: AllocationAttempts, search: TargetSearch, decisions: list[BlockDecision],
+                  excluded: set[int], pol: PolicyConfig, baseline: DomainEvaluations,
+                  target: str = "none") -> tuple[DomainEvaluations, dict[int, Fitted]]:
+    """Search, re-fit to ``target`` at the kept fraction found, install the choice and record it;
+    returns (final evaluation, the installed fits by block). The attempts are ``search.attempts``."""
+    best = search.run(pol.max_backoff, start=pol.ffn_keep, gate=pol.gate)
+    if best is None:
+        attempts.installer.restore()
+        reject_all(decisions, excluded)
+        return baseline, {}
+    if target != "none":  # whole-block kinds (affine) have no teacher target
+        # The search ran on independent fits (each step a re-solve, no calibration pass); the
+        # teacher-target fit, one more pass over the calibration data, is tried at the level found.
+        refit = search.measured(best.target, target)
+        if refit.passed or not pol.gate:
+            best = refit
+        else:
+            logger.warning("target %s at ffn_keep %.3f failed the gate (%s); keeping the independent fits",
+                           target, best.target, refit.why)
+    r, choice, fits = best.outcome
+    fitted_to = best.record["target"]
+    if search.attempts[-1] is not best:  # deterministic: the same fits as when it was measured
+        choice, fits = attempts.install(best.target, fitted_to)
+    record_choice(decisions, excluded, attempts.allocation.curves, choice, fits, best.target, fitted_to, best.why,
+                  standard=attempts.allocation.standard)
+    return r, fits
+
+
+def run_allocate(installer: Installer, curves, decisions: list[BlockDecision], pol: PolicyConfig,
+                 baseline: DomainEvaluations, evaluate, check, timings: dict[str, float], *, target: str = "none",
+                 standard: bool = False, multiple: int = 1) -> tuple[DomainEvaluations, dict[int, Fitted], list[dict]]:
+    """The allocate strategy on pass A's ``curves``: (final evaluation, installed fits, attempts as report rows)."""
+    excluded = allocation_excluded(decisions, pol, standard=standard)
+    allocation = Allocation([c for c in curves if c.index not in excluded], pol.allocation, standard=standard,
+                            multiple=multiple)
+    attempts = AllocationAttempts(allocation, installer, evaluate, check, timings)
+    search = TargetSearch(attempts, allocation.key, allocation.between, floor=MIN_FFN_KEEP,
+                          describe=allocation.describe)
+    final, fits = allocate_gate(attempts, search, decisions, excluded, pol, baseline, target)
+    return final, fits, [a.record for a in search.attempts]
