@@ -74,18 +74,16 @@ def oneshot(model, recipe: Recipe | dict | str | Path, *, tokenizer=None, datase
     >>> res = compressor.oneshot(m, "recipes/smollm2-135m.yaml", tokenizer=tok)               # doctest: +SKIP
     >>> res.model.generate(**tok("def fib(n):", return_tensors="pt"), max_new_tokens=20)     # doctest: +SKIP
     """
-    import json
-
     from compressor.recipe import apply_overrides, load_recipe, recipe_from_dict
 
+    from compressor.inputs.validate import check_path_text
+
     extra = _override_list(overrides)
-    if output_dir is not None:
-        extra.append(f"output.path={json.dumps(str(output_dir))}")
-    if overwrite is not None:
-        extra.append(f"output.overwrite={str(bool(overwrite)).lower()}")
     if isinstance(recipe, Recipe):
         source_file = recipe._source_file
-        recipe = recipe_from_dict(apply_overrides(recipe.to_dict(), extra)) if extra else recipe.model_copy(deep=True)
+        # only what was set: a field left to its default (output.formats) is still filled in by the pipeline
+        recipe = (recipe_from_dict(apply_overrides(recipe.model_dump(mode="json", exclude_unset=True), extra))
+                  if extra else recipe.model_copy(deep=True))
         recipe._source_file = source_file
     elif isinstance(recipe, dict):
         recipe = recipe_from_dict(apply_overrides(recipe, extra))
@@ -96,7 +94,11 @@ def oneshot(model, recipe: Recipe | dict | str | Path, *, tokenizer=None, datase
     if output_dir is None and recipe.output.path is not None:
         logger.info("oneshot without output_dir writes nothing (the recipe's output.path %s is not used)",
                     recipe.output.path)
-        recipe.output.path = None
+    if output_dir is not None:
+        check_path_text(str(output_dir), "output_dir")
+    recipe.output.path = None if output_dir is None else str(output_dir)
+    if overwrite is not None:
+        recipe.output.overwrite = bool(overwrite)
     with ExitStack() as stack:
         if dataset is not None:
             recipe.calibration.dataset = _calibration_dataset(dataset, recipe, stack)
