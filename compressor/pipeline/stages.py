@@ -327,6 +327,9 @@ def report(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Chec
     cache_info = {"enabled": False, "hit": False, "key": None}  # the engine measures as it goes
     rep = build_report(recipe, loaded.source, loaded.model_type, result, calibrated.cal, cache_info, checked.out)
     rep["calibration"].update(calibrated.info)
+    from compressor.inputs.provenance import source_metadata
+
+    rep["model"].update(source_metadata(loaded.source))
     rep["resumed"] = checked.state.resumed
     rep["evaluation"] = evaluation_report(recipe, result, checked.eval_streams, calibrated.overlap)
     for w in rep["evaluation"]["warnings"]:
