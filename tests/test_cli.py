@@ -179,6 +179,7 @@ def test_validate_good_recipe(tmp_path, capsys):
 def no_run(no_loading, monkeypatch):
     """No model load and no pipeline run: the command must finish on the recipe alone."""
     monkeypatch.setattr("compressor.pipeline.runner.run", no_loading)
+    monkeypatch.setattr("compressor.pipeline.runner.oneshot", no_loading)
 
 
 def test_dry_run_prints_resolved_recipe(tmp_path, capsys, no_run):

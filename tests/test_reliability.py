@@ -318,12 +318,12 @@ def test_interrupt_says_the_state_is_kept_and_how_to_resume(tmp_path, capsys, ck
 
     out = tmp_path / "out"
 
-    def interrupted(recipe, **kw):
+    def interrupted(model, recipe, **kw):
         state_dir(out).mkdir(parents=True)
         (state_dir(out) / "state.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "run", interrupted)
+    monkeypatch.setattr(runner, "oneshot", interrupted)  # the CLI's run is a layer over oneshot
     rc = main(["run", str(write_recipe(tmp_path / "r.yaml", recipe_dict(ckpt, out)))])
     err = capsys.readouterr().err
     assert rc == 130 and "--resume" in err and str(state_dir(out)) in err, err

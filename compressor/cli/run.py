@@ -114,13 +114,18 @@ def handle(args) -> int:
             print(recipe.to_yaml(), end="")
         return 0
     from compressor.core.distributed import init_from_env, is_main
-    from compressor.pipeline.runner import run
+    from compressor.core.errors import EXIT_GATE, EXIT_OK, GateFailed
+    from compressor.pipeline.runner import oneshot
 
     init_from_env(recipe.model.device)  # under torchrun / accelerate launch: join the process group
     try:
-        result = run(recipe, use_cache=False if args.no_cache else None, resume=getattr(args, "resume", False),
-                     keep_state=getattr(args, "keep_state", False),
-                     measurements_from=getattr(args, "measurements_from", None))
+        res = oneshot(recipe.model.source, recipe, output_dir=recipe.output.path,
+                      use_cache=False if args.no_cache else None, resume=getattr(args, "resume", False),
+                      keep_state=getattr(args, "keep_state", False),
+                      measurements_from=getattr(args, "measurements_from", None))
+        report, output, code = res.report, res.output, EXIT_OK
+    except GateFailed as failed:  # nothing was written; the report says why
+        report, output, code = failed.report, None, EXIT_GATE
     except KeyboardInterrupt:
         from compressor.engine.resume import state_dir
 
@@ -131,22 +136,21 @@ def handle(args) -> int:
             return 130
         raise
     if not is_main():  # rank 0 prints and writes
-        return result.exit_code
-    _print_summary(result)
+        return code
+    _print_summary(report, output)
     if report_path is not None:
         try:
-            report_path.write_text(json.dumps(result.report, indent=2) + "\n")
+            report_path.write_text(json.dumps(report, indent=2) + "\n")
         except OSError as e:
-            published = f"the model was published at {result.output}, but " if result.output is not None else ""
+            published = f"the model was published at {output}, but " if output is not None else ""
             print(f"error: {published}the report could not be written to {report_path}: {e}", file=sys.stderr)
             return 1
-    return result.exit_code
+    return code
 
 
-def _print_summary(result) -> None:
+def _print_summary(r: dict, output) -> None:
     from compressor.engine.cache import human_bytes
 
-    r = result.report
     ppl = r["perplexity"]
     kept = [d["index"] for d in r["blocks"] if d["decision"] == "kept"]
     print(f"status: {r['status']} — {r['message']}")
@@ -154,7 +158,16 @@ def _print_summary(result) -> None:
           f"{ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']}, stride {ppl['final']['stride']})")
     print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
     size = r.get("size") or {}
-    if result.output is not None and size:
+    agree = r.get("agreement") or {}
+    if agree.get("next_token") is not None:
+        c = agree.get("continuations") or {}
+        print(f"greedy agreement with the original: {agree['next_token']:.1%} of next tokens; "
+              f"{c.get('identical', float('nan')):.0%} of {c.get('prompts', 0)} continuations of {c.get('tokens', 0)} "
+              f"tokens identical ({c.get('matching_prefix', float('nan')):.0%} of tokens before the first difference)")
+    for row in (r.get("tasks") or {}).get("tasks", []):
+        print(f"task {row['task']}: {row['metric']} {_num(row['original'])} → {_num(row['compressed'])}"
+              + (f" (±{row['stderr']:.4f})" if row.get("stderr") is not None else ""))
+    if output is not None and size:
         same = size.get("like_with_like")
         if same:  # like with like first: the same quantization on both sides
             print(f"size: {human_bytes(same['output_bytes'])} against the source's {human_bytes(same['source_bytes'])} "
@@ -172,9 +185,13 @@ def _print_summary(result) -> None:
             source = "GGUF file" if r["model"]["resolved"].endswith(".gguf") else "weights"
             print(f"Hugging Face folder: {human_bytes(size.get('output_bytes'))} of {size.get('output_dtype')} weights "
                   f"(source {source}: {human_bytes(size.get('source_bytes'))}, another format)")
-    if result.output is not None:
-        print(f"model:  {result.output}")
-        print(f"report: {result.output / 'report.json'}")
+    if output is not None:
+        print(f"model:  {output}")
+        print(f"report: {output / 'report.json'}")
+
+
+def _num(v) -> str:
+    return "—" if v is None else f"{v:.4f}"
 
 
 

@@ -13,6 +13,8 @@ Two measurements per evaluation text (a *domain*):
   NLL sums ``S_w`` over scored-token counts ``n_w``, its standard error the usual
   ratio-estimator one, and the perplexity's by the delta method
   (``se_ppl = ppl · se_nll``).
+* **greedy agreement**: the share of scored tokens where the model's most likely
+  next token is the teacher's (the teacher's top-1, already cached: no extra pass).
 * **KL fidelity** ``KL(teacher ‖ student)`` per scored token, where the teacher
   is the original model. A :class:`TeacherCache` is built once, before anything
   is replaced, and keeps per scored token only the teacher's top-k log-probs,
@@ -86,6 +88,10 @@ class Evaluation(Perplexity):
     top_k: int | None = None
     nll_delta_se: float | None = None
     """Standard error of (this NLL − teacher NLL), paired by window: the noise of a *difference*."""
+    agreement: float | None = None
+    """Greedy next-token agreement: the share of scored tokens whose most likely next token is the
+    teacher's (1.0 for the teacher itself)."""
+    agreement_se: float | None = None
 
 
 def _windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
@@ -287,7 +293,7 @@ class TeacherCache:
                     topk_logp=logp_k, topk_idx=idx_k, tail_logp=tail, nll=nll_all, offsets=offsets, name=name,
                     window_nll=sums, shards=dist.world_size())
         cache.baseline = _perplexity(sums, counts.double(), seq_len, stride, name=name, kl=0.0, kl_se=0.0,
-                                     top_k=k_eff, nll_delta_se=0.0)
+                                     top_k=k_eff, nll_delta_se=0.0, agreement=1.0, agreement_se=0.0)
         return cache
 
     @property
@@ -330,6 +336,7 @@ def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate")
     m = len(wins)
     nll_sums = torch.zeros(m, dtype=torch.float64)
     kl_sums = torch.zeros(m, dtype=torch.float64)
+    agree_sums = torch.zeros(m, dtype=torch.float64)
     off = teacher.offsets
     mine = _share(len(batches), True)
     owned: list[int] = []
@@ -344,18 +351,22 @@ def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate")
                 kl = _kl_terms(lp, teacher.topk_logp[sl].to(device), teacher.topk_idx[sl].to(device),
                                teacher.tail_logp[sl].to(device))
                 kl_sums[w] = kl.double().sum()
+                # the teacher's top-1 is its greedy choice: agreement costs one argmax
+                agree_sums[w] = (lp.argmax(-1) == teacher.topk_idx[sl, 0].to(device)).double().sum()
             owned.extend(chunk)
             bar.update(1)
-    both = dist.fill_rows(torch.stack([nll_sums, kl_sums], dim=1), owned)
-    nll_sums, kl_sums = both[:, 0].contiguous(), both[:, 1].contiguous()
+    both = dist.fill_rows(torch.stack([nll_sums, kl_sums, agree_sums], dim=1), owned)
+    nll_sums, kl_sums, agree_sums = both[:, 0].contiguous(), both[:, 1].contiguous(), both[:, 2].contiguous()
     counts = teacher.window_counts.double()
     kl_mean, kl_se = ratio_mean_se(kl_sums, counts)
+    agree, agree_se = ratio_mean_se(agree_sums, counts)
     t_sums = teacher.window_nll
     if t_sums is None:  # a cache assembled by hand
         t_sums = torch.stack([teacher.nll[off[w] : off[w + 1]].double().sum() for w in range(m)])
     _, delta_se = ratio_mean_se(nll_sums - t_sums, counts)
     return _perplexity(nll_sums, counts, teacher.seq_len, teacher.stride, name=teacher.name, kl=kl_mean,
-                       kl_se=kl_se, top_k=teacher.top_k, nll_delta_se=delta_se)
+                       kl_se=kl_se, top_k=teacher.top_k, nll_delta_se=delta_se, agreement=agree,
+                       agreement_se=agree_se)
 
 
 @dataclass(frozen=True)

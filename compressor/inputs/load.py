@@ -25,9 +25,37 @@ class ResolvedSource:
     path: str  # hub id or local folder, as given to from_pretrained
     gguf_file: str | None = None
     is_local: bool = False
+    in_memory: bool = False
+    """A model object handed to :func:`compressor.oneshot`: ``path`` is its ``name_or_path`` (or
+    ``in-memory``), nothing is loaded from it."""
 
     def describe(self) -> str:
         return f"{self.path}/{self.gguf_file}" if self.gguf_file else self.path
+
+    def hub_id(self) -> str | None:
+        """The Hugging Face Hub id this source names, or None (a local path, a package, a model
+        object without a Hub name)."""
+        if self.is_local or self.gguf_file or not self.path or self.path.startswith(("pkg:", ".", "/", "~")):
+            return None
+        parts = self.path.split("/")
+        ok = len(parts) <= 2 and all(p and p not in (".", "..") for p in parts)
+        return self.path if ok and self.path != IN_MEMORY else None
+
+
+#: ``ResolvedSource.path`` of a model object that names no checkpoint.
+IN_MEMORY = "in-memory"
+
+
+def object_source(model) -> ResolvedSource:
+    """The :class:`ResolvedSource` of a model object: its ``name_or_path`` (a local folder or a
+    Hub id it was loaded from), nothing read from it but metadata."""
+    name = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
+    if not name:
+        return ResolvedSource(IN_MEMORY, None, False, True)
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return ResolvedSource(str(p.resolve()), None, True, True)
+    return ResolvedSource(name, None, False, True)
 
 
 def resolve_source(source: str, gguf_file: str | None = None) -> ResolvedSource:

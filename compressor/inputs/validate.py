@@ -40,10 +40,11 @@ def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
     return reads
 
 
-def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
+def check_inputs(recipe: Recipe, *, need_output: bool = True, check_source: bool = True) -> None:
     """Checks that need the file system but no model: sources exist and are
     readable, data files are usable, the output is safe to write.
 
+    ``check_source=False``: the model is an object handed in, ``model.source`` only names it.
     Raises :class:`RecipeError` naming the field.
     """
     from compressor.engine.cache import cache_dir
@@ -52,14 +53,17 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
     from compressor.inputs.data import TextSource
     from compressor.inputs.load import resolve_source
 
-    try:
-        src = resolve_source(recipe.model.source, recipe.model.gguf_file)
-    except FileNotFoundError as e:
-        raise RecipeError(f"model.source: {e}") from None
-    try:
-        check_model_files(src)
-    except InputError as e:
-        raise RecipeError(f"model.source: {e}") from None
+    src = None
+    if check_source:
+        try:
+            src = resolve_source(recipe.model.source, recipe.model.gguf_file)
+        except FileNotFoundError as e:
+            raise RecipeError(f"model.source: {e}") from None
+        try:
+            check_model_files(src)
+        except InputError as e:
+            raise RecipeError(f"model.source: {e}") from None
+    check_task_inputs(recipe)
     if recipe.calibration.dataset in ("self", "mix"):
         check_writable_dir(cache_dir(), "calibration.dataset: self-written calibration text is cached in the "
                            "statistics cache folder", fix="set COMPRESSOR_CACHE to a writable folder")
@@ -78,9 +82,24 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
 
     try:
         check_output_folder(recipe.output.path, overwrite=recipe.output.overwrite, reads=run_reads(recipe),
-                            model_dir=src.path if src.is_local else None)
+                            model_dir=src.path if src is not None and src.is_local else None)
     except OutputError as e:
         raise RecipeError(f"output.path: {e}") from None
+
+
+def check_task_inputs(recipe: Recipe) -> None:
+    """``evaluation.tasks`` needs lm-eval installed (the ``eval`` extra) and its ``task_paths`` folders;
+    a :class:`~compressor.core.errors.MissingExtraError` / :class:`RecipeError` (exit 2) otherwise."""
+    from compressor.core.extras import require
+
+    section = recipe.task_section()
+    if section is None:
+        return
+    require("lm_eval", f"evaluation.tasks ({', '.join(section.tasks)})")
+    for folder in section.task_paths:
+        if not Path(folder).expanduser().is_dir():
+            raise RecipeError(f"evaluation.task_paths: {folder} is not a folder; give folders of lm-eval task "
+                              "YAML files (see docs/evaluation.md)")
 
 
 def check_writable_dir(path: Path, what: str, *, fix: str) -> None:

@@ -254,6 +254,32 @@ def compare_reloaded(request: WriteRequest, reloaded: nn.Module, what: str,
     return check
 
 
+def adopt_compressed(model: nn.Module, compression: dict) -> None:
+    """Turn a compressed model in memory into what its folder reloads as: the config becomes the
+    registered ``compressed_<type>`` config holding ``compression``, the model's class the compressed
+    class (a subclass of its own: same forward and weights). ``model.save_pretrained(folder)`` then
+    writes a folder that ``AutoModelForCausalLM.from_pretrained`` reloads once compressor is imported."""
+    model_type = model.config.model_type
+    if model_type.startswith("compressed_"):
+        model.config.compression = compression
+        return
+    register_auto_classes([model_type])
+    if model_type not in _REGISTERED:
+        raise ValueError(f"transformers has no causal-LM class for model type {model_type!r}")
+    cfg_cls, model_cls = _REGISTERED[model_type]
+    if not isinstance(model, model_cls.__mro__[1]):
+        logger.info("%s is not %s: its class is kept", type(model).__name__, model_cls.__mro__[1].__name__)
+        model.config.compression = compression
+        return
+    data = model.config.to_dict()
+    data.pop("model_type", None)
+    config = cfg_cls.from_dict(dict(data, compression=compression))
+    config._attn_implementation = model.config._attn_implementation
+    config.name_or_path = model.config.name_or_path
+    model.config = config
+    model.__class__ = model_cls
+
+
 def load_compressed(folder: str | Path, *, offload: str = "none", device: str = "cpu", **kwargs):
     """``AutoModelForCausalLM.from_pretrained`` for a compressed folder (no remote code needed);
     ``offload`` as in :func:`compressor.inputs.load.load_model` (the reload check of an onloaded run)."""

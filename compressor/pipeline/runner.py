@@ -1,14 +1,24 @@
-"""``run``: a whole recipe as a short composition of the named stages in :mod:`.stages`."""
+"""``oneshot`` and ``run``: a recipe as a short composition of the named stages in :mod:`.stages`.
+
+:func:`oneshot` takes a model object (or a source string), a recipe (path, dict or
+:class:`~compressor.recipe.schema.Recipe`) and returns the compressed model; failures are exceptions
+(:class:`~compressor.core.errors.InputError`, :class:`~compressor.core.errors.GateFailed`).
+:func:`run` is the same pipeline for a recipe that names its source and output, returning a
+:class:`RunResult` with the exit code; the command line is a thin layer over :func:`oneshot`.
+"""
 
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from compressor.core import distributed as dist
-from compressor.core.errors import EXIT_GATE, EXIT_OK, exit_code_for
+from compressor.core.errors import EXIT_GATE, EXIT_OK, GateFailed, InputError, exit_code_for
 from compressor.pipeline import stages
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import Recipe
@@ -22,6 +32,147 @@ class RunResult:
     report: dict
     output: Path | None = None
     result: CompressionResult | None = field(default=None, repr=False)
+
+
+@dataclass
+class OneshotResult:
+    """What :func:`oneshot` gives back."""
+
+    model: Any
+    """The compressed model: still a ``PreTrainedModel`` (``generate``, ``save_pretrained``; its config
+    carries the ``compression`` section, so a saved folder reloads with compressor imported)."""
+    tokenizer: Any
+    report: dict
+    """The run report (``report.json``'s content)."""
+    output: Path | None = None
+    """The published folder, when ``output_dir`` was given."""
+    result: CompressionResult | None = field(default=None, repr=False)
+
+
+def oneshot(model, recipe: Recipe | dict | str | Path, *, tokenizer=None, dataset=None,
+            output_dir: str | Path | None = None, overrides: dict | list[str] | None = None,
+            overwrite: bool | None = None, use_cache: bool | None = None, resume: bool = False,
+            keep_state: bool = False, measurements_from: str | Path | None = None) -> OneshotResult:
+    """Compress ``model`` with ``recipe`` and return the compressed model.
+
+    ``model``: a loaded ``PreTrainedModel`` (compressed in place, as it is: its dtype and placement,
+    ``device_map`` included; ``tokenizer`` is then needed unless its ``name_or_path`` has one), or any
+    source string a recipe's ``model.source`` takes (then the recipe's ``model`` section loads it).
+    ``recipe``: a YAML path, a dict or a :class:`~compressor.recipe.schema.Recipe`; ``overrides``:
+    ``{"policy.ppl_budget": 0.1}`` (or ``--set``-style ``"key=value"`` strings), applied on top.
+    ``dataset``: the calibration text — a path or hub name (as ``calibration.dataset``), a list of
+    strings, or a ``datasets.Dataset`` (its ``calibration.text_column``). ``output_dir``: write the
+    Hugging Face folder (and any other ``output.formats``) there; None writes nothing.
+
+    Raises :class:`~compressor.core.errors.InputError` (bad recipe or input, exit 2 on the command
+    line; nothing loaded or written), :class:`~compressor.core.errors.GateFailed` (the gate could not
+    be met, exit 3; nothing written; ``.report``, ``.attempts``) and other errors (exit 1).
+
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer      # doctest: +SKIP
+    >>> m = AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M")              # doctest: +SKIP
+    >>> tok = AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M")                    # doctest: +SKIP
+    >>> res = compressor.oneshot(m, "recipes/smollm2-135m.yaml", tokenizer=tok)               # doctest: +SKIP
+    >>> res.model.generate(**tok("def fib(n):", return_tensors="pt"), max_new_tokens=20)     # doctest: +SKIP
+    """
+    from compressor.recipe import apply_overrides, load_recipe, recipe_from_dict
+
+    from compressor.inputs.validate import check_path_text
+
+    extra = _override_list(overrides)
+    if isinstance(recipe, Recipe):
+        source_file = recipe._source_file
+        # only what was set: a field left to its default (output.formats) is still filled in by the pipeline
+        recipe = (recipe_from_dict(apply_overrides(recipe.model_dump(mode="json", exclude_unset=True), extra))
+                  if extra else recipe.model_copy(deep=True))
+        recipe._source_file = source_file
+    elif isinstance(recipe, dict):
+        recipe = recipe_from_dict(apply_overrides(recipe, extra))
+    elif isinstance(recipe, (str, Path)):
+        recipe = load_recipe(recipe, extra)
+    else:
+        raise InputError(f"recipe: expected a YAML path, a dict or a Recipe, got {type(recipe).__name__}")
+    if output_dir is None and recipe.output.path is not None:
+        logger.info("oneshot without output_dir writes nothing (the recipe's output.path %s is not used)",
+                    recipe.output.path)
+    if output_dir is not None:
+        check_path_text(str(output_dir), "output_dir")
+    recipe.output.path = None if output_dir is None else str(output_dir)
+    if overwrite is not None:
+        recipe.output.overwrite = bool(overwrite)
+    with ExitStack() as stack:
+        if dataset is not None:
+            recipe.calibration.dataset = _calibration_dataset(dataset, recipe, stack)
+        given = None
+        if isinstance(model, (str, Path)):
+            recipe.model.source = str(model)
+            if recipe.output.path is None:
+                raise InputError("output_dir: required with a source string (a model object may be compressed "
+                                 "without writing anything)")
+        else:
+            given = stages.from_object(model, tokenizer)
+            _describe_object(recipe, given)
+        return _execute(recipe, given, use_cache=use_cache, resume=resume, keep_state=keep_state,
+                        measurements_from=measurements_from)
+
+
+def _override_list(overrides) -> list[str]:
+    import json
+
+    if overrides is None:
+        return []
+    if isinstance(overrides, dict):
+        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    if isinstance(overrides, (list, tuple)) and all(isinstance(o, str) for o in overrides):
+        return list(overrides)
+    raise InputError(f"overrides: expected a dict of dotted keys ({{'policy.ppl_budget': 0.1}}) or a list of "
+                     f"'key=value' strings, got {type(overrides).__name__}")
+
+
+def _calibration_dataset(dataset, recipe: Recipe, stack: ExitStack) -> str:
+    """``dataset=`` as a ``calibration.dataset`` value: a path or hub name as it is; a list of strings or
+    a ``datasets.Dataset`` as a JSON-lines file in a temporary folder, removed when the run ends."""
+    import json
+
+    if isinstance(dataset, (str, Path)):
+        return str(dataset)
+    column = recipe.calibration.text_column
+    try:
+        from datasets import Dataset
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        Dataset = ()
+    if isinstance(dataset, Dataset):
+        if column not in dataset.column_names:
+            raise InputError(f"dataset: the Dataset has no {column!r} column (calibration.text_column); it has "
+                             f"{dataset.column_names}")
+        texts = list(dataset[column])
+    elif isinstance(dataset, (list, tuple)) and all(isinstance(t, str) for t in dataset):
+        texts = list(dataset)
+    else:
+        raise InputError(f"dataset: expected a path, a list of strings or a datasets.Dataset, got "
+                         f"{type(dataset).__name__}")
+    if not any(t.strip() for t in texts):
+        raise InputError("dataset: no text (every string is empty)")
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="compressor-data-")))
+    path = folder / "calibration.jsonl"
+    path.write_text("".join(json.dumps({column: t}) + "\n" for t in texts), encoding="utf-8")
+    return str(path)
+
+
+def _describe_object(recipe: Recipe, given: stages.Loaded) -> None:
+    """The recipe's ``model`` section names the object handed in: where it came from, its dtype and
+    placement (nothing is loaded from it; ``recipe.yaml`` and the report say what was run)."""
+    import torch
+
+    model = given.model
+    recipe.model.source = given.source.path
+    dtype = str(next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
+    dtype = dtype.removeprefix("torch.")
+    recipe.model.dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+    devices = {str(p.device.type) for p in model.parameters()}
+    if len(getattr(model, "hf_device_map", None) or {}) > 1 or len(devices) > 1:
+        recipe.model.device = "auto"
+    else:
+        recipe.model.device = "cuda" if devices == {"cuda"} else "cpu"
 
 
 def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False, keep_state: bool = False,
@@ -50,33 +201,54 @@ def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False, 
     >>> res = compressor.run(compressor.load_recipe("recipes/smollm2-135m.yaml"))  # doctest: +SKIP
     >>> res.exit_code, res.output                                                  # doctest: +SKIP
     """
+    try:
+        res = _execute(recipe, None, use_cache=use_cache, resume=resume, keep_state=keep_state,
+                       measurements_from=measurements_from)
+    except GateFailed as failed:
+        return RunResult(EXIT_GATE, failed.report, None, failed.result)
+    return RunResult(EXIT_OK, res.report, res.output, res.result)
+
+
+def _execute(recipe: Recipe, given: stages.Loaded | None, *, use_cache: bool | None, resume: bool,
+             keep_state: bool, measurements_from: str | Path | None) -> OneshotResult:
+    """The stages, shared by :func:`oneshot` and :func:`run`: ``given`` is a model object handed in
+    (else the recipe's source is loaded); with ``output.path`` unset nothing is written."""
     t_start = time.perf_counter()
     use_cache = recipe.measure.cache if use_cache is None else use_cache
-    checked = stages.check(recipe, resume=resume, measurements_from=measurements_from)
+    checked = stages.check(recipe, resume=resume, measurements_from=measurements_from, given=given)
     checked.keep_state = keep_state
     try:
-        return _run_checked(recipe, checked, use_cache, t_start)
+        return _run_checked(recipe, checked, given, use_cache, t_start)
     finally:
         checked.release()
 
 
-def _run_checked(recipe: Recipe, checked: stages.Checked, use_cache: bool, t_start: float) -> RunResult:
+def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded | None, use_cache: bool,
+                 t_start: float) -> OneshotResult:
     t = time.perf_counter()
-    loaded = stages.load(recipe.model)
+    loaded = given if given is not None else stages.load(recipe.model)
     load_s = time.perf_counter() - t
     stages.check_loaded(recipe, loaded)
     fp = stages.expect(recipe, loaded, use_cache=use_cache, checked=checked)
     calibrated = stages.calibrate(recipe, loaded, checked, use_cache=use_cache, model_fp=fp)
+    reference = stages.reference(recipe, loaded, checked)
     result = stages.compress(recipe, loaded, calibrated, checked)
     result.timings = {"check_s": checked.seconds, "load_s": load_s, **result.timings}
     report = stages.report(recipe, loaded, calibrated, checked, result)
+    stages.compare(recipe, loaded, reference, result, report)
     if not result.gate_passed:
         report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
-        logger.error("perplexity gate failed: %s; nothing was written", result.gate_message)
+        logger.error("gate failed: %s; nothing was written", result.gate_message)
         _end_state(checked)
-        return RunResult(EXIT_GATE, report, None, result)
+        raise GateFailed(result.gate_message, report=report, attempts=result.attempts, result=result)
+    if checked.out is None:  # a model object, no output_dir: nothing to write
+        report["output"] = None
+        report["timings"]["total_s"] = time.perf_counter() - t_start
+        stages.adopt(loaded.model, stages.compression_section(loaded, result, report))
+        logger.info("%s", result.gate_message)
+        return OneshotResult(loaded.model, loaded.tokenizer, report, None, result)
     if not dist.is_main():
-        return _wait_for_main(result)
+        return _wait_for_main(loaded, result)
     sizing = None
     try:
         request = stages.write_request(recipe, loaded, checked, result, report)
@@ -97,9 +269,10 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, use_cache: bool, t_sta
             sizing.cleanup()
     dist.broadcast_object((None, report))
     _end_state(checked)
+    stages.adopt(loaded.model, request.compression)
     logger.info("saved compressed model to %s", out)
     logger.info("%s", result.gate_message)
-    return RunResult(EXIT_OK, report, out, result)
+    return OneshotResult(loaded.model, loaded.tokenizer, report, out, result)
 
 
 def sized(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stages.Checked, report: dict):
@@ -143,9 +316,9 @@ def _end_state(checked: stages.Checked) -> None:
                     state.folder, size / 1e9, checked.out)
 
 
-def _wait_for_main(result: CompressionResult) -> RunResult:
+def _wait_for_main(loaded: stages.Loaded, result: CompressionResult) -> OneshotResult:
     """A rank other than 0: wait for rank 0's write and return its report (or its failure)."""
     failed, report = dist.broadcast_object()
     if failed is not None:
         raise dist.RankFailed(*failed)
-    return RunResult(EXIT_OK, report, Path(report["output"]), result)
+    return OneshotResult(loaded.model, loaded.tokenizer, report, Path(report["output"]), result)

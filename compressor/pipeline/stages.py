@@ -22,14 +22,14 @@ from torch import nn
 
 from compressor.core import distributed as dist
 from compressor.core.archs import ArchSpec, arch_for
-from compressor.core.errors import InputError, UnsupportedModelError
+from compressor.core.errors import EXIT_GATE, InputError, UnsupportedModelError
 from compressor.core.finite import check_weights_finite
 from compressor.core.modeling import COMPRESSION_FORMAT
 from compressor.core.version import __version__
 from compressor.engine.resume import ResumeError, RunState, run_key
 from compressor.inputs.calibration import DataInput, build_calibration, evaluation_streams, load_tokenizer
 from compressor.inputs.data import CalibrationSet, OverlapError, check_disjoint
-from compressor.inputs.load import ResolvedSource, load_model, resolve_source
+from compressor.inputs.load import ResolvedSource, load_model, object_source, resolve_source
 from compressor.inputs.safety import OutputLock
 from compressor.inputs.validate import check_inputs, run_reads
 from compressor.output import VerificationError, WriteRequest, get_writer, publish, staging_folder
@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 class Checked:
     """What :func:`check` established before anything heavy ran."""
 
-    out: Path
+    out: Path | None
+    """The output folder; None when nothing is to be written (:func:`compressor.oneshot` without ``output_dir``)."""
     eval_streams: dict[str, torch.Tensor]
     state: RunState
     reads: list[tuple[str, Path]]
@@ -81,7 +82,7 @@ class Calibrated:
     overlap: dict = field(default_factory=dict)
 
 
-def default_formats(recipe: Recipe, model_type: str | None = None) -> list[str]:
+def default_formats(recipe: Recipe, model_type: str | None = None, src: ResolvedSource | None = None) -> list[str]:
     """Fill in ``output.formats`` when the recipe does not set it: ``[hf, gguf]`` for a GGUF source whose
     architecture the gguf writer takes (the output then goes where the source went, at its quantization),
     else ``[hf]``. Returns the formats; the recipe (and the ``recipe.yaml`` saved with the output) then
@@ -92,7 +93,7 @@ def default_formats(recipe: Recipe, model_type: str | None = None) -> list[str]:
     from compressor.output.gguf import arch_refusal
 
     formats = ["hf"]
-    src = resolve_source(recipe.model.source, recipe.model.gguf_file)
+    src = src or resolve_source(recipe.model.source, recipe.model.gguf_file)
     if src.gguf_file:  # the architecture decides, not what is installed: the same recipe writes the same files
         why = arch_refusal(model_type or _model_type(recipe))
         if why is None:
@@ -115,13 +116,20 @@ def _model_type(recipe: Recipe) -> str:
     return AutoConfig.from_pretrained(src.path, **kwargs).model_type
 
 
-def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None = None) -> Checked:
+def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None = None,
+          given: Loaded | None = None) -> Checked:
     """Check inputs: files, data, output safety, evaluation text size, dtype rules and the
-    resume state — everything that can be known before the model loads."""
+    resume state — everything that can be known before the model loads.
+
+    ``given``: a model object handed in (:func:`from_object`); its source is not read, and with
+    ``output.path`` unset nothing is to be written (no lock, no run state)."""
     t0 = time.perf_counter()
-    check_inputs(recipe)
-    model_type = _model_type(recipe)  # read once: from a GGUF source it means parsing the file's metadata
-    default_formats(recipe, model_type)
+    write = given is None or recipe.output.path is not None
+    check_inputs(recipe, need_output=write, check_source=given is None)
+    # read once: from a GGUF source it means parsing the file's metadata
+    model_type = given.model_type if given is not None else _model_type(recipe)
+    src = given.source if given is not None else resolve_source(recipe.model.source, recipe.model.gguf_file)
+    default_formats(recipe, model_type, src)
     mc = recipe.model
     for name in recipe.output.writers():
         try:
@@ -129,21 +137,25 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
         except ValueError as err:
             raise InputError(f"output.formats: {err}") from None
     # Size the evaluation text with the tokenizer alone: a too-small set fails before the model loads.
-    tokenizer = load_tokenizer(mc)
+    tokenizer = given.tokenizer if given is not None else load_tokenizer(mc)
     try:
         streams = evaluation_streams(recipe, tokenizer)
     except ValueError as err:
         raise InputError(str(err)) from None
-    _check_writers(recipe, tokenizer, model_type)
+    if not write:
+        return Checked(None, streams, RunState(), [], width_multiple=_check_architecture(recipe, src, given),
+                       seconds=time.perf_counter() - t0)
+    _check_writers(recipe, tokenizer, model_type, src)
     _check_size(recipe)
-    _check_offload_dtype(mc, recipe.output)
-    multiple = _check_architecture(recipe)
+    if given is None:
+        _check_offload_dtype(mc, recipe.output)
+    multiple = _check_architecture(recipe, src, given)
     out = Path(recipe.output.path).expanduser().resolve()
     reads = run_reads(recipe)
     # Before the resume state is touched: a second run must not discard the first one's.
     lock = OutputLock(out).acquire() if dist.is_main() else None
     try:  # a run that cannot resume fails at once
-        state = RunState.open(out, run_key(recipe, resolve_source(mc.source, mc.gguf_file), streams, multiple),
+        state = RunState.open(out, run_key(recipe, src, streams, multiple),
                               resume=resume, reads=reads, measurements_from=measurements_from)
     except ResumeError as err:
         if lock is not None:
@@ -152,17 +164,17 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
     return Checked(out, streams, state, reads, lock, width_multiple=multiple, seconds=time.perf_counter() - t0)
 
 
-def _check_architecture(recipe: Recipe) -> int:
+def _check_architecture(recipe: Recipe, src: ResolvedSource, given: Loaded | None = None) -> int:
     """What the output architecture needs before the model loads (the kind and policy rules are the
     recipe's own, :class:`~compressor.recipe.schema.Recipe`); returns the FFN width multiple."""
     mc, oc = recipe.model, recipe.output
-    if oc.architecture == "standard" and mc.offload != "none":
+    if oc.architecture == "standard" and mc.offload != "none" and given is None:
         raise InputError(f"output.architecture: standard rebuilds the base class in memory to save it, which an "
                          f"onloaded model (model.offload: {mc.offload}) does not fit; use model.offload: none, or "
                          "output.architecture: custom")
     block = 1
     if "gguf" in oc.formats and getattr(oc, "gguf_quant", "source") == "source" and oc.width_multiple is None:
-        block = _gguf_source_block(resolve_source(mc.source, mc.gguf_file))
+        block = _gguf_source_block(src)
     return width_multiple(oc, source_block=block)
 
 
@@ -179,11 +191,10 @@ def _gguf_source_block(src: ResolvedSource) -> int:
         return 1
 
 
-def _check_writers(recipe: Recipe, tokenizer, model_type: str) -> None:
+def _check_writers(recipe: Recipe, tokenizer, model_type: str, src: ResolvedSource) -> None:
     """Each requested format can represent this architecture and kind, takes its options and can carry
     the tokenizer: asked before the model loads, with the alternative in the message."""
-    mc, oc = recipe.model, recipe.output
-    src = resolve_source(mc.source, mc.gguf_file)
+    oc = recipe.output
     options = writer_options(oc)
     for name in oc.writers():
         writer = get_writer(name)
@@ -228,6 +239,30 @@ def load(mc: ModelConfig) -> Loaded:
         mc.source, gguf_file=mc.gguf_file, dtype=mc.dtype, device=mc.device, offload=mc.offload,
         trust_remote_code=mc.trust_remote_code, revision=mc.revision,
     )
+    return _loaded(model, tokenizer, src)
+
+
+def from_object(model: nn.Module, tokenizer) -> Loaded:
+    """A model object handed in (:func:`compressor.oneshot`) in place of :func:`load`: used as it is
+    (its dtype and placement, ``device_map`` included); the same refusals as a loaded one."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise InputError(f"model: expected a transformers PreTrainedModel (e.g. from "
+                         f"AutoModelForCausalLM.from_pretrained) or a source string, got {type(model).__name__}")
+    src = object_source(model)
+    if tokenizer is None:
+        if src.path == "in-memory":
+            raise InputError("tokenizer: required with a model object that names no checkpoint; pass "
+                             "tokenizer=AutoTokenizer.from_pretrained(...)")
+        from compressor.inputs.load import load_tokenizer as load_source_tokenizer
+
+        tokenizer = load_source_tokenizer(src)
+    model.eval()
+    return _loaded(model, tokenizer, src)
+
+
+def _loaded(model: nn.Module, tokenizer, src: ResolvedSource) -> Loaded:
     check_weights_finite(model)
     try:
         model_type, spec = arch_for(model)
@@ -314,21 +349,85 @@ def report(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Chec
     cache_info = {"enabled": False, "hit": False, "key": None}  # the engine measures as it goes
     rep = build_report(recipe, loaded.source, loaded.model_type, result, calibrated.cal, cache_info, checked.out)
     rep["calibration"].update(calibrated.info)
+    from compressor.inputs.provenance import source_metadata
+
+    rep["model"].update(source_metadata(loaded.source))
     rep["resumed"] = checked.state.resumed
     rep["evaluation"] = evaluation_report(recipe, result, checked.eval_streams, calibrated.overlap)
     for w in rep["evaluation"]["warnings"]:
         logger.warning("%s", w)
-    dtype = output_dtype(recipe.output.dtype, loaded.source, revision=recipe.model.revision)
+    dtype = save_dtype(recipe, loaded)
     rep["size"] = {"source_bytes": source_weight_bytes(loaded.source), "output_bytes": None,
                    "output_dtype": str(dtype).removeprefix("torch."),
                    "output_dtype_is_source": recipe.output.dtype == "source" and not loaded.source.gguf_file}
     return rep
 
 
-def write_request(recipe: Recipe, loaded: Loaded, checked: Checked, result: CompressionResult,
-                  rep: dict) -> WriteRequest:
-    """What every writer gets: the model, its ``compression`` section, files, and the verification probe."""
-    compression = {
+def save_dtype(recipe: Recipe, loaded: Loaded) -> torch.dtype:
+    """``output.dtype`` resolved: ``source`` is the source checkpoint's dtype, or a model object's own."""
+    if recipe.output.dtype == "source" and loaded.source.in_memory:
+        return next((p.dtype for p in loaded.model.parameters() if p.is_floating_point()), torch.float32)
+    return output_dtype(recipe.output.dtype, loaded.source, revision=recipe.model.revision)
+
+
+@dataclass
+class Reference:
+    """What only the original model can say, taken before anything is replaced: its greedy
+    continuations of a few evaluation prompts, and its task scores (``evaluation.tasks``)."""
+
+    continuations: object
+    tasks: dict | None = None
+
+
+def reference(recipe: Recipe, loaded: Loaded, checked: Checked) -> Reference:
+    """The original model's greedy continuations (:mod:`compressor.evaluation.agreement`) and, when the
+    recipe names ``evaluation.tasks``, its task scores (:mod:`compressor.evaluation.tasks`)."""
+    from compressor.evaluation.agreement import continuation_reference
+
+    e = recipe.evaluation_domains()[0]
+    conts = continuation_reference(loaded.model, checked.eval_streams[e.domain_name()], seq_len=e.seq_len)
+    tasks = None
+    section = recipe.task_section()
+    if section is not None:
+        from compressor.evaluation.tasks import run_tasks
+
+        t0 = time.perf_counter()
+        tasks = run_tasks(loaded.model, loaded.tokenizer, section)
+        logger.info("tasks on the original model (%.0f s): %s", time.perf_counter() - t0,
+                    {t: r.get(r.get("primary")) for t, r in tasks.items()})
+    return Reference(conts, tasks)
+
+
+def compare(recipe: Recipe, loaded: Loaded, ref: Reference, result: CompressionResult, rep: dict) -> None:
+    """The compressed model against the original's :class:`Reference`: greedy agreement (next tokens
+    from the gate's last evaluation, continuations now) into ``rep["agreement"]``; task scores side by
+    side into ``rep["tasks"]``, with ``policy.task_budget`` applied (over it fails the gate)."""
+    from compressor.evaluation.agreement import continuation_agreement
+
+    final = result.final
+    domains = getattr(final, "domains", None) or {"": final}
+    rep["agreement"] = {
+        "next_token": getattr(final, "agreement", None), "next_token_se": getattr(final, "agreement_se", None),
+        "domains": {n: getattr(ev, "agreement", None) for n, ev in domains.items()},
+        "continuations": continuation_agreement(loaded.model, ref.continuations),
+    }
+    if ref.tasks is None:
+        return
+    from compressor.evaluation.tasks import compare_tasks, run_tasks
+
+    t0 = time.perf_counter()
+    after = run_tasks(loaded.model, loaded.tokenizer, recipe.task_section())
+    rep["timings"]["tasks_s"] = time.perf_counter() - t0
+    rep["tasks"] = compare_tasks(ref.tasks, after, recipe.policy.task_budget)
+    if result.gate_passed and not rep["tasks"]["passed"]:
+        result.gate_passed = False
+        result.gate_message = f"task budget exceeded: {rep['tasks']['message']}"
+        rep.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message)
+
+
+def compression_section(loaded: Loaded, result: CompressionResult, rep: dict) -> dict:
+    """The ``compression`` section of the compressed model's ``config.json``."""
+    return {
         "format": COMPRESSION_FORMAT,
         "tool": "compressor",
         "tool_version": __version__,
@@ -339,11 +438,26 @@ def write_request(recipe: Recipe, loaded: Loaded, checked: Checked, result: Comp
         "params_after": result.params_after,
         "perplexity": rep["perplexity"],
     }
+
+
+def adopt(model: nn.Module, compression: dict) -> None:
+    """Make the compressed model in memory what a reload of its folder gives: its config becomes the
+    ``compressed_<type>`` one carrying ``compression`` (so its own ``save_pretrained`` folder reloads with
+    compressor imported), its class the registered compressed class (same forward, same weights)."""
+    from compressor.output.hf import adopt_compressed
+
+    adopt_compressed(model, compression)
+
+
+def write_request(recipe: Recipe, loaded: Loaded, checked: Checked, result: CompressionResult,
+                  rep: dict) -> WriteRequest:
+    """What every writer gets: the model, its ``compression`` section, files, and the verification probe."""
+    compression = compression_section(loaded, result, rep)
     e = recipe.evaluation_domains()[0]  # the primary domain: the verification probe
     mc = recipe.model
     return WriteRequest(
         model=loaded.model, tokenizer=loaded.tokenizer, compression=compression, source=loaded.source,
-        dtype=output_dtype(recipe.output.dtype, loaded.source, revision=mc.revision),
+        dtype=save_dtype(recipe, loaded),
         extra_files={"recipe.yaml": recipe.to_yaml(), "README.md": model_card(rep)},
         probe_tokens=checked.eval_streams[e.domain_name()], probe_seq_len=e.seq_len, probe_stride=e.stride,
         probe_batch_size=e.batch_size, expected_ppl=result.final.ppl, offload=mc.offload, device=mc.device,
@@ -475,5 +589,6 @@ def _remove(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["Calibrated", "Checked", "Loaded", "VerificationError", "calibrate", "check", "check_loaded", "compress", "load",
-           "publish_output", "report", "verify", "write", "write_request"]
+__all__ = ["Calibrated", "Checked", "Loaded", "Reference", "VerificationError", "adopt", "calibrate", "check",
+           "check_loaded", "compare", "compress", "compression_section", "from_object", "load", "publish_output",
+           "reference", "report", "verify", "write", "write_request"]

@@ -73,6 +73,10 @@ class EvaluationConfig(_Data):
     max_tokens: int = Field(4096, ge=16, le=MAX_TOKENS, description="cap on evaluation tokens")
     min_tokens: int = Field(1024, ge=2, le=MAX_TOKENS, description="fewer evaluation tokens is an error (exit 2): small sets mislead")
     kl_top_k: int = Field(64, ge=1, description="teacher log-probs kept per token for the KL metric (exact when ≥ vocab, a lower bound otherwise)")
+    tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness task names run on the original and on the compressed model with the same settings (needs compressor[eval]); see docs/evaluation.md")
+    task_paths: list[str] = Field(default_factory=list, description="local lm-eval task folders (lm-eval's include_path) for tasks not in lm-eval's registry")
+    task_limit: int | None = Field(None, ge=1, description="examples per task (lm-eval's limit; null: all)")
+    task_batch_size: int = Field(8, ge=1, le=4096, description="lm-eval batch size")
 
     @model_validator(mode="after")
     def _stride(self):
@@ -82,6 +86,8 @@ class EvaluationConfig(_Data):
             raise ValueError(f"dataset {self.dataset!r} is a calibration source only; evaluate on real text (e.g. embedded or a file)")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be ≤ max_tokens ({self.max_tokens})")
+        if self.task_paths and not self.tasks:
+            raise ValueError("task_paths: name the tasks to run from them in tasks")
         return self
 
     def domain_name(self) -> str:
@@ -124,6 +130,7 @@ class PolicyConfig(_Section):
     skip_outlier_dominated: bool = Field(True, description="never try blocks flagged outlier-dominated")
     min_blocks: int = Field(1, ge=0, description="fewer accepted blocks than this fails the gate (exit 3)")
     patience: int | None = Field(None, ge=1, description="stop trying candidates after this many consecutive rejections")
+    task_budget: float | None = Field(None, ge=0, le=1, description="largest drop of any task's accuracy allowed (absolute, 0.02 = 2 points) between the original and the compressed model on evaluation.tasks; checked on the final model, over it fails the run (exit 3); null: tasks are reported, not gated")
 
     @model_validator(mode="after")
     def _lists(self):
@@ -392,6 +399,20 @@ class Recipe(_Section):
             if dup:
                 raise ValueError(f"evaluation: domain names must be distinct, {dup} repeat; set `name` on each")
         return self
+
+    @model_validator(mode="after")
+    def _tasks(self):
+        named = [e for e in self.evaluation_domains() if e.tasks]
+        if len(named) > 1:
+            raise ValueError("evaluation: tasks are run once per model; name them in one evaluation section")
+        if self.policy.task_budget is not None and not named:
+            raise ValueError("policy.task_budget: gates on evaluation.tasks, and the recipe names none; add "
+                             "evaluation.tasks or remove policy.task_budget")
+        return self
+
+    def task_section(self) -> EvaluationConfig | None:
+        """The evaluation section that names ``tasks``, or None."""
+        return next((e for e in self.evaluation_domains() if e.tasks), None)
 
     def strategy(self) -> str:
         """``policy.strategy`` with ``auto`` resolved: allocate for prune/hybrid, greedy otherwise."""

@@ -142,7 +142,7 @@ def evaluation_section(ev: dict | None, cal: dict | None) -> str:
     if not ev:
         return ""
     cal = cal or {}
-    source = cal.get("data", "?")
+    source = public_name(cal.get("data", "?"))
     if cal.get("self_tokens"):
         source += f" ({cal.get('text_tokens', 0):,} text + {cal['self_tokens']:,} self-generated tokens)"
     if ev["metric"] == "kl":
@@ -151,7 +151,7 @@ def evaluation_section(ev: dict | None, cal: dict | None) -> str:
         kind = "×(1 + budget)" if ev["budget_mode"] == "relative" else "+ budget"
         rule = f"perplexity ≤ baseline {kind}, budget {ev['ppl_budget']}, on every domain"
     rows = "\n".join(
-        f"| {d['name']} | `{d['dataset']}` | {d['scored_tokens']:,} / {d['windows']} | "
+        f"| {d['name']} | `{public_name(d['dataset'])}` | {d['scored_tokens']:,} / {d['windows']} | "
         f"{_pm(d['baseline']['ppl'], d['baseline'].get('ppl_se'))} | {_pm(d['final']['ppl'], d['final'].get('ppl_se'))} | "
         f"{d['relative_delta']:+.2%} | {_pm(d['final'].get('kl'), d['final'].get('kl_se'), '.3g')} | "
         f"{'✓' if d['passed'] else '✗'} |"
@@ -172,29 +172,126 @@ next-token distribution (a lower bound of the full KL).
 {warn}"""
 
 
+def public_name(value: str | None) -> str:
+    """A name a published card may show: Hub ids and plain names as they are; a local path (or a
+    ``pkg:`` source) by its last component only — a card never leaks a machine's paths."""
+    import re
+
+    if not value:
+        return "—"
+    value = str(value)
+    if value.startswith("pkg:"):
+        value = value[4:].partition("/")[2] or value[4:]
+        return value
+    if value.startswith(("/", "~", ".")) or "\\" in value or Path(value).expanduser().exists():
+        return Path(value).name or "model"
+    if re.fullmatch(r"[\w.-]+(/[\w.-]+)?(:[\w.-]+)?", value):
+        return value
+    return Path(value).name
+
+
+def card_metadata(r: dict) -> str:
+    """The card's YAML front matter, written by ``huggingface_hub.ModelCardData`` (so the Hub and
+    ``huggingface_hub.ModelCard`` parse it): library, pipeline tag, tags, ``base_model`` only when the
+    source is a Hub id (or a GGUF names its origin), ``license`` when the source states one, and the
+    evaluation results (perplexity per domain, task scores) as ``model-index``."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    m = r["model"]
+    name = public_name(r.get("output") or "model")
+    results = []
+    ev = r.get("evaluation") or {}
+    for d in ev.get("domains") or [{"name": public_name(r["perplexity"]["data"]), "dataset": r["perplexity"]["data"],
+                                    "final": r["perplexity"]["final"]}]:
+        results.append(EvalResult(task_type="text-generation", task_name="Language modelling",
+                                  dataset_type=public_name(d["dataset"]), dataset_name=public_name(d["name"]),
+                                  metric_type="perplexity", metric_name="perplexity",
+                                  metric_value=round(float(d["final"]["ppl"]), 4)))
+    for row in (r.get("tasks") or {}).get("tasks", []):
+        if row.get("compressed") is None:
+            continue
+        results.append(EvalResult(task_type="text-generation", task_name=row["task"], dataset_type=row["task"],
+                                  dataset_name=row["task"], metric_type=row["metric"], metric_name=row["metric"],
+                                  metric_value=round(float(row["compressed"]), 4)))
+    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
+                         tags=["compressor", "ffn-compression", "compressed"], license=m.get("license"),
+                         base_model=m.get("base_model"), model_name=name, eval_results=results or None)
+    return data.to_yaml()
+
+
+def _license_line(m: dict) -> str:
+    if m.get("license"):
+        return f"License: `{m['license']}`, as the source states it."
+    return ("License: unknown — the source states none (no `general.license` in a GGUF, no `license` in its "
+            "model card). The weights are the source's: check its terms before publishing.")
+
+
+def agreement_line(r: dict) -> str:
+    a = r.get("agreement") or {}
+    if a.get("next_token") is None:
+        return ""
+    c = a.get("continuations") or {}
+    return (f"Greedy agreement with the original on the gate's held-out windows: {a['next_token']:.1%} of next "
+            f"tokens; {c.get('identical', float('nan')):.0%} of {c.get('prompts', 0)} greedy continuations of "
+            f"{c.get('tokens', 0)} tokens identical.\n")
+
+
+def tasks_section(r: dict) -> str:
+    t = r.get("tasks")
+    if not t:
+        return ""
+    rows = "\n".join(f"| {row['task']} | {row['metric']} | {_f(row['original'])} | {_f(row['compressed'])} | "
+                     f"{_f(row['delta'], '+.4f')} | {row['samples'] or '—'} |" for row in t["tasks"])
+    gate = ("" if t.get("budget") is None else
+            f"Gate: no task's score may drop by more than {t['budget']:g} ({'held' if t['passed'] else 'failed'}).\n")
+    return f"""
+## Tasks (lm-evaluation-harness, zero-shot, same settings for both models)
+
+| task | metric | original | compressed | Δ | examples |
+|---|---|---:|---:|---:|---:|
+{rows}
+
+{gate}"""
+
+
+def scrub_paths(text: str) -> str:
+    """Absolute paths in free text (warnings quote files) → their last component."""
+    import re
+
+    return re.sub(r"(?<![\w:/.])(/[^\s`'\"|),;]+)", lambda m: Path(m.group(1)).name or m.group(1), text)
+
+
 def model_card(report: dict) -> str:
+    """The ``README.md`` model card: Hub metadata (:func:`card_metadata`), what was done and measured,
+    how to load it. Names no local path and no ``pkg:`` source."""
+    return scrub_paths(_model_card(report))
+
+
+def _model_card(report: dict) -> str:
     r = report
     kept = [d for d in r["blocks"] if d["decision"] == "kept"]
+    m = r["model"]
+    source = m.get("hub_id") or m.get("base_model") or m.get("base_model_name") or public_name(m["resolved"])
     return f"""---
-library_name: transformers
-tags: [compressor, ffn-compression, compressed]
-base_model: {r['model']['source']}
+{card_metadata(r).strip()}
 ---
 
-# {Path(r['output'] or 'model').name}
+# {public_name(r['output'] or 'model')}
 
-`{r['model']['source']}` with {len(kept)} of {len(r['blocks'])} FFN blocks replaced by closed-form
-fitted layers (kind `{r['recipe']['replacement']['kind']}`) by [compressor](https://pypi.org/project/compressor/) {r['tool_version']}.
+`{source}` with {len(kept)} of {len(r['blocks'])} FFN blocks replaced by closed-form
+fitted layers (kind `{r['recipe']['replacement']['kind']}`) by compressor {r['tool_version']}.
 
 | | parameters | perplexity |
 |---|---:|---:|
 | original | {r['params']['before']:,} | {r['perplexity']['baseline']['ppl']:.4f} |
 | compressed | {r['params']['after']:,} | {r['perplexity']['final']['ppl']:.4f} |
 
-Perplexity: {r['perplexity']['final']['tokens']} scored tokens of `{r['perplexity']['data']}`, windows of
+Perplexity: {r['perplexity']['final']['tokens']} scored tokens of `{public_name(r['perplexity']['data'])}`, windows of
 {r['perplexity']['final']['seq_len']} tokens, stride {r['perplexity']['final']['stride']}
 (budget {r['perplexity']['budget']:.4f}).
-{evaluation_section(r.get('evaluation'), r.get('calibration'))}
+{agreement_line(r)}
+{_license_line(m)}
+{tasks_section(r)}{evaluation_section(r.get('evaluation'), r.get('calibration'))}
 ## Load
 
 ```python
