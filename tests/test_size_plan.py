@@ -230,3 +230,17 @@ def test_row_sampling_is_unbiased_and_keeps_the_rows_that_matter():
     assert np.mean(estimates) == pytest.approx(full, rel=0.03)
     small = Site("t", "m", w[:50], h, f[:50], np.ones(d, dtype=np.float32))
     assert sample_rows(small, limit=100).rows is None
+
+
+def test_prices_round_trip_through_the_cache_format():
+    from compressor.policy.quantplan import Priced, from_tensors, plan, to_tensors
+
+    units = {n: [Option(n, "Q4_0", 18.0 * k, 2.0 / k, payload=GGMLType.Q4_0),
+                 Option(n, "Q8_0", 34.0 * k, 0.1 / k, payload=GGMLType.Q8_0)] for k, n in ((1, "a"), (2, "b"))}
+    priced = [Priced("a", "m.a", (1, 32), np.ones(32, dtype=np.float32)),
+              Priced("b", "m.b", (2, 32), np.arange(32, dtype=np.float32))]
+    back_units, back_priced = from_tensors(*to_tensors(units, priced))
+    assert back_units == units and [p.name for p in back_priced] == ["a", "b"]
+    assert np.array_equal(back_priced[1].imatrix, priced[1].imatrix)
+    p = plan(back_units, back_priced, 18 + 68)
+    assert p.types == {"a": "Q8_0", "b": "Q4_0"} and p.tensor_bytes == 70  # 1.9 saved for 16 bytes beats 0.95 for 32

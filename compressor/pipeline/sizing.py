@@ -18,6 +18,8 @@ check gates it:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import shutil
 import tempfile
@@ -33,7 +35,8 @@ from compressor.engine.tensorstats import input_moments, linear_names, output_fi
 from compressor.evaluation.evaluate import Evaluator, ppl_limit
 from compressor.output.base import WriteRequest
 from compressor.policy.compress import CompressionResult
-from compressor.policy.quantplan import SizePlan, plan, price_all, sites
+from compressor.policy.quantplan import (DEFAULT_TYPES, MAX_PRICED_ELEMENTS, Priced, SizePlan, from_tensors, plan,
+                                          price_all, sites, to_tensors)
 from compressor.recipe.schema import Recipe, parse_size
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class Sizing:
 
     def to_json(self) -> dict:
         return {"size": self.size, "budget_bytes": self.budget_bytes, "non_tensor_bytes": self.overhead_bytes,
+                "prices_from_cache": getattr(self, "cached", False),
                 "preset": None if self.preset is None else {k: v for k, v in self.preset.items() if k != "path"},
                 **self.plan.to_json(), "timings": self.timings}
 
@@ -95,14 +99,14 @@ def _f16_request(request: WriteRequest) -> WriteRequest:
                         source=request.source, dtype=torch.float16, options=dict(F16_OPTIONS))
 
 
-def _tensor_bytes(path: Path) -> tuple[int, int, int]:
-    """(file bytes, bytes of 2-D tensors, bytes of the others) of a GGUF."""
+def _tensor_bytes(path: Path) -> tuple[int, int, int, int]:
+    """(file bytes, bytes of 2-D tensors, bytes of the others, number of tensors) of a GGUF."""
     import gguf
 
     reader = gguf.GGUFReader(path)
     two_d = sum(int(t.n_bytes) for t in reader.tensors if len([d for d in t.shape if d > 1]) >= 2)
     rest = sum(int(t.n_bytes) for t in reader.tensors) - two_d
-    return path.stat().st_size, two_d, rest
+    return path.stat().st_size, two_d, rest, len(reader.tensors)
 
 
 def budget(size: str, request: WriteRequest, workdir: Path) -> tuple[int, int, dict | None]:
@@ -111,8 +115,7 @@ def budget(size: str, request: WriteRequest, workdir: Path) -> tuple[int, int, d
 
     f16 = workdir / "f16.gguf"
     write_gguf(_f16_request(request), f16, dict(F16_OPTIONS))
-    total, planned, other = _tensor_bytes(f16)
-    n_tensors = len(__import__("gguf").GGUFReader(f16).tensors)
+    total, planned, other, n_tensors = _tensor_bytes(f16)
     overhead = total - planned + GGUF_ALIGNMENT * n_tensors
     kind, value = parse_size(size)
     preset = None
@@ -185,34 +188,59 @@ def plan_size(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, out:
         timings = {"budget_s": time.perf_counter() - t0}
         logger.info("output.size %s: %s bytes (%s%d bytes are not weights)", size, f"{limit:,}",
                     f"llama.cpp's {preset['name']} from the same F16; " if preset else "", overhead)
-        model, bs = request.model, recipe.calibration.batch_size
-        t0 = time.perf_counter()
-        fisher = output_fisher(model, windows, batch_size=bs)
-        timings["statistics_s"] = time.perf_counter() - t0
-        units, all_sites, namer = {}, [], gguf_namer(model)
-        groups = moment_groups(model, linear_names(model))
-        for i, group in enumerate(groups):
-            t0 = time.perf_counter()
-            moments = input_moments(model, windows, group, batch_size=bs)
-            timings["statistics_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            these = sites(model, fisher, moments, namer, modules=set(group))
-            del moments
-            units.update(price_all(these))
-            for s in these:  # priced: the input moments are not needed again
-                s.h = None
-            all_sites += these
-            timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
-        chosen = plan(units, all_sites, limit - overhead)
+        units, priced, cached = measure_and_price(recipe, request.model, windows, timings)
+        chosen = plan(units, priced, limit - overhead)
         logger.info("size plan: %s MB of tensor data, predicted perplexity %+.2f %%; types %s",
                     f"{chosen.tensor_bytes / 1e6:.1f}", 100 * chosen.to_json()["predicted_ppl_change"],
                     chosen.to_json()["types_used"])
         sizing = Sizing(chosen, limit, size, preset, workdir, overhead, timings)
-        sizing.units, sizing.sites = units, all_sites
+        sizing.units, sizing.priced, sizing.cached = units, priced, cached
         return sizing
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
+
+
+#: Bump when what a priced option means changes: cached prices of another version are not read.
+PRICES_VERSION = 1
+
+
+def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dict):
+    """Every tensor's options (bytes, predicted cost) and importance matrix: from the statistics cache when
+    the same model, calibration windows and pricing settings were priced before (``measure.cache``), else
+    measured (a backward pass, then input moments in groups of layers) and priced."""
+    from compressor.engine import cache
+
+    key = None
+    if recipe.measure.cache:
+        settings = {"prices": PRICES_VERSION, "types": [t.name for t in DEFAULT_TYPES],
+                    "max_elements": MAX_PRICED_ELEMENTS, "batch_size": recipe.calibration.batch_size}
+        data_fp = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
+        key = "prices-" + cache.stats_key(cache.model_fingerprint(model), data_fp, settings)
+        hit = cache.get(key)
+        if hit is not None:
+            logger.info("size plan: prices of every tensor type from the cache (%s)", key)
+            units, priced = from_tensors(hit[0], json.loads(hit[1]["prices"]))
+            return units, priced, True
+    bs = recipe.calibration.batch_size
+    t0 = time.perf_counter()
+    fisher = output_fisher(model, windows, batch_size=bs)
+    timings["statistics_s"] = time.perf_counter() - t0
+    units, priced, namer = {}, [], gguf_namer(model)
+    for group in moment_groups(model, linear_names(model)):
+        t0 = time.perf_counter()
+        moments = input_moments(model, windows, group, batch_size=bs)
+        timings["statistics_s"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        these = sites(model, fisher, moments, namer, modules=set(group))
+        del moments
+        units.update(price_all(these))
+        priced += [Priced.of(s) for s in these]  # the statistics are freed with the sites
+        timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
+    if key is not None:
+        tensors, meta = to_tensors(units, priced)
+        cache.put(key, tensors, {"prices": json.dumps(meta)})
+    return units, priced, False
 
 
 def replan(sizing: Sizing, file_bytes: int) -> bool:
@@ -222,7 +250,7 @@ def replan(sizing: Sizing, file_bytes: int) -> bool:
     if excess <= 0:
         return False
     tensor_budget = sizing.plan.budget_bytes - excess - REPLAN_MARGIN
-    sizing.plan = plan(sizing.units, sizing.sites, tensor_budget)
+    sizing.plan = plan(sizing.units, sizing.priced, tensor_budget)
     logger.info("size plan: the file was %d bytes over; planned again for %.1f MB of tensor data", excess,
                 tensor_budget / 1e6)
     return True

@@ -227,19 +227,56 @@ def price_all(all_sites: list[Site], types: tuple[GGMLType, ...] = DEFAULT_TYPES
     return {s.name: opts for s, opts in zip(all_sites, priced)}
 
 
-def plan(units: dict[str, list[Option]], all_sites: list[Site], budget_bytes: int) -> SizePlan:
+@dataclass
+class Priced:
+    """What planning needs of a tensor once it is priced (its statistics are no longer needed)."""
+
+    name: str
+    module: str
+    shape: tuple[int, int]
+    imatrix: np.ndarray = field(repr=False)
+
+    @classmethod
+    def of(cls, site: Site) -> "Priced":
+        return cls(site.name, site.module, tuple(site.weight.shape), site.imatrix)
+
+
+def to_tensors(units: dict[str, list[Option]], priced: list[Priced]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Priced options as named tensors and JSON metadata (:mod:`compressor.engine.cache` stores them)."""
+    tensors, meta = {}, []
+    for i, p in enumerate(priced):
+        opts = units[p.name]
+        tensors[f"{i}.imatrix"] = torch.from_numpy(p.imatrix.astype(np.float32))
+        tensors[f"{i}.size"] = torch.tensor([o.size for o in opts], dtype=torch.float64)
+        tensors[f"{i}.cost"] = torch.tensor([o.cost for o in opts], dtype=torch.float64)
+        meta.append({"name": p.name, "module": p.module, "shape": list(p.shape), "types": [o.name for o in opts]})
+    return tensors, {"tensors": meta}
+
+
+def from_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict[str, list[Option]], list[Priced]]:
+    """The inverse of :func:`to_tensors`."""
+    units, priced = {}, []
+    for i, m in enumerate(meta["tensors"]):
+        sizes, costs = tensors[f"{i}.size"].tolist(), tensors[f"{i}.cost"].tolist()
+        units[m["name"]] = [Option(m["name"], t, sz, c, payload=GGMLType[t])
+                            for t, sz, c in zip(m["types"], sizes, costs)]
+        priced.append(Priced(m["name"], m["module"], tuple(m["shape"]), tensors[f"{i}.imatrix"].numpy()))
+    return units, priced
+
+
+def plan(units: dict[str, list[Option]], priced: list[Priced], budget_bytes: int) -> SizePlan:
     """The least predicted cost within ``budget_bytes`` of tensor data (every site's smallest type when
     even that does not fit: the caller compares ``tensor_bytes`` with the budget)."""
     choice = allocate(units, budget_bytes)
     if total_size(choice) > budget_bytes:
         logger.warning("size plan: even the smallest types need %.1f MB of tensor data, over the %.1f MB budget",
                        total_size(smallest(units)) / 1e6, budget_bytes / 1e6)
-    by_name = {s.name: s for s in all_sites}
+    by_name = {p.name: p for p in priced}
     rows = []
     for name, o in choice.items():
         s = by_name[name]
-        rows.append({"tensor": name, "module": s.module, "shape": list(s.weight.shape), "type": o.name,
+        rows.append({"tensor": name, "module": s.module, "shape": list(s.shape), "type": o.name,
                      "bits_per_weight": bits_per_weight(o.payload), "bytes": int(o.size),
                      "predicted_cost": o.cost, "offered": {x.name: x.cost for x in units[name]}})
-    return SizePlan({n: o.name for n, o in choice.items()}, {s.name: s.imatrix for s in all_sites},
+    return SizePlan({n: o.name for n, o in choice.items()}, {p.name: p.imatrix for p in priced},
                     int(total_size(choice)), int(budget_bytes), total_cost(choice), rows)
