@@ -372,7 +372,9 @@ def test_formats_default_to_hf_and_gguf_for_a_gguf_source(tmp_path, tokenizer, i
     stages.default_formats(r)
     monkeypatch.setattr(gw, "runtime_missing", lambda: "llama-cpp-python is not importable")
     with pytest.raises(stages.InputError, match=r"gguf is in output.formats by default.*output.formats: \[hf\]"):
-        stages._check_writers(r, tokenizer, "llama")
+        stages._check_writers(r, tokenizer, "llama", stages.resolve_source(r.model.source, r.model.gguf_file))
+    sized = recipe(str(src / "tiny.gguf"), size="Q4_K_M")
+    assert stages.default_formats(sized) == ["gguf"]  # a size is the GGUF's: nothing else is written
 
 
 def test_a_run_from_a_gguf_source_writes_a_smaller_gguf_checked_against_its_source(tmp_path, tokenizer, ids):
@@ -430,3 +432,53 @@ def test_a_source_gguf_tensor_table_is_read_once_per_file_version(tmp_path, toke
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a new version of the file
     gw.source_tensor_types(path)
     assert len(reads) == 2
+
+
+def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset(tmp_path, tokenizer, ids,
+                                                                                  monkeypatch):
+    """``output.size`` end to end on a tiny GGUF source: the file is no larger than llama.cpp's preset of
+    that name (made from the same F16), every planned tensor is written in its planned type, llama.cpp
+    runs it, and the preset's perplexity on the same windows is reported beside it. A budget that cannot
+    be met fails the gate (exit 3) with nothing written."""
+    needs_llama_cpp()
+    import compressor
+
+    src = tmp_path / "src"
+    src.mkdir()
+    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="q8_0", expected=1.0, file="tiny.gguf"), src)
+    words = TEXT.split()
+    for name, seed in (("cal.txt", 0), ("eval.txt", 1)):
+        rng = np.random.default_rng(seed)
+        (tmp_path / name).write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
+
+    def recipe(out: str, budget: float):
+        return compressor.recipe_from_dict({
+            "model": {"source": str(src / "tiny.gguf")},
+            "calibration": {"dataset": str(tmp_path / "cal.txt"), "max_tokens": 2048, "seq_len": 32},
+            "evaluation": {"dataset": str(tmp_path / "eval.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
+            "policy": {"ppl_budget": budget}, "measure": {"cache": False},
+            "output": {"path": str(tmp_path / out), "size": "Q4_0"},
+        })
+
+    r = recipe("out", 5.0)
+    res = compressor.run(r)
+    assert res.exit_code == 0, res.report.get("message")
+    assert r.output.formats == ["gguf"] and sorted(p.name for p in res.output.iterdir()) == ["model.gguf", "report.json"]
+    check, plan = res.report["verification"]["gguf"], res.report["size_plan"]
+    assert check["quant"] == "plan" and check["file_bytes"] <= check["budget_bytes"] == plan["budget_bytes"]
+    assert check["preset"]["name"] == "Q4_0" and check["preset"]["file_bytes"] == check["budget_bytes"]
+    assert check["perplexity"] > 0 and check["preset"]["perplexity"] > 0 and check["gate_passed"]
+    written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(res.output / "model.gguf").tensors}
+    assert all(written[row["tensor"]] == row["type"] for row in plan["tensors"])
+    assert not list(tmp_path.glob(".compressor-size-*"))  # the F16 and the preset are cleaned up
+    small = recipe("out2", 5.0)
+    small.output.size = "2bpw"  # below what rows of 64 take (the 32-element types: 4.5 bits at least)
+    with pytest.raises(compressor.InputError, match="cannot be met.*give a size of at least"):
+        compressor.run(small)
+    real = gw.llama_cpp_perplexity
+    monkeypatch.setattr(gw, "llama_cpp_perplexity", lambda path, *a: (lambda p, n: (
+        p * (3 if path.name == "model.gguf" else 1), n))(*real(path, *a)))
+    failed = compressor.run(recipe("out3", 0.5))
+    assert failed.exit_code == 3 and "larger output.size" in failed.report["message"]
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+    assert not list(tmp_path.glob(".*tmp*")) and not list(tmp_path.glob(".compressor-size-*"))

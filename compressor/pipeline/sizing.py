@@ -190,6 +190,11 @@ def plan_size(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, out:
                     f"llama.cpp's {preset['name']} from the same F16; " if preset else "", overhead)
         units, priced, cached = measure_and_price(recipe, request.model, windows, timings)
         chosen = plan(units, priced, limit - overhead)
+        if chosen.tensor_bytes > limit - overhead:
+            floor = chosen.tensor_bytes + overhead
+            raise InputError(f"output.size: {size} ({limit:,} bytes) cannot be met: the smallest types this model's "
+                             f"rows take ({', '.join(sorted(set(chosen.types.values())))}) already need {floor:,} "
+                             "bytes; give a size of at least that")
         logger.info("size plan: %s MB of tensor data, predicted perplexity %+.2f %%; types %s",
                     f"{chosen.tensor_bytes / 1e6:.1f}", 100 * chosen.to_json()["predicted_ppl_change"],
                     chosen.to_json()["types_used"])

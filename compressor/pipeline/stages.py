@@ -83,7 +83,7 @@ class Calibrated:
 
 
 def default_formats(recipe: Recipe, model_type: str | None = None, src: ResolvedSource | None = None) -> list[str]:
-    """Fill in ``output.formats`` when the recipe does not set it: ``[hf, gguf]`` for a GGUF source whose
+    """Fill in ``output.formats`` when the recipe does not set it: ``[gguf]`` with ``output.size``; ``[hf, gguf]`` for a GGUF source whose
     architecture the gguf writer takes (the output then goes where the source went, at its quantization),
     else ``[hf]``. Returns the formats; the recipe (and the ``recipe.yaml`` saved with the output) then
     names them. ``model_type``: the source's, when the caller has read it already."""
@@ -92,6 +92,9 @@ def default_formats(recipe: Recipe, model_type: str | None = None, src: Resolved
         return oc.formats
     from compressor.output.gguf import arch_refusal
 
+    if oc.size is not None:  # a size is the GGUF's: the file a deployer ships, and nothing else
+        oc.formats, oc._defaulted = ["gguf"], True
+        return oc.formats
     formats = ["hf"]
     src = src or resolve_source(recipe.model.source, recipe.model.gguf_file)
     if src.gguf_file:  # the architecture decides, not what is installed: the same recipe writes the same files
@@ -200,6 +203,11 @@ def _check_writers(recipe: Recipe, tokenizer, model_type: str, src: ResolvedSour
         writer = get_writer(name)
         why = (writer.unsupported(model_type, recipe.replacement.kind) or writer.check_options(options)
                or writer.check_tokenizer(tokenizer, src))
+        if why and name == "gguf" and oc.size is not None and src.gguf_file:
+            # a size plan re-quantizes the GGUF source in its own architecture: any that llama.cpp loads
+            from compressor.output.gguf import REQUANTIZE_ARCH, runtime_missing
+
+            why = runtime_missing() or (None if model_type in REQUANTIZE_ARCH else why)
         if why:
             chosen = "" if not oc._defaulted else (
                 f" ({name} is in output.formats by default for a GGUF source; set output.formats: [hf] to write "
@@ -533,8 +541,9 @@ def size_gate(recipe: Recipe, rep: dict, tmp: Path) -> None:
     if not check["gate_passed"]:
         _remove(tmp)
         rep.update(status="rejected", exit_code=3)
-        raise GateFailed(rep["message"] + ". Nothing was written; give a larger output.size or raise "
-                         "policy.ppl_budget")
+        rep["message"] += ". Nothing was written; give a larger output.size or raise policy.ppl_budget"
+        rep["output"] = None
+        raise GateFailed(rep["message"], report=rep)
 
 
 def publish_output(tmp: Path, out: Path, rep: dict, t_start: float) -> Path:
