@@ -137,7 +137,7 @@ def budget(size: str, request: WriteRequest, workdir: Path) -> tuple[int, int, d
 
 #: Bytes of input second moments one pass holds (float64 d_in² per distinct input): Qwen2.5-1.5B's 28
 #: layers need 19.6 GB at once, so they are measured and priced in groups of layers, one pass each.
-MOMENTS_BUDGET_BYTES = 3 << 30
+MOMENTS_BUDGET_BYTES = 6 << 30
 
 
 def moment_groups(model, names: list[str], budget: int = MOMENTS_BUDGET_BYTES) -> list[list[str]]:

