@@ -152,6 +152,15 @@ def _print_summary(result) -> None:
     print(f"status: {r['status']} — {r['message']}")
     print(f"perplexity: {ppl['baseline']['ppl']:.4f} → {ppl['final']['ppl']:.4f} (budget {ppl['budget']:.4f}, "
           f"{ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']}, stride {ppl['final']['stride']})")
+    ev = r.get("evaluation") or {}
+    for d in ev.get("domains", []):
+        if d.get("relative_delta_upper") is None:
+            continue
+        bound = (f"KL {d['kl']:.4f}, {ev['confidence']:.0%} bound {d['kl_upper']:.4f} vs {d['limit']:.4f}"
+                 if d.get("metric") == "kl" else
+                 f"{d['relative_delta']:+.2%}, {ev['confidence']:.0%} bound {d['relative_delta_upper']:+.2%} vs "
+                 f"{d['limit'] / d['baseline_ppl'] - 1:+.2%}")
+        print(f"gate [{d['name']}]: {bound} over {d['windows']} windows — {'within' if d['passed'] else 'over'} budget")
     print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
     size = r.get("size") or {}
     if result.output is not None and size:
@@ -166,7 +175,8 @@ def _print_summary(result) -> None:
         elif size.get("gguf_bytes") is not None:
             print(f"gguf: {human_bytes(size['gguf_bytes'])} ({gguf.get('file_type', '?')}; llama.cpp perplexity "
                   f"{gguf.get('perplexity', float('nan')):.4f})")
-        if not same or "Hugging Face" not in same["what"]:
+        wrote_hf = size.get("output_bytes") is not None
+        if wrote_hf and (not same or "Hugging Face" not in same["what"]):
             source = "GGUF file" if r["model"]["resolved"].endswith(".gguf") else "weights"
             print(f"Hugging Face folder: {human_bytes(size.get('output_bytes'))} of {size.get('output_dtype')} weights "
                   f"(source {source}: {human_bytes(size.get('source_bytes'))}, another format)")

@@ -22,7 +22,7 @@ def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
     """``(description, path)`` of every local file or folder a run reads: the
     output must never be, contain or replace any of them."""
     from compressor.engine.cache import cache_dir
-    from compressor.inputs.data import EMBEDDED
+    from compressor.inputs.data import EMBEDDED_SOURCES
 
     reads: list[tuple[str, Path]] = []
     if recipe._source_file is not None:
@@ -30,7 +30,7 @@ def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
     sections = recipe.data_sections()
     for section, cfg in sections:
         ds = cfg.dataset
-        if ds != EMBEDDED and Path(ds).expanduser().exists():
+        if ds not in EMBEDDED_SOURCES and Path(ds).expanduser().exists():
             reads.append((f"{section}.dataset", Path(ds).expanduser()))
     src = Path(recipe.model.source).expanduser()
     if not recipe.model.source.startswith("pkg:") and src.exists():
