@@ -173,7 +173,10 @@ def load_documents(source: TextSource, role: str = "calibration") -> Iterable[st
                 raise ValueError(f"split {source.split!r} not in {source.dataset}; it has {list(ds)}")
             ds = ds[source.split]
     else:
-        ds = datasets.load_dataset(source.dataset, source.config, split=source.split)
+        from compressor.inputs.hub import LOCAL_DATA_FIX, hub_access
+
+        with hub_access(f"{role}.dataset", source.dataset, LOCAL_DATA_FIX):
+            ds = datasets.load_dataset(source.dataset, source.config, split=source.split)
     if source.text_column not in ds.column_names:
         raise ValueError(
             f"text column {source.text_column!r} not found in {source.dataset}; columns are {ds.column_names}. "
@@ -256,8 +259,8 @@ def split_windows(
     n = windows.shape[0]
     if n < 2:
         raise ValueError(
-            f"only {sum(s.numel() for s in streams)} calibration tokens: need at least 2 windows of seq_len={seq_len}. "
-            "Give more text or raise max_tokens."
+            f"only {sum(s.numel() for s in streams)} calibration tokens: need at least 2 windows of seq_len={seq_len} "
+            f"({2 * seq_len} tokens), and the text has no more. Give a longer text, or lower seq_len"
         )
     n_held = min(n - 1, max(1, math.ceil(heldout_fraction * n)))
     g = torch.Generator().manual_seed(seed)

@@ -60,6 +60,13 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
         check_model_files(src)
     except InputError as e:
         raise RecipeError(f"model.source: {e}") from None
+    check_device(recipe.model.device, recipe.model.offload)
+    if src.is_local:
+        check_not_compressed(src)
+        from compressor.inputs.load import model_config
+
+        check_context(recipe, model_config(src, trust_remote_code=recipe.model.trust_remote_code,
+                                           revision=recipe.model.revision))
     if recipe.calibration.dataset in ("self", "mix"):
         check_writable_dir(cache_dir(), "calibration.dataset: self-written calibration text is cached in the "
                            "statistics cache folder", fix="set COMPRESSOR_CACHE to a writable folder")
@@ -81,6 +88,60 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True) -> None:
                             model_dir=src.path if src.is_local else None)
     except OutputError as e:
         raise RecipeError(f"output.path: {e}") from None
+
+
+def check_device(device: str, offload: str = "none", field: str = "model.device") -> None:
+    """``cuda`` needs a GPU that this torch can use; said before anything loads, with the fix."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+        raise RecipeError(f"{field}: cuda, but torch finds no CUDA GPU on this machine (torch {torch.__version__}, "
+                          f"{built}); use {field}: cpu (or auto, which takes a GPU when there is one), or run on a "
+                          "machine with a GPU and a CUDA build of torch")
+
+
+def check_not_compressed(src) -> None:
+    """A compressor output with compressor's own classes is not a source: its FFNs are replacements already."""
+    import json
+
+    if src.gguf_file:
+        return
+    try:
+        cfg = json.loads((Path(src.path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # check_model_files has said what is wrong with it
+    comp = cfg.get("compression") if isinstance(cfg, dict) else None
+    model_type = str(cfg.get("model_type", "")) if isinstance(cfg, dict) else ""
+    if isinstance(comp, dict) and model_type.startswith("compressed_"):
+        original = comp.get("source_model")
+        raise RecipeError(
+            f"model.source: {src.path} is a compressor output (model_type {model_type}): its FFN blocks are "
+            "compressor's replacements already, which a second run cannot profile or cut. Compress the original "
+            "model instead" + (f" ({original})" if original else "") + " with a larger cut (policy.ppl_budget, "
+            "policy.ffn_keep)")
+
+
+def check_context(recipe: Recipe, config) -> None:
+    """Every window fits the model's context: past ``max_position_embeddings`` the gate would measure text
+    the model was never built to read. Needs the config only."""
+    from compressor.inputs.load import context_length
+
+    limit = context_length(config)
+    if limit is None:
+        return
+    cal = recipe.calibration
+    # self-written rows are the prompt (BOS + one word) plus seq_len sampled tokens
+    need = cal.seq_len + (2 if cal.dataset in ("self", "mix") else 0)
+    sections = [("calibration.seq_len", need, cal.seq_len)] + [
+        (f"{name}.seq_len", e.seq_len, e.seq_len) for name, e in recipe.data_sections()[1:]]
+    for field, tokens, value in sections:
+        if tokens > limit:
+            extra = " plus the 2-token prompt of self-written text" if tokens != value else ""
+            raise RecipeError(f"{field}: {value}{extra} is longer than the model's context "
+                              f"(max_position_embeddings {limit}); use at most {limit - (tokens - value)}")
 
 
 def check_writable_dir(path: Path, what: str, *, fix: str) -> None:
