@@ -158,7 +158,7 @@ def check_writable_dir(path: Path, what: str, *, fix: str) -> None:
 def check_profile_inputs(model: str, data, *, seq_len: int, max_tokens: int, heldout_fraction: float, seed: int,
                          batch_size: int, blocks: str | list[int] | None, dtype: str = "float32",
                          device: str = "cpu", offload: str = "none", output: str | None = None,
-                         flags: bool = True) -> list[int] | None:
+                         flags: bool = True, overwrite: bool = False) -> list[int] | None:
     """``profile``'s inputs, checked like a run's before the model loads; returns the parsed block list.
 
     ``data`` is a :class:`~compressor.inputs.data.TextSource`. Errors name the command-line flag
@@ -189,6 +189,7 @@ def check_profile_inputs(model: str, data, *, seq_len: int, max_tokens: int, hel
         raise RecipeError(f"{name('max_tokens')} {max_tokens} holds fewer than two windows of {name('seq_len')} "
                           f"{seq_len}: one is fitted on and one held out; give at least {2 * seq_len} tokens")
     parsed = parse_blocks(blocks, name("blocks"))
+    check_device(device, offload, name("device"))
     try:
         src = resolve_source(model, None)
         check_model_files(src)
@@ -206,9 +207,46 @@ def check_profile_inputs(model: str, data, *, seq_len: int, max_tokens: int, hel
         out = Path(output).expanduser()
         if out.exists() and not out.is_dir():
             raise RecipeError(f"{name('output')}: {out} is a file; give a folder")
+        check_profile_output(out, src, data, overwrite=overwrite, flag=name("output"),
+                             overwrite_flag=name("overwrite"))
         check_writable_dir(out, f"{name('output')}: the profile is written into {out}",
                            fix="choose a folder you can write to")
     return parsed
+
+
+#: What ``compressor profile --output`` writes (compressor.pipeline.profiler.write_profile).
+PROFILE_FILES = ("profile.json", "profile.md", "profile.png")
+
+
+def check_profile_output(out: Path, src, data, *, overwrite: bool, flag: str = "--output",
+                         overwrite_flag: str = "--overwrite") -> None:
+    """The profile's folder is not the model's own folder, not inside a published compressor output, and
+    holds no earlier profile unless ``overwrite``: the same output safety as ``run``."""
+    from compressor.inputs.safety import is_compressor_output
+
+    out = out.resolve()
+    if src.is_local:
+        model_dir = Path(src.path).resolve()
+        if out == model_dir or out.is_relative_to(model_dir) or model_dir.is_relative_to(out):
+            raise RecipeError(f"{flag}: {out} is, contains or lies inside the model's folder {model_dir}; the "
+                              "model's files are never written to — choose another folder, e.g. --output "
+                              "profiles/NAME")
+    if data.kind() in ("file", "disk"):
+        read = Path(data.dataset).expanduser().resolve()
+        if out == read or read.is_relative_to(out) and read.name in PROFILE_FILES:
+            raise RecipeError(f"{flag}: {out} would overwrite the data file {read}; choose another folder")
+    for folder in (out, *out.parents):
+        if folder.is_dir() and is_compressor_output(folder):
+            raise RecipeError(f"{flag}: {folder} is a published compressor output; writing a profile into it "
+                              "would change a model folder other tools read — choose another folder, e.g. "
+                              "--output profiles/NAME")
+    earlier = [f for f in PROFILE_FILES if (out / f).exists()]
+    if earlier and not overwrite:
+        raise RecipeError(f"{flag}: {out} holds an earlier profile ({', '.join(earlier)}); choose another folder, "
+                          f"or pass {overwrite_flag} to replace those files")
+    bad = [f for f in PROFILE_FILES if (out / f).exists() and not (out / f).is_file()]
+    if bad:
+        raise RecipeError(f"{flag}: {out / bad[0]} is not a file, so the profile cannot replace it; choose another folder")
 
 
 def parse_blocks(blocks: str | list[int] | None, flag: str = "--blocks") -> list[int] | None:
