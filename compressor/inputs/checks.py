@@ -58,11 +58,10 @@ def check_saved_dataset(folder: Path) -> None:
         usable = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in _FILE_BUILDERS)
     except OSError as e:
         raise DataFileError(f"{folder} cannot be read: {e.strerror}; check its permissions") from None
-    hint = (f"; it holds data files ({', '.join(usable[:6])}{' …' if len(usable) > 6 else ''}): give one of them"
-            if usable else "; it holds no .txt/.jsonl/.json/.parquet/.csv file either")
+    hint = (f" (this folder holds {', '.join(usable[:6])}{' …' if len(usable) > 6 else ''})" if usable else "")
     raise DataFileError(f"{folder} is a folder but not a dataset saved with `Dataset.save_to_disk` (no "
-                        f"dataset_info.json + state.json, no dataset_dict.json){hint}, or the folder "
-                        "`save_to_disk` wrote")
+                        "dataset_info.json + state.json, no dataset_dict.json); give one data file "
+                        f"(.txt/.jsonl/.json/.parquet/.csv){hint}, or the folder save_to_disk wrote")
 
 
 def check_hub_name(name: str) -> None:
