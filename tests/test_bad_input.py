@@ -425,3 +425,10 @@ def test_summary_of_a_gguf_only_output_names_no_hugging_face_folder(capsys):
     out = capsys.readouterr().out
     assert "Hugging Face folder" not in out and "unknown" not in out
     assert "gate [embedded]: +3.00%, 90% bound +4.10% vs +5.00% over 32 windows — within budget" in out
+
+
+def test_profile_seq_len_past_the_context_is_exit_2(tmp_path, capsys):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    assert main(["profile", str(src), "--seq-len", "128", "--max-tokens", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq-len: 128" in err and "max_position_embeddings 64" in err and "Traceback" not in err

@@ -197,6 +197,18 @@ def check_profile_inputs(model: str, data, *, seq_len: int, max_tokens: int, hel
         raise RecipeError(f"model: {e}") from None
     except InputError as e:
         raise RecipeError(f"model: {e}") from None
+    if src.is_local:
+        from compressor.inputs.load import context_length, model_config
+
+        try:
+            limit = context_length(model_config(src))
+        except InputError as e:
+            raise RecipeError(f"model: {e}") from None
+        except (OSError, ValueError):  # e.g. a config that needs remote code: the loader says what is wrong
+            limit = None
+        if limit is not None and seq_len > limit:
+            raise RecipeError(f"{name('seq_len')}: {seq_len} is longer than the model's context "
+                              f"(max_position_embeddings {limit}); use at most {limit}")
     try:
         check_data_source(data)
     except (FileNotFoundError, DataFileError) as e:
