@@ -11,7 +11,7 @@ from compressor.cli.common import EXIT_CODES_EPILOG, add_common, add_overrides, 
 
 def add_parsers(sub) -> None:
     from compressor.recipe.schema import (
-        REPLACEMENT_CONFIGS, CalibrationConfig, EvaluationConfig, LowRankReplacement, PolicyConfig,
+        REPLACEMENT_CONFIGS, CalibrationConfig, LowRankReplacement, PolicyConfig,
     )
 
     p = sub.add_parser("compress", help="profile, select, replace, validate and save (recipe fields from flags)",
@@ -19,7 +19,9 @@ def add_parsers(sub) -> None:
     p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE")
     p.add_argument("--output", "-o", required=True, help="output folder for the compressed model")
     recipe_option(p, "--data", CalibrationConfig, "dataset")
-    recipe_option(p, "--eval-data", EvaluationConfig, "dataset")
+    p.add_argument("--eval-data", default=None,
+                   help="evaluation text the gate holds on: 'embedded', 'embedded-code', a file, a save_to_disk "
+                   "folder or a hub dataset (default: both embedded domains, prose and code; see docs/gate.md)")
     # None = not given: the recipe default applies (shown in the help).
     recipe_option(p, "--threshold", PolicyConfig, "threshold", type=float, default=None)
     recipe_option(p, "--ppl-budget", PolicyConfig, "ppl_budget", type=float, default=None)
@@ -70,8 +72,9 @@ def _recipe_from_args(args):
     from compressor.recipe import apply_overrides, load_recipe, recipe_from_dict
 
     if args.command == "compress":
-        data = {"model": {"source": args.model}, "calibration": {"dataset": args.data},
-                "evaluation": {"dataset": args.eval_data}, "output": {"path": args.output}}
+        data = {"model": {"source": args.model}, "calibration": {"dataset": args.data}, "output": {"path": args.output}}
+        if args.eval_data is not None:  # else the default domains, prose and code
+            data["evaluation"] = {"dataset": args.eval_data}
         if args.threshold is not None:
             data["policy"] = {"threshold": args.threshold}
         if args.ppl_budget is not None:
