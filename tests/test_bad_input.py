@@ -103,8 +103,11 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("make, code, expected", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
-def test_bad_input_before_loading(tmp_path, capsys, monkeypatch, make, code, expected):
+def _refused_before_loading(tmp_path, capsys, monkeypatch, make, expected, *, command="run", code=2) -> None:
+    """``command`` on the recipe ``make`` writes exits ``code`` quickly, says every ``expected`` piece, shows
+    no traceback, loads no model and writes nothing."""
+    import time
+
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
@@ -113,14 +116,21 @@ def test_bad_input_before_loading(tmp_path, capsys, monkeypatch, make, code, exp
     d = recipe_dict(src, tmp_path / "out")
     path = make(tmp_path, d)
     before = _tree(tmp_path)
-    rc = main(["run", str(path)])
+    t0 = time.perf_counter()
+    rc = main([command, str(path)])
     err = capsys.readouterr().err
     assert rc == code, err
+    assert time.perf_counter() - t0 < 30
     for s in expected:
         assert s in err, f"{s!r} not in stderr:\n{err}"
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("make, code, expected", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_input_before_loading(tmp_path, capsys, monkeypatch, make, code, expected):
+    _refused_before_loading(tmp_path, capsys, monkeypatch, make, expected, code=code)
 
 
 def test_int_for_float_and_set_bool_still_work(tmp_path, capsys):
@@ -222,3 +232,194 @@ def test_report_json_has_sizes(tmp_path):
     same = size["like_with_like"]
     assert same["output_bytes"] == size["output_bytes"] and same["ratio"] == size["output_bytes"] / size["source_bytes"]
     assert "source's dtype" in same["what"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 34: the inputs a new user tries, each refused before any work, by `run` and by `validate`
+# --------------------------------------------------------------------------------------------------
+
+
+def _compressed_source(tmp, d):
+    """An earlier compressor output (compressor's own classes) given as the source."""
+    src = Path(d["model"]["source"])
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(model_type="compressed_llama", compression={"tool": "compressor", "source_model": "org/original"})
+    (src / "config.json").write_text(json.dumps(cfg))
+    return write_recipe(tmp / "recipe.yaml", d)
+
+
+def _plain_folder(tmp, d):
+    (tmp / "texts").mkdir()
+    (tmp / "texts" / "a.txt").write_text("hello\n")
+    d["calibration"]["dataset"] = str(tmp / "texts")
+    return write_recipe(tmp / "recipe.yaml", d)
+
+
+def _section(section: str, **values):
+    return _edit(lambda tmp, d: d.setdefault(section, {}).update(values))
+
+
+NO_MODEL_NEEDED = [
+    ("compressor-output-as-source", _compressed_source, ["model.source", "compressor output", "org/original"]),
+    ("data-folder-not-saved-dataset", _plain_folder, ["calibration.dataset", "not a dataset saved", "a.txt"]),
+    ("hf-scheme-dataset-name", _section("calibration", dataset="hf:Salesforce/wikitext"),
+     ["calibration.dataset", "not a Hub dataset name", "'Salesforce/wikitext'"]),
+    ("evaluation-past-context", _section("evaluation", seq_len=128, stride=128, max_tokens=1024),
+     ["evaluation.seq_len", "128", "max_position_embeddings 64"]),
+    ("calibration-seq-len-huge", _section("calibration", seq_len=100000),
+     ["calibration", "seq_len (100000)", "fewer than two windows"]),
+    ("keep-under-allocate", _edit(lambda tmp, d: d.update(replacement={"kind": "prune", "keep": 0.5},
+                                                          policy={"ppl_budget": 0.5})),
+     ["replacement.keep", "0.5", "allocate", "policy.strategy: greedy"]),
+    ("threshold-under-allocate", _edit(lambda tmp, d: d.update(replacement={"kind": "prune"})),
+     ["policy.threshold", "-100", "allocate"]),
+    ("ffn-keep-1", _edit(lambda tmp, d: d.update(replacement={"kind": "prune"}, policy={"ffn_keep": 1})),
+     ["policy.ffn_keep", "nothing would be compressed"]),
+]
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+@pytest.mark.parametrize("make, expected", [c[1:] for c in NO_MODEL_NEEDED], ids=[c[0] for c in NO_MODEL_NEEDED])
+def test_checked_before_any_work(tmp_path, capsys, monkeypatch, command, make, expected):
+    _refused_before_loading(tmp_path, capsys, monkeypatch, make, expected, command=command)
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_cuda_without_a_gpu_is_exit_2(tmp_path, capsys, monkeypatch, command):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    d = recipe_dict(src, tmp_path / "out")
+    d["model"]["device"] = "cuda"
+    rc = main([command, str(write_recipe(tmp_path / "r.yaml", d))])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "model.device: cuda" in err and "no CUDA GPU" in err and "model.device: cpu" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    assert main(["profile", str(src), "--device", "cuda", "--seq-len", "32", "--max-tokens", "512"]) == 2
+    assert "--device: cuda" in capsys.readouterr().err
+
+
+def _offline(*a, **k):
+    import requests
+
+    raise requests.exceptions.ConnectionError("Failed to resolve 'huggingface.co' ([Errno -3] Temporary failure)")
+
+
+def test_hub_model_id_offline_says_so(tmp_path, capsys, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", _offline)
+    d = recipe_dict(Path("someone/some-model"), tmp_path / "out")
+    d["model"]["source"] = "someone/some-model"
+    rc = main(["run", str(write_recipe(tmp_path / "r.yaml", d))])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "model.source" in err and "offline" in err and "local copy" in err and "someone/some-model" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    # not found (online): named as such, not as offline
+    def missing(*a, **k):
+        raise OSError("someone/some-model is not a local folder and is not a valid model identifier")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", missing)
+    assert main(["run", str(write_recipe(tmp_path / "r.yaml", d))]) == 2
+    err = capsys.readouterr().err
+    assert "no such repository" in err and "offline" not in err
+
+
+@pytest.mark.parametrize("section", ["calibration", "evaluation"])
+def test_hub_dataset_offline_says_so_before_loading(tmp_path, capsys, monkeypatch, section):
+    import datasets
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("compressor.pipeline.stages.load_model", boom)
+    monkeypatch.setattr(datasets, "load_dataset", _offline)
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    d = recipe_dict(src, tmp_path / "out")
+    d[section]["dataset"] = "someone/some-data"
+    rc = main(["run", str(write_recipe(tmp_path / "r.yaml", d))])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"{section}.dataset" in err and "offline" in err and "save_to_disk" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_profile_output_safety(tmp_path, capsys):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    args = ["profile", str(src), "--seq-len", "32", "--max-tokens", "512"]
+    before = _tree(src)
+    assert main(args + ["--output", str(src)]) == 2  # the model's own folder
+    assert "model's folder" in capsys.readouterr().err
+    assert main(args + ["--output", str(src / "profile")]) == 2
+    capsys.readouterr()
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "report.json").write_text(json.dumps({"schema": "compressor.report/v1"}))
+    assert main(args + ["--output", str(published)]) == 2
+    assert "published compressor output" in capsys.readouterr().err
+    earlier = tmp_path / "prof"
+    earlier.mkdir()
+    (earlier / "profile.json").write_text("{}")
+    assert main(args + ["--output", str(earlier)]) == 2
+    err = capsys.readouterr().err
+    assert "earlier profile" in err and "--overwrite" in err and "Traceback" not in err
+    assert _tree(src) == before and (earlier / "profile.json").read_text() == "{}"
+    assert sorted(p.name for p in published.iterdir()) == ["report.json"]
+
+    from compressor.inputs.data import TextSource
+    from compressor.inputs.validate import check_profile_inputs
+
+    kw = dict(seq_len=32, max_tokens=512, heldout_fraction=0.2, seed=0, batch_size=8, blocks=None)
+    check_profile_inputs(str(src), TextSource("embedded"), output=str(earlier), overwrite=True, **kw)
+
+
+def test_non_empty_output_does_not_suggest_an_overwrite_that_is_refused(tmp_path, capsys):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    rc = main(["run", str(write_recipe(tmp_path / "r.yaml", recipe_dict(src, out)))])
+    err = capsys.readouterr().err
+    assert rc == 2 and "would not replace it" in err and "new or empty folder" in err
+    assert "set output.overwrite: true" not in err
+
+
+def test_too_short_calibration_file_does_not_advise_max_tokens(tmp_path, capsys):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    d = recipe_dict(src, tmp_path / "out")
+    (tmp_path / "cal.txt").write_text("one two three four five six seven eight nine ten\n")
+    d["calibration"]["dataset"] = str(tmp_path / "cal.txt")
+    assert main(["run", str(write_recipe(tmp_path / "r.yaml", d))]) == 2
+    err = capsys.readouterr().err
+    assert "raise max_tokens" not in err and "longer text" in err
+
+
+def test_summary_of_a_gguf_only_output_names_no_hugging_face_folder(capsys):
+    from types import SimpleNamespace
+
+    from compressor.cli.run import _print_summary
+
+    report = {
+        "status": "success", "message": "ok", "model": {"resolved": "m.gguf"},
+        "perplexity": {"baseline": {"ppl": 10.0}, "final": {"ppl": 10.3, "tokens": 8192, "seq_len": 256, "stride": 256},
+                       "budget": 10.5},
+        "params": {"before": 100, "after": 90}, "blocks": [],
+        "size": {"output_bytes": None, "output_dtype": "float32", "gguf_bytes": 1000, "source_bytes": 2000},
+        "verification": {"gguf": {"file_type": "Q8_0", "perplexity": 10.31}},
+        "evaluation": {"confidence": 0.9, "domains": [
+            {"name": "embedded", "metric": "ppl", "relative_delta": 0.03, "relative_delta_upper": 0.041,
+             "limit": 10.5, "baseline_ppl": 10.0, "windows": 32, "passed": True}]},
+    }
+    _print_summary(SimpleNamespace(report=report, output=Path("out")))
+    out = capsys.readouterr().out
+    assert "Hugging Face folder" not in out and "unknown" not in out
+    assert "gate [embedded]: +3.00%, 90% bound +4.10% vs +5.00% over 32 windows — within budget" in out
+
+
+def test_profile_seq_len_past_the_context_is_exit_2(tmp_path, capsys):
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    assert main(["profile", str(src), "--seq-len", "128", "--max-tokens", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq-len: 128" in err and "max_position_embeddings 64" in err and "Traceback" not in err

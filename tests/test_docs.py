@@ -148,3 +148,54 @@ def test_readme_python_names_exist():
     assert names, "README.md shows no compressor.<name> in a python block"
     missing = sorted(n for n in names if not hasattr(compressor, n))
     assert not missing, f"README.md uses compressor.{missing} which do not exist"
+
+
+def _schema_sections():
+    from compressor.recipe import schema
+
+    return {"model": schema.ModelConfig, "calibration": schema.CalibrationConfig,
+            "evaluation": schema.EvaluationConfig, "measure": schema.MeasureConfig, "policy": schema.PolicyConfig,
+            "output": schema.OutputConfig}
+
+
+def test_every_policy_and_evaluation_field_is_in_the_recipe_reference():
+    """The gate's own fields cannot be added without documenting them (docs/recipes.md)."""
+    text = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
+    sections = _schema_sections()
+    missing = [f"{sec}.{name}" for sec in ("policy", "evaluation") for name in sections[sec].model_fields
+               if f"`{sec}.{name}`" not in text and f"`.{name}`" not in text and f"/ `.{name}`" not in text
+               and name != "refit"]
+    assert not missing, f"undocumented in docs/recipes.md: {missing}"
+
+
+def test_schema_names_no_version_that_does_not_exist():
+    """A field description saying 'removed in 0.2' while the tool is 0.1 misleads (issue 34)."""
+    import re
+
+    from compressor.core.version import __version__
+
+    current = tuple(int(x) for x in __version__.split(".")[:2])
+    for sec, cls in _schema_sections().items():
+        for name, field in cls.model_fields.items():
+            for major, minor in re.findall(r"\b(?:in|since|from|version) (\d+)\.(\d+)\b", field.description or ""):
+                assert (int(major), int(minor)) <= current, f"{sec}.{name} names version {major}.{minor}"
+
+
+def test_the_gate_docs_name_the_code_domain_files():
+    from compressor.inputs.data import EMBEDDED_CODE_FILES
+
+    text = (ROOT / "docs" / "gate.md").read_text(encoding="utf-8")
+    assert all(f"`{name}`" in text for name in EMBEDDED_CODE_FILES)
+    assert all(name.startswith("_") for name in EMBEDDED_CODE_FILES)  # outside the public-stdlib check
+
+
+def test_the_default_recipe_gates_as_the_schema_does():
+    """recipes/smollm2-135m.yaml and the schema's defaults tell one story about the gate."""
+    from compressor.recipe import Recipe, load_recipe
+
+    r, d = load_recipe(ROOT / "recipes" / "smollm2-135m.yaml"), Recipe()
+    assert [e.dataset for e in r.evaluation_domains()] == [e.dataset for e in d.evaluation_domains()]
+    for got, want in zip(r.evaluation_domains(), d.evaluation_domains()):
+        assert (got.seq_len, got.stride, got.max_tokens) == (want.seq_len, want.stride, want.max_tokens)
+    for name in ("metric", "ppl_budget", "confidence", "budget_mode"):
+        assert getattr(r.policy, name) == getattr(d.policy, name), name

@@ -111,3 +111,50 @@ def test_gate_holds_on_every_domain_and_names_the_one_over_budget():
     assert not ok and "beta" in msg and "KL" in msg and per["alpha"]["kl"] < 1e-5
     ok, _, _ = gate_check(base, worse, policy(metric="kl", kl_budget=100.0))
     assert ok
+
+
+def _ev(ppl: float, *, windows: int = 32, delta_se: float | None = None, kl: float = 0.0, kl_se: float = 0.0):
+    from compressor.evaluation.evaluate import Evaluation
+
+    nll = math.log(ppl)
+    return Evaluation(ppl=ppl, nll=nll, tokens=windows * 256, seq_len=256, stride=256, windows=windows,
+                      nll_se=0.01, ppl_se=0.01 * ppl, name="d", kl=kl, kl_se=kl_se, top_k=64,
+                      nll_delta_se=delta_se)
+
+
+def test_gate_decides_on_the_upper_confidence_bound_of_the_change():
+    from compressor.evaluation.evaluate import upper_quantile
+
+    # Student t with windows − 1 degrees of freedom (exact: 1.3095 at 31, 1.3406 at 15); 0 at 0.5
+    assert upper_quantile(0.9, 32) == pytest.approx(1.3095, abs=2e-3)
+    assert upper_quantile(0.9, 16) == pytest.approx(1.3406, abs=2e-3)
+    assert upper_quantile(0.5, 32) == 0.0
+    base = _ev(10.0, delta_se=0.0)
+    # +4 % measured, paired SE of ΔNLL 1 %: the 90 % bound is about +5.4 % > +5 %
+    cand = _ev(10.4, delta_se=0.01)
+    ok, msg, per = gate_check(base, cand, policy(confidence=0.9))
+    row = per["d"]
+    assert not ok and not row["passed"] and row["paired"]
+    assert row["relative_delta"] == pytest.approx(0.04)
+    assert row["relative_delta_upper"] == pytest.approx(1.04 * math.exp(upper_quantile(0.9, 32) * 0.01) - 1)
+    assert "90% bound" in msg and "+4.00%" in msg
+    # the same change with a small enough error passes; confidence 0.5 is the bare point test
+    assert gate_check(base, _ev(10.4, delta_se=0.002), policy(confidence=0.9))[0]
+    assert gate_check(base, cand, policy(confidence=0.5))[0]
+    # a policy without the field (an older caller) gets the 90 % default
+    assert not gate_check(base, cand, policy())[0]
+    # KL: kl + t·se against the budget
+    kl_cand = _ev(10.0, delta_se=0.0, kl=0.04, kl_se=0.01)
+    ok, _, per = gate_check(base, kl_cand, policy(metric="kl", kl_budget=0.05, confidence=0.9))
+    assert not ok and per["d"]["kl_upper"] == pytest.approx(0.04 + upper_quantile(0.9, 32) * 0.01)
+    assert gate_check(base, kl_cand, policy(metric="kl", kl_budget=0.06, confidence=0.9))[0]
+
+
+def test_gate_without_paired_errors_uses_both_errors_conservatively():
+    from compressor.evaluation.evaluate import Perplexity
+
+    b = Perplexity(ppl=10.0, nll=math.log(10.0), tokens=4096, seq_len=256, stride=256, windows=16, nll_se=0.01, ppl_se=0.1)
+    c = Perplexity(ppl=10.4, nll=math.log(10.4), tokens=4096, seq_len=256, stride=256, windows=16, nll_se=0.01, ppl_se=0.1)
+    ok, _, per = gate_check(b, c, policy(confidence=0.9))
+    assert not ok and not per["evaluation"]["paired"]
+    assert per["evaluation"]["ppl_upper"] == pytest.approx(10.4 * math.exp(per["evaluation"]["quantile"] * math.sqrt(2) * 0.01))

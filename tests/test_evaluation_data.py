@@ -101,7 +101,9 @@ def test_too_small_evaluation_set_exits_2_before_the_model_loads(tmp_path, monke
 
     monkeypatch.setattr(stages, "load_model", no_model)
     monkeypatch.setenv("COMPRESSOR_CACHE_DIR", str(tmp_path / "cache"))
-    recipe = {"model": {"source": str(src)}, "evaluation": {"dataset": str(tmp_path / "tiny_eval.txt")},
+    # windows within the tiny model's context (64): longer ones are refused first, on their own ground
+    recipe = {"model": {"source": str(src)}, "calibration": {"seq_len": 32},
+              "evaluation": {"dataset": str(tmp_path / "tiny_eval.txt"), "seq_len": 64},
               "output": {"path": str(tmp_path / "out")}}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -184,3 +186,24 @@ def test_calibration_and_gate_windows_start_with_bos_for_such_a_tokenizer(tmp_pa
     overlapping = recipe_from_dict({"evaluation": {"dataset": str(f), "seq_len": 64, "stride": 32,
                                                    "max_tokens": 1024, "min_tokens": 256}})
     assert (evaluation_streams(overlapping, tok)[f.stem] != bos).all() and "stride 32 < seq_len 64" in caplog.text
+
+
+def test_default_evaluation_is_prose_and_code_disjoint_from_calibration_and_from_the_public_stdlib():
+    from compressor.inputs.data import EMBEDDED_CODE_FILES, embedded_code_files, load_documents
+    from compressor.recipe.schema import EvaluationConfig, Recipe
+
+    r = Recipe()
+    assert [e.domain_name() for e in r.evaluation_domains()] == ["embedded", "embedded-code"]
+    assert all(e.stride == e.seq_len == 256 and e.max_tokens == 8192 for e in r.evaluation_domains())
+    assert EvaluationConfig(seq_len=128).stride == 128  # stride follows seq_len unless given
+    # the gate's code: only underscore-named stdlib files, which the public-stdlib check leaves out
+    files = embedded_code_files()
+    assert files and all(f.name in EMBEDDED_CODE_FILES and f.name.startswith("_") for f in files)
+    cal = load_documents(TextSource("embedded-code"), "calibration")
+    ev = load_documents(TextSource("embedded-code"), "evaluation")
+    assert ev and not set(cal) & set(ev)
+    assert sum("def " in d for d in ev) > len(ev) // 3
+    # the first files take turns: the evaluation half samples more than one file
+    head = "\n".join(ev[:12])
+    assert "Decimal" in head and ("RawIOBase" in head or "IOBase" in head or "BufferedReader" in head)
+    assert not same_source(TextSource("embedded"), TextSource("embedded-code"))

@@ -360,8 +360,10 @@ def _recipe(src: Path, out: Path, kind: str) -> compressor.Recipe:
         "model": {"source": str(src)},
         "calibration": {"dataset": "embedded", "max_tokens": 1024, "seq_len": 32},
         "evaluation": {"max_tokens": 256, "min_tokens": 128, "seq_len": 64, "stride": 64},
-        # random tiny models: any perplexity passes, so the run is not about the gate
-        "policy": {"threshold": -100, "ppl_budget": 100.0, "ffn_keep": 0.5, "max_backoff": 0, "order": "index"},
+        # random tiny models: any perplexity passes, so the run is not about the gate; each strategy gets
+        # only the fields it reads (others are an error)
+        "policy": {"ppl_budget": 100.0} | ({"ffn_keep": 0.5, "max_backoff": 0} if kind in ("prune", "hybrid")
+                                           else {"threshold": -100, "order": "index"}),
         "output": {"path": str(out)},
         "measure": {"cache": False},
         "replacement": KIND_SECTIONS[kind],

@@ -86,6 +86,7 @@ def test_the_reload_check_frees_the_rounded_copy_before_it_reloads(tmp_path, mon
     d = recipe_dict(make(tmp_path / "in", "llama"), tmp_path / "out")
     d["output"].update({"dtype": "bfloat16", "architecture": architecture})
     d["replacement"] = {"kind": "prune"}  # the one kind a standard folder can hold
+    d["policy"].pop("threshold")  # not read by prune's allocate strategy (an error to set)
     res = compressor.run(compressor.recipe_from_dict(d))
     assert res.exit_code == 0 and res.report["reload_check"]["passed"]
     made, alive = alive_at_reload[-1]  # at the reload check's reload

@@ -201,7 +201,8 @@ def test_profile_block_out_of_range_and_non_utf8_data(tmp_path, capsys, ckpt):
     assert rc == 2 and "999" in err, err
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9 ".encode("latin-1") * 100)
-    rc, err = _run(["profile", str(ckpt), "--data", str(bad)], capsys)
+    # --seq-len within the tiny model's context (64): a longer window is refused first, on its own ground
+    rc, err = _run(["profile", str(ckpt), "--data", str(bad), "--seq-len", "32"], capsys)
     assert rc == 2 and "UTF-8" in err, err
 
 

@@ -37,7 +37,7 @@ SCENARIOS = {
                "policy": {"strategy": "greedy", "threshold": -100, "ppl_budget": 100.0}},
     # allocate: loss-gradient statistics, curves, bisection (re-solves), then the teacher-target walk
     "allocate": {"replacement": {"kind": "prune", "target": "teacher_output"},
-                 "policy": {"strategy": "allocate", "threshold": -100, "ppl_budget": 100.0, "max_backoff": 2,
+                 "policy": {"strategy": "allocate", "ppl_budget": 100.0, "max_backoff": 2,
                             "allocation": "fisher"}},
 }
 

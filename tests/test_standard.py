@@ -27,11 +27,20 @@ import torch
 import transformers
 
 from checkpoints import BLOCK_COMPRESSOR, tiny_tokenizer
-from test_cli import isolated, recipe_dict, write_recipe  # noqa: F401  (isolated is an autouse fixture)
+from test_cli import isolated, write_recipe  # noqa: F401  (isolated is an autouse fixture)
+from test_cli import recipe_dict as cli_recipe_dict
 from tiny import activation_name, ffn_reference_modules, random_windows, tiny_model
 
 import compressor
 from compressor.cli import main
+
+
+def recipe_dict(source: Path, out: Path) -> dict:
+    """test_cli's recipe without policy.threshold: the kinds here run the allocate strategy, which does not
+    read it (setting it is an error)."""
+    d = cli_recipe_dict(source, out)
+    d["policy"].pop("threshold")
+    return d
 from compressor.core.modeling import HiddenUnitFFN
 from compressor.core.stats import Moments
 from compressor.engine.walker import LayerWalker

@@ -27,6 +27,8 @@ def add_parsers(sub) -> None:
     recipe_option(p, "--offload", ModelConfig, "offload")
     p.add_argument("--trust-remote-code", action="store_true", help="explicit opt-in to run code shipped with the model")
     p.add_argument("--output", "-o", default=None, help="folder for profile.json / .md / .png (default: print the table only)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier profile (profile.json, .md, .png) "
+                   "in --output; without it an earlier profile is refused")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the statistics cache")
     add_common(p)
 
@@ -47,7 +49,7 @@ def handle(args) -> int:
     blocks = check_profile_inputs(
         args.model, data, seq_len=args.seq_len, max_tokens=args.max_tokens, heldout_fraction=args.heldout_fraction,
         seed=args.seed, batch_size=args.batch_size, blocks=args.blocks, dtype=args.dtype, device=args.device,
-        offload=args.offload, output=args.output,
+        offload=args.offload, output=args.output, overwrite=args.overwrite,
     )
     prof = profile(
         args.model, data,

@@ -11,7 +11,7 @@ from compressor.cli.common import EXIT_CODES_EPILOG, add_common, add_overrides, 
 
 def add_parsers(sub) -> None:
     from compressor.recipe.schema import (
-        REPLACEMENT_CONFIGS, CalibrationConfig, EvaluationConfig, LowRankReplacement, PolicyConfig,
+        REPLACEMENT_CONFIGS, CalibrationConfig, LowRankReplacement, PolicyConfig,
     )
 
     p = sub.add_parser("compress", help="profile, select, replace, validate and save (recipe fields from flags)",
@@ -19,7 +19,9 @@ def add_parsers(sub) -> None:
     p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE")
     p.add_argument("--output", "-o", required=True, help="output folder for the compressed model")
     recipe_option(p, "--data", CalibrationConfig, "dataset")
-    recipe_option(p, "--eval-data", EvaluationConfig, "dataset")
+    p.add_argument("--eval-data", default=None,
+                   help="evaluation text the gate holds on: 'embedded', 'embedded-code', a file, a save_to_disk "
+                   "folder or a hub dataset (default: both embedded domains, prose and code; see docs/gate.md)")
     # None = not given: the recipe default applies (shown in the help).
     recipe_option(p, "--threshold", PolicyConfig, "threshold", type=float, default=None)
     recipe_option(p, "--ppl-budget", PolicyConfig, "ppl_budget", type=float, default=None)
@@ -70,8 +72,9 @@ def _recipe_from_args(args):
     from compressor.recipe import apply_overrides, load_recipe, recipe_from_dict
 
     if args.command == "compress":
-        data = {"model": {"source": args.model}, "calibration": {"dataset": args.data},
-                "evaluation": {"dataset": args.eval_data}, "output": {"path": args.output}}
+        data = {"model": {"source": args.model}, "calibration": {"dataset": args.data}, "output": {"path": args.output}}
+        if args.eval_data is not None:  # else the default domains, prose and code
+            data["evaluation"] = {"dataset": args.eval_data}
         if args.threshold is not None:
             data["policy"] = {"threshold": args.threshold}
         if args.ppl_budget is not None:
@@ -156,6 +159,15 @@ def _print_summary(r: dict, output) -> None:
     print(f"status: {r['status']} — {r['message']}")
     print(f"perplexity: {ppl['baseline']['ppl']:.4f} → {ppl['final']['ppl']:.4f} (budget {ppl['budget']:.4f}, "
           f"{ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']}, stride {ppl['final']['stride']})")
+    ev = r.get("evaluation") or {}
+    for d in ev.get("domains", []):
+        if d.get("relative_delta_upper") is None:
+            continue
+        bound = (f"KL {d['kl']:.4f}, {ev['confidence']:.0%} bound {d['kl_upper']:.4f} vs {d['limit']:.4f}"
+                 if d.get("metric") == "kl" else
+                 f"{d['relative_delta']:+.2%}, {ev['confidence']:.0%} bound {d['relative_delta_upper']:+.2%} vs "
+                 f"{d['limit'] / d['baseline_ppl'] - 1:+.2%}")
+        print(f"gate [{d['name']}]: {bound} over {d['windows']} windows — {'within' if d['passed'] else 'over'} budget")
     print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
     size = r.get("size") or {}
     agree = r.get("agreement") or {}
@@ -181,7 +193,8 @@ def _print_summary(r: dict, output) -> None:
         elif size.get("gguf_bytes") is not None:
             print(f"gguf: {human_bytes(size['gguf_bytes'])} ({gguf.get('file_type', '?')}; llama.cpp perplexity "
                   f"{gguf.get('perplexity', float('nan')):.4f})")
-        if not same or "Hugging Face" not in same["what"]:
+        wrote_hf = size.get("output_bytes") is not None
+        if wrote_hf and (not same or "Hugging Face" not in same["what"]):
             source = "GGUF file" if r["model"]["resolved"].endswith(".gguf") else "weights"
             print(f"Hugging Face folder: {human_bytes(size.get('output_bytes'))} of {size.get('output_dtype')} weights "
                   f"(source {source}: {human_bytes(size.get('source_bytes'))}, another format)")

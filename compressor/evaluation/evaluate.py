@@ -445,35 +445,90 @@ def ppl_limit(base: float, budget: float, mode: str) -> float:
     return base * (1.0 + budget) if mode == "relative" else base + budget
 
 
+#: One-sided confidence of the gate's upper bound when the policy does not say (``policy.confidence``).
+DEFAULT_CONFIDENCE = 0.9
+
+
+def upper_quantile(confidence: float, windows: int | None) -> float:
+    """The one-sided Student-t quantile for ``windows − 1`` degrees of freedom (windows are the sampling
+    unit), by the Cornish-Fisher expansion around the normal quantile (within 0.5 % of the exact value
+    from 10 degrees of freedom on); the normal quantile when the window count is unknown. 0 at 0.5.
+
+    >>> round(upper_quantile(0.9, 32), 3), round(upper_quantile(0.5, 32), 3)
+    (1.309, 0.0)
+    """
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(confidence)
+    if not windows or windows < 3:
+        return z
+    v = windows - 1
+    return z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+
+
+def _change_se(b, c) -> tuple[float | None, bool]:
+    """Standard error of the candidate's mean NLL minus the baseline's, and whether it is paired.
+
+    Paired by window (the same windows scored by both models, :attr:`Evaluation.nll_delta_se`) when the
+    candidate came from :func:`evaluate`; else the two perplexities' own errors taken as independent,
+    which overstates the noise of a difference (conservative); None with one window."""
+    paired = getattr(c, "nll_delta_se", None)
+    if paired is not None:
+        return paired, True
+    if getattr(c, "nll_se", None) is None:
+        return None, False
+    return math.sqrt(c.nll_se**2 + (getattr(b, "nll_se", None) or 0.0) ** 2), False
+
+
 def gate_check(baseline, candidate, policy) -> tuple[bool, str, dict[str, dict]]:
-    """Does ``candidate`` stay within ``policy``'s budget on *every* domain?
+    """Does ``candidate`` stay within ``policy``'s budget on *every* domain, with confidence?
 
     ``baseline`` / ``candidate``: a :class:`DomainEvaluations`, a ``{name:
-    Evaluation}`` dict, or one :class:`Perplexity`. ``policy.metric`` picks the
-    test: ``ppl`` (``ppl ≤ limit(baseline ppl, policy.ppl_budget,
-    policy.budget_mode)``) or ``kl`` (mean KL from the original model ≤
-    ``policy.kl_budget`` nats/token). Returns ``(passed, message, per_domain)``;
-    the message names every domain over budget.
+    Evaluation}`` dict, or one :class:`Perplexity`. The decision is on the **upper confidence
+    bound** of the change (one-sided, ``policy.confidence``, default 0.9), not on the measured
+    change alone: with windows as the sampling unit, the paired per-window differences give the
+    change and its standard error ``se``, and the bound is the change plus ``t · se`` (``t``:
+    :func:`upper_quantile` for the domain's window count).
+
+    * ``ppl``: the bound of the perplexity, ``ppl · exp(t · se_ΔNLL)``, must be ≤
+      ``limit(baseline ppl, policy.ppl_budget, policy.budget_mode)``;
+    * ``kl``: the bound of the mean KL from the original model, ``kl + t · se_KL``, must be ≤
+      ``policy.kl_budget`` nats/token.
+
+    ``policy.confidence: 0.5`` is the bare point test. Returns ``(passed, message, per_domain)``;
+    each row holds the measured change, its standard error, the bound and the limit, and the
+    message names every domain over budget.
     """
     metric = getattr(policy, "metric", "ppl")
+    confidence = getattr(policy, "confidence", DEFAULT_CONFIDENCE)
     base, cand = _as_domains(baseline), _as_domains(candidate)
     if set(base) != set(cand):
         raise ValueError(f"baseline domains {sorted(base)} differ from candidate domains {sorted(cand)}")
     per, failed = {}, []
+    level = f"{confidence:.0%} bound"
     for name, b in base.items():
         c = cand[name]
-        row = {"metric": metric, "baseline_ppl": b.ppl, "ppl": c.ppl, "ppl_se": c.ppl_se,
-               "relative_delta": c.ppl / b.ppl - 1, "kl": getattr(c, "kl", None), "kl_se": getattr(c, "kl_se", None)}
+        q = upper_quantile(confidence, getattr(c, "windows", None))
+        se, paired = _change_se(b, c)
+        row = {"metric": metric, "confidence": confidence, "quantile": q, "paired": paired,
+               "baseline_ppl": b.ppl, "ppl": c.ppl, "ppl_se": c.ppl_se, "relative_delta": c.ppl / b.ppl - 1,
+               "kl": getattr(c, "kl", None), "kl_se": getattr(c, "kl_se", None)}
+        # the perplexity's upper bound, whatever the metric: reports show it next to the change
+        row["ppl_upper"] = c.ppl * math.exp(q * se) if se is not None else c.ppl
+        row["relative_delta_upper"] = row["ppl_upper"] / b.ppl - 1
         if metric == "kl":
             if row["kl"] is None:
                 raise ValueError("policy.metric=kl needs evaluations with a teacher (Evaluator / evaluate)")
             row["limit"] = policy.kl_budget
-            row["passed"] = row["kl"] <= policy.kl_budget
-            shown = f"KL {row['kl']:.4f} {'≤' if row['passed'] else '>'} {policy.kl_budget:.4f} nats/token"
+            row["kl_upper"] = row["kl"] + q * (row["kl_se"] or 0.0)
+            row["passed"] = row["kl_upper"] <= policy.kl_budget
+            shown = (f"KL {row['kl']:.4f} ({level} {row['kl_upper']:.4f}) {'≤' if row['passed'] else '>'} "
+                     f"{policy.kl_budget:.4f} nats/token")
         else:
             row["limit"] = ppl_limit(b.ppl, policy.ppl_budget, policy.budget_mode)
-            row["passed"] = c.ppl <= row["limit"]
-            shown = f"perplexity {c.ppl:.4f} {'≤' if row['passed'] else '>'} budget {row['limit']:.4f}"
+            row["passed"] = row["ppl_upper"] <= row["limit"]
+            shown = (f"perplexity {c.ppl:.4f} ({row['relative_delta']:+.2%}; {level} "
+                     f"{row['relative_delta_upper']:+.2%}) {'≤' if row['passed'] else '>'} budget {row['limit']:.4f}")
         row["summary"] = shown
         per[name] = row
         if not row["passed"]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import csv
 import json
+import re
 from pathlib import Path
 
 from compressor.core.errors import DataFileError
@@ -32,9 +33,47 @@ def check_data_source(source) -> None:
     Hub datasets, ``embedded`` and ``save_to_disk`` folders are left to the
     loader. Raises :class:`FileNotFoundError` or :class:`DataFileError`.
     """
-    if source.kind() != "file":
+    kind = source.kind()
+    if kind == "disk":
+        check_saved_dataset(Path(source.dataset).expanduser())
+    elif kind == "hub":
+        check_hub_name(source.dataset)
+    if kind != "file":
         return
     check_data_file(Path(source.dataset).expanduser(), source.text_column)
+
+
+#: What ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` leave in their folder.
+SAVED_DATASET_FILES = (("dataset_info.json", "state.json"), ("dataset_dict.json",))
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def check_saved_dataset(folder: Path) -> None:
+    """A folder is a data source only when ``save_to_disk`` wrote it; else say which files it holds."""
+    if any(all((folder / f).is_file() for f in group) for group in SAVED_DATASET_FILES):
+        return
+    from compressor.inputs.data import _FILE_BUILDERS
+
+    try:
+        usable = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in _FILE_BUILDERS)
+    except OSError as e:
+        raise DataFileError(f"{folder} cannot be read: {e.strerror}; check its permissions") from None
+    hint = (f" (this folder holds {', '.join(usable[:6])}{' …' if len(usable) > 6 else ''})" if usable else "")
+    raise DataFileError(f"{folder} is a folder but not a dataset saved with `Dataset.save_to_disk` (no "
+                        "dataset_info.json + state.json, no dataset_dict.json); give one data file "
+                        f"(.txt/.jsonl/.json/.parquet/.csv){hint}, or the folder save_to_disk wrote")
+
+
+def check_hub_name(name: str) -> None:
+    """A Hub dataset name is ``name`` or ``owner/name``: a scheme (``hf:``, ``hf://``) or other characters are
+    refused here, not sent to ``datasets`` (which reads them as a path under the working directory)."""
+    if _HUB_NAME.match(name):
+        return
+    bare = re.sub(r"^(hf|hub|huggingface)(://|:)(datasets/)?", "", name, flags=re.I)
+    hint = (f"write the Hub name without the scheme: {bare!r}" if bare != name and _HUB_NAME.match(bare)
+            else "a Hub dataset name looks like owner/name (e.g. Salesforce/wikitext)")
+    raise DataFileError(f"{name!r} is not a local file or folder (nothing by that name here) and not a Hub dataset "
+                        f"name: {hint}; or give a local .txt/.jsonl/.parquet file, 'embedded' or 'embedded-code'")
 
 
 def check_data_file(path: Path, text_column: str = "text") -> None:

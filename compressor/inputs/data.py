@@ -2,11 +2,19 @@
 
 Sources (through 🤗 ``datasets`` wherever a loader exists):
 
-* ``embedded`` — the default: the English reference text that ships inside
+* ``embedded`` — prose: the English reference text that ships inside
   every CPython install (``pydoc_data.topics``, ~465k characters of the
   Python language reference). Any fresh install has it, so the tool runs
   offline with no data argument. Its topics are split in two disjoint halves:
   even ones for calibration, odd ones for evaluation.
+* ``embedded-code`` — source code: the pure-Python standard-library modules
+  named in :data:`EMBEDDED_CODE_FILES` (``_pydecimal.py``, ``_pyio.py``…, ~450k
+  characters, in every CPython install), cut into pieces of
+  :data:`CODE_PIECE_LINES` lines taken from the files in turn; even pieces for
+  calibration, odd ones for evaluation. Every one of those files starts with an
+  underscore, so a check on the *public* standard library (no path part
+  starting with ``_``, as ``tools/independent_check.py --text stdlib`` reads it)
+  never sees the gate's code.
 * a local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file,
 * a folder written by ``Dataset.save_to_disk`` (``load_from_disk``),
 * a hub dataset name (with ``config`` / ``split`` / ``text_column``).
@@ -26,6 +34,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
+EMBEDDED_CODE = "embedded-code"
+#: The sources that ship with Python itself (no file, no network).
+EMBEDDED_SOURCES = (EMBEDDED, EMBEDDED_CODE)
+#: The gate's code domain: private pure-Python twins and helpers of the standard library, in this order.
+#: A file missing from a stripped Python build is skipped (the rest are more than 8,192 tokens of code).
+EMBEDDED_CODE_FILES = ("_pydecimal.py", "_pyio.py", "_collections_abc.py", "_strptime.py", "_markupbase.py",
+                       "_compat_pickle.py", "_threading_local.py", "_py_abc.py", "_weakrefset.py")
+#: Lines per piece of ``embedded-code``: long enough to hold a function or two, short enough to interleave files.
+CODE_PIECE_LINES = 40
 _FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -39,7 +56,7 @@ class TextSource:
     text_column: str = "text"
 
     def kind(self) -> str:
-        if self.dataset == EMBEDDED:
+        if self.dataset in EMBEDDED_SOURCES:
             return "embedded"
         p = Path(self.dataset).expanduser()
         if p.is_file():
@@ -49,9 +66,32 @@ class TextSource:
         if p.suffix.lower() in _FILE_BUILDERS or self.dataset.startswith((".", "/", "~")):
             raise FileNotFoundError(
                 f"data file {self.dataset!r} does not exist; give an existing .txt/.jsonl/.parquet file, "
-                "a `save_to_disk` folder, a hub dataset name, or 'embedded'"
+                "a `save_to_disk` folder, a hub dataset name, 'embedded' or 'embedded-code'"
             )
         return "hub"
+
+
+def embedded_code_files() -> list[Path]:
+    """The ``embedded-code`` files of this Python, in :data:`EMBEDDED_CODE_FILES` order (those present)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [root / name for name in EMBEDDED_CODE_FILES if (root / name).is_file()]
+
+
+def _embedded_code_documents(role: str) -> list[str]:
+    """Pieces of :data:`CODE_PIECE_LINES` lines, one from each file in turn, split by parity (even:
+    calibration, odd: evaluation), so either half samples every file."""
+    pieces = []
+    for f in embedded_code_files():
+        lines = f.read_text(encoding="utf-8").splitlines()
+        pieces.append(["\n".join(lines[i : i + CODE_PIECE_LINES]) for i in range(0, len(lines), CODE_PIECE_LINES)])
+    if not pieces:
+        raise FileNotFoundError(f"none of the embedded-code files {list(EMBEDDED_CODE_FILES)} is in this Python's "
+                                "standard library; give a code file as the evaluation dataset")
+    turns = [p for group in itertools.zip_longest(*pieces) for p in group if p is not None and p.strip()]
+    parity = 0 if role == "calibration" else 1
+    return turns[parity::2]
 
 
 def _embedded_documents(role: str) -> list[str]:
@@ -109,7 +149,7 @@ def load_documents(source: TextSource, role: str = "calibration") -> Iterable[st
     """The source's documents (a lazy iterator for ``.txt`` files, else a list)."""
     kind = source.kind()
     if kind == "embedded":
-        return _embedded_documents(role)
+        return _embedded_code_documents(role) if source.dataset == EMBEDDED_CODE else _embedded_documents(role)
     if kind == "file" and Path(source.dataset).suffix.lower() == ".txt":
         return _text_file_documents(Path(source.dataset).expanduser())
     import datasets
@@ -133,7 +173,10 @@ def load_documents(source: TextSource, role: str = "calibration") -> Iterable[st
                 raise ValueError(f"split {source.split!r} not in {source.dataset}; it has {list(ds)}")
             ds = ds[source.split]
     else:
-        ds = datasets.load_dataset(source.dataset, source.config, split=source.split)
+        from compressor.inputs.hub import LOCAL_DATA_FIX, hub_access
+
+        with hub_access(f"{role}.dataset", source.dataset, LOCAL_DATA_FIX):
+            ds = datasets.load_dataset(source.dataset, source.config, split=source.split)
     if source.text_column not in ds.column_names:
         raise ValueError(
             f"text column {source.text_column!r} not found in {source.dataset}; columns are {ds.column_names}. "
@@ -216,8 +259,8 @@ def split_windows(
     n = windows.shape[0]
     if n < 2:
         raise ValueError(
-            f"only {sum(s.numel() for s in streams)} calibration tokens: need at least 2 windows of seq_len={seq_len}. "
-            "Give more text or raise max_tokens."
+            f"only {sum(s.numel() for s in streams)} calibration tokens: need at least 2 windows of seq_len={seq_len} "
+            f"({2 * seq_len} tokens), and the text has no more. Give a longer text, or lower seq_len"
         )
     n_held = min(n - 1, max(1, math.ceil(heldout_fraction * n)))
     g = torch.Generator().manual_seed(seed)
@@ -239,7 +282,7 @@ def same_source(a: TextSource, b: TextSource) -> bool:
     if ka != kb:
         return False
     if ka == "embedded":
-        return True
+        return a.dataset == b.dataset
     if ka == "file":
         return Path(a.dataset).expanduser().resolve() == Path(b.dataset).expanduser().resolve()
     if ka == "disk":

@@ -12,6 +12,7 @@ import torch
 
 from compressor.core.errors import InputError
 from compressor.core.onload import OFFLOAD
+from compressor.inputs.hub import LOCAL_MODEL_FIX, hub_access
 from compressor.inputs.modelfiles import check_loading_info, check_model_files
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,34 @@ def resolve_source(source: str, gguf_file: str | None = None) -> ResolvedSource:
     return ResolvedSource(source, gguf_file, False)
 
 
+_CONFIGS: dict[tuple, object] = {}
+
+
+def model_config(src: ResolvedSource, *, trust_remote_code: bool = False, revision: str | None = None):
+    """The source's transformers config (no weights), read once per process: the checks before the
+    model loads and the run share it (parsing a GGUF's metadata takes a while). A Hub source that cannot
+    be fetched is an :class:`InputError` saying whether the machine is offline."""
+    from transformers import AutoConfig
+
+    key = (src.path, src.gguf_file, revision, trust_remote_code)
+    if key not in _CONFIGS:
+        kwargs = dict(trust_remote_code=trust_remote_code, revision=revision)
+        if src.gguf_file:
+            kwargs["gguf_file"] = src.gguf_file
+        with hub_access("model.source", src.path, LOCAL_MODEL_FIX):
+            _CONFIGS[key] = AutoConfig.from_pretrained(src.path, **kwargs)
+    return _CONFIGS[key]
+
+
+def context_length(config) -> int | None:
+    """The longest sequence the model was built for (``max_position_embeddings``, GPT-2's ``n_positions``)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
 def _is_gguf(p: Path) -> bool:
     try:
         with p.open("rb") as f:
@@ -148,7 +177,7 @@ def load_model(
     Decoders load as ``AutoModelForCausalLM``; architectures the tool only
     profiles (BERT-style encoders) as ``AutoModel``.
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     from compressor.core.archs import ARCHITECTURES
     from compressor.core.onload import load_kwargs
@@ -169,7 +198,7 @@ def load_model(
     if src.gguf_file:
         common["gguf_file"] = src.gguf_file
     check_model_files(src)
-    config = AutoConfig.from_pretrained(src.path, **common)
+    config = model_config(src, trust_remote_code=trust_remote_code, revision=revision)
     spec = ARCHITECTURES.get(config.model_type)
     auto = AutoModel if spec is not None and not spec.compressible else AutoModelForCausalLM
     kwargs = dict(common, dtype=DTYPES[dtype])
@@ -184,7 +213,8 @@ def load_model(
         raise
     except Exception as e:  # noqa: BLE001 - a local checkpoint that does not load is bad input
         if not src.is_local:
-            raise
+            with hub_access("model.source", src.path, LOCAL_MODEL_FIX):
+                raise
         raise InputError(
             f"model {src.describe()} could not be loaded ({type(e).__name__}: {str(e)[:300]}); the files are "
             "corrupt, truncated, or do not match config.json: re-download or re-export the model"
@@ -216,6 +246,7 @@ def load_tokenizer(src: ResolvedSource, *, trust_remote_code: bool = False, revi
         raise
     except Exception as e:  # noqa: BLE001
         if not src.is_local:
-            raise
+            with hub_access("model.source", src.path, LOCAL_MODEL_FIX):
+                raise
         raise InputError(f"the tokenizer of {src.describe()} could not be loaded ({type(e).__name__}: "
                          f"{str(e)[:300]}); save it beside the model with tokenizer.save_pretrained(folder)") from e

@@ -92,9 +92,15 @@ def check_output_folder(
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {out} exists and is a file, not a folder; choose a folder path for the output")
     if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
+        if not overwrite and is_compressor_output(out):
             raise OutputError(
-                f"{out} is not empty; choose another folder or set output.overwrite: true (--overwrite) to replace it"
+                f"{out} is not empty (an earlier compressor output); choose another folder or set "
+                "output.overwrite: true (--overwrite) to replace it"
+            )
+        if not overwrite:  # --overwrite would be refused too: do not suggest it
+            raise OutputError(
+                f"{out} is not empty and is not an earlier compressor output, so --overwrite would not replace it "
+                "either (it may hold files you need); choose a new or empty folder"
             )
         if not is_compressor_output(out):
             raise OutputError(

@@ -22,7 +22,7 @@ def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
     """``(description, path)`` of every local file or folder a run reads: the
     output must never be, contain or replace any of them."""
     from compressor.engine.cache import cache_dir
-    from compressor.inputs.data import EMBEDDED
+    from compressor.inputs.data import EMBEDDED_SOURCES
 
     reads: list[tuple[str, Path]] = []
     if recipe._source_file is not None:
@@ -30,7 +30,7 @@ def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
     sections = recipe.data_sections()
     for section, cfg in sections:
         ds = cfg.dataset
-        if ds != EMBEDDED and Path(ds).expanduser().exists():
+        if ds not in EMBEDDED_SOURCES and Path(ds).expanduser().exists():
             reads.append((f"{section}.dataset", Path(ds).expanduser()))
     src = Path(recipe.model.source).expanduser()
     if not recipe.model.source.startswith("pkg:") and src.exists():
@@ -63,6 +63,13 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True, check_source: bool
             check_model_files(src)
         except InputError as e:
             raise RecipeError(f"model.source: {e}") from None
+    check_device(recipe.model.device, recipe.model.offload)
+    if src is not None and src.is_local:
+        check_not_compressed(src)
+        from compressor.inputs.load import model_config
+
+        check_context(recipe, model_config(src, trust_remote_code=recipe.model.trust_remote_code,
+                                           revision=recipe.model.revision))
     check_task_inputs(recipe)
     if recipe.calibration.dataset in ("self", "mix"):
         check_writable_dir(cache_dir(), "calibration.dataset: self-written calibration text is cached in the "
@@ -102,6 +109,60 @@ def check_task_inputs(recipe: Recipe) -> None:
                               "YAML files (see docs/evaluation.md)")
 
 
+def check_device(device: str, offload: str = "none", field: str = "model.device") -> None:
+    """``cuda`` needs a GPU that this torch can use; said before anything loads, with the fix."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+        raise RecipeError(f"{field}: cuda, but torch finds no CUDA GPU on this machine (torch {torch.__version__}, "
+                          f"{built}); use {field}: cpu (or auto, which takes a GPU when there is one), or run on a "
+                          "machine with a GPU and a CUDA build of torch")
+
+
+def check_not_compressed(src) -> None:
+    """A compressor output with compressor's own classes is not a source: its FFNs are replacements already."""
+    import json
+
+    if src.gguf_file:
+        return
+    try:
+        cfg = json.loads((Path(src.path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # check_model_files has said what is wrong with it
+    comp = cfg.get("compression") if isinstance(cfg, dict) else None
+    model_type = str(cfg.get("model_type", "")) if isinstance(cfg, dict) else ""
+    if isinstance(comp, dict) and model_type.startswith("compressed_"):
+        original = comp.get("source_model")
+        raise RecipeError(
+            f"model.source: {src.path} is a compressor output (model_type {model_type}): its FFN blocks are "
+            "compressor's replacements already, which a second run cannot profile or cut. Compress the original "
+            "model instead" + (f" ({original})" if original else "") + " with a larger cut (policy.ppl_budget, "
+            "policy.ffn_keep)")
+
+
+def check_context(recipe: Recipe, config) -> None:
+    """Every window fits the model's context: past ``max_position_embeddings`` the gate would measure text
+    the model was never built to read. Needs the config only."""
+    from compressor.inputs.load import context_length
+
+    limit = context_length(config)
+    if limit is None:
+        return
+    cal = recipe.calibration
+    # self-written rows are the prompt (BOS + one word) plus seq_len sampled tokens
+    need = cal.seq_len + (2 if cal.dataset in ("self", "mix") else 0)
+    sections = [("calibration.seq_len", need, cal.seq_len)] + [
+        (f"{name}.seq_len", e.seq_len, e.seq_len) for name, e in recipe.data_sections()[1:]]
+    for field, tokens, value in sections:
+        if tokens > limit:
+            extra = " plus the 2-token prompt of self-written text" if tokens != value else ""
+            raise RecipeError(f"{field}: {value}{extra} is longer than the model's context "
+                              f"(max_position_embeddings {limit}); use at most {limit - (tokens - value)}")
+
+
 def check_writable_dir(path: Path, what: str, *, fix: str) -> None:
     """``path`` is (or can be created as) a folder this process may write into; else a RecipeError."""
     import os
@@ -116,7 +177,7 @@ def check_writable_dir(path: Path, what: str, *, fix: str) -> None:
 def check_profile_inputs(model: str, data, *, seq_len: int, max_tokens: int, heldout_fraction: float, seed: int,
                          batch_size: int, blocks: str | list[int] | None, dtype: str = "float32",
                          device: str = "cpu", offload: str = "none", output: str | None = None,
-                         flags: bool = True) -> list[int] | None:
+                         flags: bool = True, overwrite: bool = False) -> list[int] | None:
     """``profile``'s inputs, checked like a run's before the model loads; returns the parsed block list.
 
     ``data`` is a :class:`~compressor.inputs.data.TextSource`. Errors name the command-line flag
@@ -147,6 +208,7 @@ def check_profile_inputs(model: str, data, *, seq_len: int, max_tokens: int, hel
         raise RecipeError(f"{name('max_tokens')} {max_tokens} holds fewer than two windows of {name('seq_len')} "
                           f"{seq_len}: one is fitted on and one held out; give at least {2 * seq_len} tokens")
     parsed = parse_blocks(blocks, name("blocks"))
+    check_device(device, offload, name("device"))
     try:
         src = resolve_source(model, None)
         check_model_files(src)
@@ -154,6 +216,18 @@ def check_profile_inputs(model: str, data, *, seq_len: int, max_tokens: int, hel
         raise RecipeError(f"model: {e}") from None
     except InputError as e:
         raise RecipeError(f"model: {e}") from None
+    if src.is_local:
+        from compressor.inputs.load import context_length, model_config
+
+        try:
+            limit = context_length(model_config(src))
+        except InputError as e:
+            raise RecipeError(f"model: {e}") from None
+        except (OSError, ValueError):  # e.g. a config that needs remote code: the loader says what is wrong
+            limit = None
+        if limit is not None and seq_len > limit:
+            raise RecipeError(f"{name('seq_len')}: {seq_len} is longer than the model's context "
+                              f"(max_position_embeddings {limit}); use at most {limit}")
     try:
         check_data_source(data)
     except (FileNotFoundError, DataFileError) as e:
@@ -164,9 +238,46 @@ def check_profile_inputs(model: str, data, *, seq_len: int, max_tokens: int, hel
         out = Path(output).expanduser()
         if out.exists() and not out.is_dir():
             raise RecipeError(f"{name('output')}: {out} is a file; give a folder")
+        check_profile_output(out, src, data, overwrite=overwrite, flag=name("output"),
+                             overwrite_flag=name("overwrite"))
         check_writable_dir(out, f"{name('output')}: the profile is written into {out}",
                            fix="choose a folder you can write to")
     return parsed
+
+
+#: What ``compressor profile --output`` writes (compressor.pipeline.profiler.write_profile).
+PROFILE_FILES = ("profile.json", "profile.md", "profile.png")
+
+
+def check_profile_output(out: Path, src, data, *, overwrite: bool, flag: str = "--output",
+                         overwrite_flag: str = "--overwrite") -> None:
+    """The profile's folder is not the model's own folder, not inside a published compressor output, and
+    holds no earlier profile unless ``overwrite``: the same output safety as ``run``."""
+    from compressor.inputs.safety import is_compressor_output
+
+    out = out.resolve()
+    if src.is_local:
+        model_dir = Path(src.path).resolve()
+        if out == model_dir or out.is_relative_to(model_dir) or model_dir.is_relative_to(out):
+            raise RecipeError(f"{flag}: {out} is, contains or lies inside the model's folder {model_dir}; the "
+                              "model's files are never written to — choose another folder, e.g. --output "
+                              "profiles/NAME")
+    if data.kind() in ("file", "disk"):
+        read = Path(data.dataset).expanduser().resolve()
+        if out == read or read.is_relative_to(out) and read.name in PROFILE_FILES:
+            raise RecipeError(f"{flag}: {out} would overwrite the data file {read}; choose another folder")
+    for folder in (out, *out.parents):
+        if folder.is_dir() and is_compressor_output(folder):
+            raise RecipeError(f"{flag}: {folder} is a published compressor output; writing a profile into it "
+                              "would change a model folder other tools read — choose another folder, e.g. "
+                              "--output profiles/NAME")
+    earlier = [f for f in PROFILE_FILES if (out / f).exists()]
+    if earlier and not overwrite:
+        raise RecipeError(f"{flag}: {out} holds an earlier profile ({', '.join(earlier)}); choose another folder, "
+                          f"or pass {overwrite_flag} to replace those files")
+    bad = [f for f in PROFILE_FILES if (out / f).exists() and not (out / f).is_file()]
+    if bad:
+        raise RecipeError(f"{flag}: {out / bad[0]} is not a file, so the profile cannot replace it; choose another folder")
 
 
 def parse_blocks(blocks: str | list[int] | None, flag: str = "--blocks") -> list[int] | None:

@@ -29,9 +29,9 @@ from compressor.core.version import __version__
 from compressor.engine.resume import ResumeError, RunState, run_key
 from compressor.inputs.calibration import DataInput, build_calibration, evaluation_streams, load_tokenizer
 from compressor.inputs.data import CalibrationSet, OverlapError, check_disjoint
-from compressor.inputs.load import ResolvedSource, load_model, object_source, resolve_source
+from compressor.inputs.load import ResolvedSource, load_model, model_config, object_source, resolve_source
 from compressor.inputs.safety import OutputLock
-from compressor.inputs.validate import check_inputs, run_reads
+from compressor.inputs.validate import check_context, check_inputs, run_reads
 from compressor.output import VerificationError, WriteRequest, get_writer, publish, staging_folder
 from compressor.output.hf import output_dtype, source_weight_bytes
 from compressor.evaluation.evaluate import ppl_limit
@@ -109,14 +109,9 @@ def default_formats(recipe: Recipe, model_type: str | None = None, src: Resolved
 
 
 def _model_type(recipe: Recipe) -> str:
-    from transformers import AutoConfig
-
     mc = recipe.model
     src = resolve_source(mc.source, mc.gguf_file)
-    kwargs = dict(trust_remote_code=mc.trust_remote_code, revision=mc.revision)
-    if src.gguf_file:
-        kwargs["gguf_file"] = src.gguf_file
-    return AutoConfig.from_pretrained(src.path, **kwargs).model_type
+    return model_config(src, trust_remote_code=mc.trust_remote_code, revision=mc.revision).model_type
 
 
 def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None = None,
@@ -134,6 +129,9 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
     src = given.source if given is not None else resolve_source(recipe.model.source, recipe.model.gguf_file)
     default_formats(recipe, model_type, src)
     mc = recipe.model
+    check_context(recipe, given.model.config if given is not None else model_config(
+        src, trust_remote_code=mc.trust_remote_code, revision=mc.revision))
+    _fetch_hub_calibration(recipe)
     for name in recipe.output.writers():
         try:
             get_writer(name)
@@ -165,6 +163,18 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
             lock.release()
         raise InputError(str(err)) from None
     return Checked(out, streams, state, reads, lock, width_multiple=multiple, seconds=time.perf_counter() - t0)
+
+
+def _fetch_hub_calibration(recipe: Recipe) -> None:
+    """A Hub calibration dataset is fetched now (``datasets`` caches it for the calibration stage): offline, or a
+    wrong name, is said before the model loads, not after."""
+    from compressor.inputs.calibration import calibration_text
+    from compressor.inputs.data import load_documents
+
+    source = calibration_text(recipe)
+    if source.kind() == "hub":
+        with DataInput("calibration.dataset"):
+            load_documents(source, "calibration")
 
 
 def _check_architecture(recipe: Recipe, src: ResolvedSource, given: Loaded | None = None) -> int:

@@ -113,9 +113,10 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
     else:
         first = "This model gives up little of its FFN at this budget: calibrate on more text of the gate's domain"
     return (f"no cut passed the gate: even the smallest tried ({cost(smallest)}{on}) is over "
-            f"the budget of {allowed}{tried}.{_one_block_fails(attempts, cost)} {first}, or raise policy.{field} to "
-            "a cost listed above (a run with --keep-state lets later runs at other budgets take its measurements: "
-            "--measurements-from)")
+            f"the budget of {allowed} at the gate's confidence (the upper bound of the change decides, "
+            f"policy.confidence){tried}.{_one_block_fails(attempts, cost)} {first}, or raise policy.{field} above "
+            "a cost listed above by its margin (report.json: evaluation) (a run with --keep-state lets later runs "
+            "at other budgets take its measurements: --measurements-from)")
 
 
 def _one_block_fails(attempts: list[dict], cost) -> str:

@@ -64,13 +64,26 @@ class CalibrationConfig(_Data):
     heldout_fraction: float = Field(0.2, gt=0, lt=1, description="share of whole windows held out for scoring")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the fit/held-out split and of self-written text")
 
+    @model_validator(mode="after")
+    def _two_windows(self):
+        # numbers alone: refused before any text is read or written (a seq_len of 100000 used to be found
+        # only after the model had written its calibration text)
+        if self.max_tokens // self.seq_len < 2:
+            raise ValueError(f"seq_len ({self.seq_len}) leaves fewer than two windows in max_tokens "
+                             f"({self.max_tokens}): one is fitted on and one held out; lower seq_len or raise "
+                             f"max_tokens to at least {2 * self.seq_len}")
+        return self
+
 
 class EvaluationConfig(_Data):
     name: str | None = Field(None, description="domain name in reports (default: derived from dataset)")
     split: str = "test"
     seq_len: int = Field(256, ge=4, le=1_000_000, description="perplexity window length")
-    stride: int = Field(128, ge=1, description="window stride; tokens before the last `stride` of a window are context only")
-    max_tokens: int = Field(4096, ge=16, le=MAX_TOKENS, description="cap on evaluation tokens")
+    stride: int = Field(256, ge=1, description="window stride (default: seq_len, windows that do not overlap, so "
+                        "they are near-independent sampling units for the gate's bound); tokens before the last "
+                        "`stride` of a window are context only")
+    max_tokens: int = Field(8192, ge=16, le=MAX_TOKENS, description="cap on evaluation tokens (8192: 32 windows of "
+                            "256, a gate bound about 1.3 standard errors above the change)")
     min_tokens: int = Field(1024, ge=2, le=MAX_TOKENS, description="fewer evaluation tokens is an error (exit 2): small sets mislead")
     kl_top_k: int = Field(64, ge=1, description="teacher log-probs kept per token for the KL metric (exact when ≥ vocab, a lower bound otherwise)")
     tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness task names run on the original and on the compressed model with the same settings (needs compressor[eval]); see docs/evaluation.md")
@@ -78,8 +91,18 @@ class EvaluationConfig(_Data):
     task_limit: int | None = Field(None, ge=1, description="examples per task (lm-eval's limit; null: all)")
     task_batch_size: int = Field(8, ge=1, le=4096, description="lm-eval batch size")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stride_default(cls, data):
+        if isinstance(data, dict) and "stride" not in data and isinstance(data.get("seq_len"), int):
+            data = {**data, "stride": data["seq_len"]}
+        return data
+
     @model_validator(mode="after")
     def _stride(self):
+        if self.seq_len >= self.max_tokens:
+            raise ValueError(f"seq_len ({self.seq_len}) ≥ max_tokens ({self.max_tokens}): one window, and the gate "
+                             "needs several (windows are its sampling unit); lower seq_len or raise max_tokens")
         if self.stride > self.seq_len:
             raise ValueError(f"stride ({self.stride}) must be ≤ seq_len ({self.seq_len})")
         if self.dataset in ("mix", "self"):
@@ -93,7 +116,7 @@ class EvaluationConfig(_Data):
     def domain_name(self) -> str:
         if self.name:
             return self.name
-        if self.dataset == "embedded":
+        if self.dataset in ("embedded", "embedded-code"):
             return self.dataset
         p = Path(self.dataset)
         return p.stem if p.suffix else self.dataset
@@ -117,10 +140,14 @@ class PolicyConfig(_Section):
     metric: Literal["ppl", "kl"] = Field("ppl", description="gate metric on every evaluation domain: ppl (ppl_budget, budget_mode) or kl (kl_budget)")
     ppl_budget: float = Field(0.05, ge=0, description="allowed perplexity increase (see budget_mode)")
     kl_budget: float = Field(0.05, ge=0, description="metric kl: allowed mean KL(original ‖ compressed), nats per token")
+    confidence: float = Field(
+        0.9, ge=0.5, lt=1, description="one-sided confidence of the gate's bound: a candidate passes when the upper "
+        "confidence bound of its change (paired by window, on every domain) is within the budget; 0.5 is the bare "
+        "point test")
     budget_mode: Literal["relative", "absolute"] = Field("relative", description="relative: ppl ≤ base·(1+budget); absolute: ppl ≤ base+budget")
     gate: bool = Field(True, description="validate each candidate and roll it back if over budget; false = bare threshold rule")
     order: Literal["r2", "swap_ppl", "index"] = Field("swap_ppl", description="order candidates are tried in; swap_ppl measures each candidate alone first (one extra evaluation per candidate)")
-    refit: bool = Field(False, description="removed in 0.2 (it refitted toward the compressed model's own outputs and measured no gain); use replacement.target")
+    refit: bool = Field(False, description="removed (it refitted toward the compressed model's own outputs and measured no gain); true is an error: use replacement.target")
     strategy: Literal["auto", "greedy", "allocate"] = Field(
         "auto", description="greedy: try whole-block swaps one at a time, roll back over budget; allocate: split one global target across blocks from their error curves, back off until the gate holds; auto: allocate for prune/hybrid, greedy otherwise")
     ffn_keep: float | None = Field(None, gt=0, le=1, description="allocate: fraction of the FFN parameters to keep (null: the largest cut within the budget, by bisection)")
@@ -134,6 +161,9 @@ class PolicyConfig(_Section):
 
     @model_validator(mode="after")
     def _lists(self):
+        if self.ffn_keep == 1:
+            raise ValueError("policy.ffn_keep: 1 keeps every FFN parameter, so nothing would be compressed; give "
+                             "a fraction below 1 (e.g. 0.9), or null for the largest cut within the budget")
         if self.refit:
             raise ValueError("policy.refit was removed: it refitted toward the compressed model's own outputs and "
                              "measured no gain. Use replacement.target: teacher_output or teacher_residual")
@@ -337,12 +367,31 @@ def width_multiple(output: OutputConfig, source_block: int = 1) -> int:
     return m
 
 
+#: The default evaluation domains: prose and source code, both shipped with Python (docs/gate.md).
+DEFAULT_EVALUATION = ("embedded", "embedded-code")
+
+#: Fields each strategy never reads, as ``(section, field)``: setting one to anything but its default is
+#: an error naming it (a silent no-op misleads: ``replacement.keep: 0.5`` under allocate kept 31.9 %).
+IGNORED_BY = {
+    "allocate": (("policy", "threshold"), ("policy", "include"), ("policy", "order"), ("policy", "max_blocks"),
+                 ("policy", "target_ratio"), ("policy", "patience"), ("measure", "swap_sweep"),
+                 ("replacement", "keep")),
+    "greedy": (("policy", "ffn_keep"),),
+}
+_INSTEAD = {"allocate": "the allocate strategy splits one global cut across blocks by their error curves "
+                        "(policy.ffn_keep, policy.allocation, policy.max_backoff, policy.exclude)",
+            "greedy": "the greedy strategy swaps whole blocks one at a time (policy.threshold, include, order, "
+                      "max_blocks, target_ratio, patience)"}
+
+
 class Recipe(_Section):
     version: Literal[1] = RECIPE_VERSION
     model: ModelConfig = Field(default_factory=ModelConfig)
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     evaluation: EvaluationConfig | list[EvaluationConfig] = Field(
-        default_factory=EvaluationConfig, description="one evaluation section, or a list of them (domains; the gate must hold on each)")
+        default_factory=lambda: [EvaluationConfig(dataset=d) for d in DEFAULT_EVALUATION],
+        description="one evaluation section, or a list of them (domains; the gate must hold on each); default: "
+        "prose (embedded) and code (embedded-code)")
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     replacement: ReplacementConfig = Field(default_factory=AffineReplacement)
@@ -356,6 +405,22 @@ class Recipe(_Section):
         if self.policy.strategy == "greedy" and self.replacement.kind in ("prune", "hybrid") and self.replacement.keep is None:
             raise ValueError(f"replacement.keep: required for kind {self.replacement.kind} with policy.strategy: greedy "
                              "(the fraction of hidden units each replaced block keeps)")
+        return self
+
+    @model_validator(mode="after")
+    def _fields_the_strategy_reads(self):
+        strategy = self.strategy()
+        for section, name in IGNORED_BY[strategy]:
+            sec = getattr(self, section)
+            if name not in type(sec).model_fields:
+                continue
+            value, default = getattr(sec, name), type(sec).model_fields[name].get_default(call_default_factory=True)
+            if value != default:
+                why = f"policy.strategy: {self.policy.strategy}" + (
+                    f" (for kind {self.replacement.kind}: {strategy})" if self.policy.strategy == "auto" else "")
+                other = "greedy" if strategy == "allocate" else "allocate"
+                raise ValueError(f"{section}.{name}: {value!r} is not read by {why}: {_INSTEAD[strategy]}. Remove "
+                                 f"{section}.{name}, or set policy.strategy: {other} if that is the search you want")
         return self
 
     @model_validator(mode="after")

@@ -137,6 +137,14 @@ def _pm(v, se, spec: str = ".3f") -> str:
     return _f(v, spec) + ("" if se is None else f" ± {_f(se, spec)}")
 
 
+def _bound(d: dict) -> str:
+    """The upper confidence bound the gate decided on: of Δ perplexity, or of the KL."""
+    if d.get("metric") == "kl" and d.get("kl_upper") is not None:
+        return f"KL ≤ {d['kl_upper']:.3g}"
+    up = d.get("relative_delta_upper")
+    return "—" if up is None else f"{up:+.2%}"
+
+
 def evaluation_section(ev: dict | None, cal: dict | None) -> str:
     """What the gate was measured on: per domain, before/after perplexity (± SE) and KL, and warnings."""
     if not ev:
@@ -150,10 +158,14 @@ def evaluation_section(ev: dict | None, cal: dict | None) -> str:
     else:
         kind = "×(1 + budget)" if ev["budget_mode"] == "relative" else "+ budget"
         rule = f"perplexity ≤ baseline {kind}, budget {ev['ppl_budget']}, on every domain"
+    conf = ev.get("confidence")
+    if conf is not None:
+        rule += (f", decided on the {conf:.0%} upper confidence bound of the change (paired by window): the "
+                 "change is within budget with that confidence, on the gate's text")
     rows = "\n".join(
         f"| {d['name']} | `{public_name(d['dataset'])}` | {d['scored_tokens']:,} / {d['windows']} | "
         f"{_pm(d['baseline']['ppl'], d['baseline'].get('ppl_se'))} | {_pm(d['final']['ppl'], d['final'].get('ppl_se'))} | "
-        f"{d['relative_delta']:+.2%} | {_pm(d['final'].get('kl'), d['final'].get('kl_se'), '.3g')} | "
+        f"{d['relative_delta']:+.2%} | {_bound(d)} | {_pm(d['final'].get('kl'), d['final'].get('kl_se'), '.3g')} | "
         f"{'✓' if d['passed'] else '✗'} |"
         for d in ev["domains"]
     )
@@ -163,8 +175,8 @@ def evaluation_section(ev: dict | None, cal: dict | None) -> str:
 
 Calibration (fits): `{source}`. Gate: {rule}.
 
-| domain | data | scored tokens / windows | perplexity before | after | Δ | KL (nats/token) | within budget |
-|---|---|---:|---:|---:|---:|---:|:-:|
+| domain | data | scored tokens / windows | perplexity before | after | Δ | bound | KL (nats/token) | within budget |
+|---|---|---:|---:|---:|---:|---:|---:|:-:|
 {rows}
 
 ± is one standard error, windows as the sampling unit. KL is measured against the original model's top-k

@@ -98,6 +98,6 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
             "or add evaluation domains like your use."
         )
     return {
-        "metric": pol.metric, "ppl_budget": pol.ppl_budget, "budget_mode": pol.budget_mode, "kl_budget": pol.kl_budget,
+        "metric": pol.metric, "confidence": pol.confidence, "ppl_budget": pol.ppl_budget, "budget_mode": pol.budget_mode, "kl_budget": pol.kl_budget,
         "passed": passed, "message": message, "domains": domains, "one_domain": one_domain, "warnings": warnings,
     }
