@@ -397,7 +397,6 @@ def test_too_short_calibration_file_does_not_advise_max_tokens(tmp_path, capsys)
 
 
 def test_summary_of_a_gguf_only_output_names_no_hugging_face_folder(capsys):
-    from types import SimpleNamespace
 
     from compressor.cli.run import _print_summary
 
@@ -412,7 +411,7 @@ def test_summary_of_a_gguf_only_output_names_no_hugging_face_folder(capsys):
             {"name": "embedded", "metric": "ppl", "relative_delta": 0.03, "relative_delta_upper": 0.041,
              "limit": 10.5, "baseline_ppl": 10.0, "windows": 32, "passed": True}]},
     }
-    _print_summary(SimpleNamespace(report=report, output=Path("out")))
+    _print_summary(report, Path("out"))
     out = capsys.readouterr().out
     assert "Hugging Face folder" not in out and "unknown" not in out
     assert "gate [embedded]: +3.00%, 90% bound +4.10% vs +5.00% over 32 windows — within budget" in out
