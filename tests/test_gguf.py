@@ -468,6 +468,7 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     assert check["quant"] == "plan" and check["file_bytes"] <= check["budget_bytes"] == plan["budget_bytes"]
     assert check["preset"]["name"] == "Q4_0" and check["preset"]["file_bytes"] == check["budget_bytes"]
     assert check["perplexity"] > 0 and check["preset"]["perplexity"] > 0 and check["gate_passed"]
+    assert [d["name"] for d in check["domains"]] == ["eval"] and check["domains"][0]["preset_relative_change"] > -1
     written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(res.output / "model.gguf").tensors}
     assert all(written[row["tensor"]] == row["type"] for row in plan["tensors"])
     assert not list(tmp_path.glob(".compressor-size-*"))  # the F16 and the preset are cleaned up

@@ -210,19 +210,21 @@ def _num(v) -> str:
 
 
 def _print_size_plan(r: dict, gguf: dict) -> None:
-    """``output.size``: the planned GGUF beside llama.cpp's preset of that size, same windows."""
+    """``output.size``: the planned GGUF beside llama.cpp's preset of that size, same windows, per domain."""
     from compressor.engine.cache import human_bytes
 
     plan = r.get("size_plan") or {}
     types = ", ".join(f"{t} ×{n}" for t, n in plan.get("types_used", {}).items())
     print(f"gguf: {human_bytes(gguf['file_bytes'])} (budget {human_bytes(gguf['budget_bytes'])}, output.size "
           f"{plan.get('size')}); tensor types: {types}")
-    print(f"llama.cpp: perplexity {gguf['perplexity']:.4f}, {100 * gguf['relative_change']:+.2f} % against the "
-          f"original's {gguf['reference_perplexity']:.4f} (predicted {100 * gguf['predicted_relative_change']:+.2f} %)")
     preset = gguf.get("preset")
-    if preset:
-        print(f"beside it: llama.cpp's {preset['name']} from the same F16, {human_bytes(preset['file_bytes'])}: "
-              f"perplexity {preset['perplexity']:.4f}, {100 * preset['relative_change']:+.2f} % (same windows)")
+    print(f"predicted: {100 * gguf['predicted_relative_change']:+.2f} % perplexity"
+          + (f"; beside it: llama.cpp's {preset['name']} from the same F16, {human_bytes(preset['file_bytes'])}"
+             if preset else ""))
+    for d in gguf.get("domains", []):
+        beside = f" | {preset['name']}: {100 * d['preset_relative_change']:+.2f} %" if preset else ""
+        print(f"llama.cpp [{d['name']}]: perplexity {d['perplexity']:.4f}, {100 * d['relative_change']:+.2f} % "
+              f"against the original's {d['reference_perplexity']:.4f}{beside}")
 
 
 def _flag_path(value: str, flag: str) -> str:

@@ -902,32 +902,44 @@ class GGUFWriter(Writer):
 
 
 def planned_check(path: Path, request: WriteRequest, options: dict) -> dict:
-    """A size-planned file in llama.cpp: its perplexity on the probe windows against the in-memory model's
-    (there is no float original of a mixed file to match), the size against the budget, and llama.cpp's
-    preset of that size (``options['preset']``: name, path, made from the same F16) on the same windows.
-    Raises :class:`VerificationError` over the byte budget; the perplexity gate is the caller's."""
+    """A size-planned file in llama.cpp: its perplexity on every gate domain (``options['gate_domains']``,
+    else the probe) against the in-memory original's there (there is no float original of a mixed file to
+    match), the size against the budget, and llama.cpp's preset of that size (``options['preset']``,
+    made from the same F16) on the same windows. Raises :class:`VerificationError` over the byte budget;
+    the perplexity gate is the caller's (:func:`compressor.pipeline.stages.size_gate`)."""
     import llama_cpp
 
-    ppl, n = llama_cpp_perplexity(path, request.probe_tokens, request.probe_seq_len, request.probe_stride)
-    expected, size_plan = request.expected_ppl, options["size_plan"]
-    budget = int(options.get("size_budget") or 0)
-    check = {"runtime": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, **gguf_summary(path),
-             "quant": "plan", "perplexity": ppl, "scored_tokens": n, "reference_perplexity": expected,
-             "relative_change": ppl / expected - 1.0 if expected else None,
-             "predicted_relative_change": math.expm1(size_plan.predicted_nll_increase),
-             "file_bytes": path.stat().st_size, "budget_bytes": budget or None,
-             "passed": math.isfinite(ppl) and (not budget or path.stat().st_size <= budget)}
+    size_plan, budget = options["size_plan"], int(options.get("size_budget") or 0)
+    domains = options.get("gate_domains") or [
+        {"name": "probe", "tokens": request.probe_tokens, "seq_len": request.probe_seq_len,
+         "stride": request.probe_stride, "reference_ppl": request.expected_ppl}]
     preset = options.get("preset")
+    measured = []
+    for d in domains:
+        ppl, n = llama_cpp_perplexity(path, d["tokens"], d["seq_len"], d["stride"])
+        ref = d["reference_ppl"]
+        row = {"name": d["name"], "perplexity": ppl, "scored_tokens": n, "reference_perplexity": ref,
+               "relative_change": ppl / ref - 1.0 if ref else None}
+        if preset:
+            p_ppl, _ = llama_cpp_perplexity(Path(preset["path"]), d["tokens"], d["seq_len"], d["stride"])
+            row["preset_perplexity"], row["preset_relative_change"] = p_ppl, p_ppl / ref - 1.0 if ref else None
+        measured.append(row)
+    first = measured[0]
+    check = {"runtime": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, **gguf_summary(path),
+             "quant": "plan", "perplexity": first["perplexity"], "scored_tokens": first["scored_tokens"],
+             "reference_perplexity": first["reference_perplexity"], "relative_change": first["relative_change"],
+             "predicted_relative_change": math.expm1(size_plan.predicted_nll_increase), "domains": measured,
+             "file_bytes": path.stat().st_size, "budget_bytes": budget or None,
+             "passed": all(math.isfinite(d["perplexity"]) for d in measured)
+             and (not budget or path.stat().st_size <= budget)}
     if preset:
-        p_ppl, _ = llama_cpp_perplexity(Path(preset["path"]), request.probe_tokens, request.probe_seq_len,
-                                        request.probe_stride)
-        check["preset"] = {"name": preset["name"], "file_bytes": preset["file_bytes"], "perplexity": p_ppl,
-                           "relative_change": p_ppl / expected - 1.0 if expected else None,
+        check["preset"] = {"name": preset["name"], "file_bytes": preset["file_bytes"],
+                           "perplexity": first["preset_perplexity"], "relative_change": first["preset_relative_change"],
                            "made_by": "llama.cpp llama_model_quantize from the same F16, no importance matrix"}
     if not check["passed"]:
         raise VerificationError(
             f"llama.cpp check failed: {path.name} is {check['file_bytes']:,} bytes against the budget of "
-            f"{budget:,} (perplexity {ppl:.4f}); nothing was published")
+            f"{budget:,} (perplexity {first['perplexity']:.4f}); nothing was published")
     return check
 
 

@@ -253,7 +253,7 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
     try:
         request = stages.write_request(recipe, loaded, checked, result, report)
         if recipe.output.size is not None:
-            sizing = sized(recipe, request, calibrated, checked, report)
+            sizing = sized(recipe, request, calibrated, checked, report, result)
         tmp = stages.write(recipe.output, request, checked, report["timings"])
         if sizing is not None:
             tmp = fit_budget(sizing, recipe, request, checked, report, tmp)
@@ -275,8 +275,9 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
     return OneshotResult(loaded.model, loaded.tokenizer, report, out, result)
 
 
-def sized(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stages.Checked, report: dict):
-    """The size stage (:mod:`compressor.pipeline.sizing`): plan every tensor's type; the writers get the plan."""
+def sized(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stages.Checked, report: dict, result):
+    """The size stage (:mod:`compressor.pipeline.sizing`): plan every tensor's type; the writers get the plan
+    and every gate domain to check the file on in llama.cpp, with the original's perplexity there."""
     import torch
 
     from compressor.pipeline.sizing import plan_size
@@ -285,6 +286,11 @@ def sized(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stage
     cal = calibrated.cal
     sizing = plan_size(recipe, request, torch.cat([cal.fit, cal.heldout]), checked.out)
     request.options.update(sizing.writer_options())
+    base = getattr(result.baseline, "domains", None) or {}
+    request.options["gate_domains"] = [
+        {"name": c.domain_name(), "tokens": checked.eval_streams[c.domain_name()], "seq_len": c.seq_len,
+         "stride": c.stride, "reference_ppl": base[c.domain_name()].ppl if c.domain_name() in base else None}
+        for c in recipe.evaluation_domains()]
     report["size_plan"] = sizing.to_json()
     report["timings"]["size_plan_s"] = time.perf_counter() - t0
     return sizing

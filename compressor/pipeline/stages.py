@@ -533,25 +533,28 @@ def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> Non
 
 
 def size_gate(recipe: Recipe, rep: dict, tmp: Path) -> None:
-    """``output.size``: the planned GGUF's perplexity in llama.cpp on the gate's windows is the gate
-    (``policy.ppl_budget`` over the original's); over it, nothing is published (exit 3)."""
+    """``output.size``: the planned GGUF's perplexity in llama.cpp on every gate domain is the gate
+    (``policy.ppl_budget`` over the original's there); over it anywhere, nothing is published (exit 3)."""
     from compressor.core.errors import GateFailed
 
     check, pol = rep["verification"]["gguf"], recipe.policy
-    base = check["reference_perplexity"]
-    limit = ppl_limit(base, pol.ppl_budget, pol.budget_mode)
-    check["gate_limit"] = limit
-    check["gate_passed"] = bool(check["perplexity"] <= limit) or not pol.gate
-    preset = check.get("preset")
-    beside = "" if not preset else (f"; llama.cpp's {preset['name']} of that size: "
-                                    f"{100 * preset['relative_change']:+.2f} %")
-    rep["message"] = (f"GGUF of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}): perplexity "
-                      f"{check['perplexity']:.4f} in llama.cpp, {100 * check['relative_change']:+.2f} % against the "
-                      f"original's {base:.4f} (budget ≤ {limit:.4f}){beside}")
+    for d in check["domains"]:
+        d["limit"] = ppl_limit(d["reference_perplexity"], pol.ppl_budget, pol.budget_mode)
+        d["passed"] = bool(d["perplexity"] <= d["limit"])
+    check["gate_passed"] = all(d["passed"] for d in check["domains"]) or not pol.gate
+    worst = max(check["domains"], key=lambda d: d["perplexity"] / d["limit"])
+    changes = "; ".join(
+        f"{d['name']} {100 * d['relative_change']:+.2f} %" + (
+            f" (llama.cpp's {check['preset']['name']}: {100 * d['preset_relative_change']:+.2f} %)"
+            if check.get("preset") else "") for d in check["domains"])
+    rep["message"] = (f"GGUF of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); perplexity in "
+                      f"llama.cpp against the original's: {changes}; budget {pol.ppl_budget:+.0%} "
+                      f"({pol.budget_mode})")
     if not check["gate_passed"]:
         _remove(tmp)
         rep.update(status="rejected", exit_code=3)
-        rep["message"] += ". Nothing was written; give a larger output.size or raise policy.ppl_budget"
+        rep["message"] += (f". Over the budget on {worst['name']}: nothing was written; give a larger output.size "
+                           "or raise policy.ppl_budget")
         rep["output"] = None
         raise GateFailed(rep["message"], report=rep)
 
