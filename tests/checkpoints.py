@@ -50,3 +50,11 @@ BLOCK_COMPRESSOR = textwrap.dedent(
     """
 )
 
+
+#: The recipe a notebook user writes for the tiny model: small windows, the gate on (oneshot, card, tasks tests).
+TINY_RECIPE = {
+    "calibration": {"dataset": "embedded", "max_tokens": 2048, "seq_len": 32},
+    "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 64},
+    "policy": {"threshold": -100, "ppl_budget": 0.5},
+    "measure": {"cache": False},
+}

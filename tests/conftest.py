@@ -52,3 +52,13 @@ def no_loading(monkeypatch):
     monkeypatch.setattr("compressor.pipeline.stages.load_model", boom)
     monkeypatch.setattr("compressor.inputs.load.load_model", boom)
     return boom
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """The statistics cache in the test's own folder, and the hub offline: nothing outside is read or left."""
+    d = tmp_path / "stats-cache"
+    monkeypatch.setenv("COMPRESSOR_CACHE_DIR", str(d))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return d

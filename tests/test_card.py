@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoints import save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
+from checkpoints import TINY_RECIPE, save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
 
 import compressor
 from compressor.reports.render import public_name, scrub_paths
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-RECIPE = {
-    "calibration": {"dataset": "embedded", "max_tokens": 2048, "seq_len": 32},
-    "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 64},
-    "policy": {"threshold": -100, "ppl_budget": 0.5},
-    "measure": {"cache": False},
-}
+RECIPE = TINY_RECIPE
 
 
 @pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("COMPRESSOR_CACHE_DIR", str(tmp_path / "stats-cache"))
+def cache_dir(isolated_cache):
+    return isolated_cache
 
 
 def load_card(folder):

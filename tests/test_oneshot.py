@@ -12,26 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
+from checkpoints import TINY_RECIPE, save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
 
 import compressor
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-# The recipe a notebook user writes: small windows for the tiny model, the gate on.
-RECIPE = {
-    "calibration": {"dataset": "embedded", "max_tokens": 2048, "seq_len": 32},
-    "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 64},
-    "policy": {"threshold": -100, "ppl_budget": 0.5},
-    "measure": {"cache": False},
-}
+RECIPE = TINY_RECIPE
 
 
 @pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "stats-cache"
-    monkeypatch.setenv("COMPRESSOR_CACHE_DIR", str(d))
-    return d
+def cache_dir(isolated_cache):
+    return isolated_cache
 
 
 def calibration_texts() -> list[str]:

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from checkpoints import save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
+from checkpoints import TINY_RECIPE, save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
 from tasks import TASK, cloze_items, write_task_folder
 
 import compressor
@@ -19,19 +19,12 @@ from compressor.cli import main
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-RECIPE = {
-    "calibration": {"dataset": "embedded", "max_tokens": 2048, "seq_len": 32},
-    "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 64},
-    "policy": {"threshold": -100, "ppl_budget": 0.5},
-    "measure": {"cache": False},
-}
+RECIPE = TINY_RECIPE
 
 
 @pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("COMPRESSOR_CACHE_DIR", str(tmp_path / "stats-cache"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def cache_dir(isolated_cache):
+    return isolated_cache
 
 
 def task_recipe(folder, **policy) -> dict:

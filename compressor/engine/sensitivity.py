@@ -16,6 +16,8 @@ Hassibi & Stork's curvature proxy). Two uses:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,32 @@ def backward_rows(model: nn.Module, seq_len: int, batch_size: int) -> int:
     return max(1, min(batch_size, BACKWARD_BUDGET_BYTES // max(per_window, 1)))
 
 
+@contextmanager
+def frozen(model: nn.Module):
+    """Eval mode with no parameter gradients for a backward pass to the activations; restored after."""
+    was_training, req = model.training, {n: p.requires_grad for n, p in model.named_parameters()}
+    model.eval()
+    model.requires_grad_(False)
+    try:
+        yield model
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(req[n])
+        model.train(was_training)
+
+
+def summed_loss_backward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Forward from the token embeddings and backward of the next-token loss *summed* over tokens (so the
+    gradient at token t is that of the total loss); hooks see the activations' gradients. Returns the
+    gradient at the embedding output."""
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    logits = model(inputs_embeds=emb, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+    del logits
+    loss.backward()
+    return emb.grad
+
+
 def output_grad_moments(model: nn.Module, windows: torch.Tensor, modules: dict[int, str], *,
                         batch_size: int = 8) -> dict[int, torch.Tensor]:
     """Per block index: mean of ``g²`` over calibration tokens (float64, [d_out], CPU).
@@ -69,31 +97,18 @@ def output_grad_moments(model: nn.Module, windows: torch.Tensor, modules: dict[i
     for i, path in modules.items():
         handles.append(model.get_submodule(path).register_forward_hook(make_hook(i)))
     device = model.get_input_embeddings().weight.device
-    was_training = model.training
-    model.eval()
-    req = {n: p.requires_grad for n, p in model.named_parameters()}
-    model.requires_grad_(False)
     starts = range(0, windows.shape[0], batch_size)
     rows = backward_rows(model, windows.shape[1], batch_size)
     try:
-        for b in progress(dist.shard(len(starts)), desc="sensitivity: loss gradients", unit="batch"):
-            sums = per_batch[b] = {}
-            batch = windows[starts[b]:starts[b] + batch_size]
-            for first in range(0, batch.shape[0], rows):
-                ids = batch[first:first + rows].to(device)
-                emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-                logits = model(inputs_embeds=emb, use_cache=False).logits
-                # summed over tokens: g_t is then the gradient of the total loss at token t
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
-                del logits
-                loss.backward()
-                del loss, emb
+        with frozen(model):
+            for b in progress(dist.shard(len(starts)), desc="sensitivity: loss gradients", unit="batch"):
+                sums = per_batch[b] = {}
+                batch = windows[starts[b]:starts[b] + batch_size]
+                for first in range(0, batch.shape[0], rows):
+                    summed_loss_backward(model, batch[first:first + rows].to(device))
     finally:
         for h in handles:
             h.remove()
-        for n, p in model.named_parameters():
-            p.requires_grad_(req[n])
-        model.train(was_training)
     total: dict[int, torch.Tensor] = {}
     for batch in dist.gather_items(per_batch, len(starts)):
         for i, g2 in batch.items():

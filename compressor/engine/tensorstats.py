@@ -28,11 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from compressor.core.progress import progress
-from compressor.engine.sensitivity import backward_rows
+from compressor.engine.sensitivity import backward_rows, frozen, summed_loss_backward
 
 #: Key of the token embedding in :func:`output_fisher`'s result.
 EMBEDDING = "<embedding>"
@@ -74,27 +73,16 @@ def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     embed = model.get_input_embeddings()
     vocab = embed.weight.shape[0]
     counts = torch.zeros(vocab, dtype=torch.float64)
-    was_training, req = model.training, {n: p.requires_grad for n, p in model.named_parameters()}
-    model.eval()
-    model.requires_grad_(False)
     rows = backward_rows(model, windows.shape[1], batch_size)
     try:
-        for first in progress(range(0, windows.shape[0], rows), desc="price: loss gradients", unit="batch"):
-            ids = windows[first:first + rows].to(embed.weight.device)
-            counts += torch.bincount(ids.flatten().cpu(), minlength=vocab).double()
-            emb = embed(ids).detach().requires_grad_(True)
-            logits = model(inputs_embeds=emb, use_cache=False).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
-            del logits
-            loss.backward()
-            add(EMBEDDING, emb.grad)
-            del loss, emb
+        with frozen(model):
+            for first in progress(range(0, windows.shape[0], rows), desc="price: loss gradients", unit="batch"):
+                ids = windows[first:first + rows].to(embed.weight.device)
+                counts += torch.bincount(ids.flatten().cpu(), minlength=vocab).double()
+                add(EMBEDDING, summed_loss_backward(model, ids))
     finally:
         for h in handles:
             h.remove()
-        for n, p in model.named_parameters():
-            p.requires_grad_(req[n])
-        model.train(was_training)
     n_tokens = windows.numel()
     return Fisher({k: v / n_tokens for k, v in sums.items()}, counts, n_tokens)
 
