@@ -3,8 +3,8 @@ against compressor's size planner at each preset's size, all from the same F16.
 
 For one model:
 
-1. the F16 GGUF: the source dequantized to float32 by transformers and written at F16 by compressor's
-   writer (the file a deployer would quantize);
+1. the F16 GGUF: the GGUF source dequantized tensor by tensor and written at F16 by compressor's writer
+   (the file a deployer would quantize);
 2. llama.cpp's presets from it: ``llama-quantize F16 OUT PRESET`` (plain), and ``llama-imatrix`` over the
    calibration text (``--chunks 32 -c 512``) then ``llama-quantize --imatrix`` (with importance matrix);
 3. compressor at each preset's size: ``compressor run`` with ``output.size: PRESET``, calibrated on the
@@ -60,8 +60,9 @@ from compressor.inputs.load import load_model
 from compressor.output.base import WriteRequest
 from compressor.output.gguf import write_gguf
 model, tok, src = load_model(sys.argv[1], dtype="float32")
-req = WriteRequest(model=model, tokenizer=tok, compression={}, source=src, dtype=torch.float16, options={"quant": "f16"})
-write_gguf(req, Path(sys.argv[2]), {"quant": "f16"})
+opts = {"quant": "f16", "from_source": True}  # a GGUF source dequantized in its own architecture and layout
+req = WriteRequest(model=model, tokenizer=tok, compression={}, source=src, dtype=torch.float16, options=opts)
+write_gguf(req, Path(sys.argv[2]), opts)
 """
 
 
