@@ -58,13 +58,18 @@ class Sizing:
     workdir: Path
     overhead_bytes: int
     timings: dict = field(default_factory=dict)
+    units: dict = field(default_factory=dict, repr=False)
+    """Every tensor's priced options (what a re-plan allocates again)."""
+    priced: list[Priced] = field(default_factory=list, repr=False)
+    cached: bool = False
+    """Whether the prices came from the statistics cache."""
 
     def writer_options(self) -> dict:
         return {"size_plan": self.plan, "size_budget": self.budget_bytes, "preset": self.preset}
 
     def to_json(self) -> dict:
         return {"size": self.size, "budget_bytes": self.budget_bytes, "non_tensor_bytes": self.overhead_bytes,
-                "prices_from_cache": getattr(self, "cached", False),
+                "prices_from_cache": self.cached,
                 "preset": None if self.preset is None else {k: v for k, v in self.preset.items() if k != "path"},
                 **self.plan.to_json(), "timings": self.timings}
 
@@ -198,9 +203,7 @@ def plan_size(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, out:
         logger.info("size plan: %s MB of tensor data, predicted perplexity %+.2f %%; types %s",
                     f"{chosen.tensor_bytes / 1e6:.1f}", 100 * chosen.to_json()["predicted_ppl_change"],
                     chosen.to_json()["types_used"])
-        sizing = Sizing(chosen, limit, size, preset, workdir, overhead, timings)
-        sizing.units, sizing.priced, sizing.cached = units, priced, cached
-        return sizing
+        return Sizing(chosen, limit, size, preset, workdir, overhead, timings, units, priced, cached)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
