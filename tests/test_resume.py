@@ -28,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 BASE = {
     "calibration": {"dataset": "embedded", "max_tokens": 1024, "seq_len": 32},
-    "evaluation": {"max_tokens": 256, "min_tokens": 128, "seq_len": 64, "stride": 64},
+    # 8 windows: 6 for the search, 2 held out to confirm its choice (policy.confirm_fraction 0.25)
+    "evaluation": {"max_tokens": 512, "min_tokens": 128, "seq_len": 64, "stride": 64},
     "measure": {"cache": False},
 }
 SCENARIOS = {

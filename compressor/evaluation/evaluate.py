@@ -111,6 +111,11 @@ def _windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def window_count(tokens: int, seq_len: int, stride: int) -> int:
+    """The windows a stream of ``tokens`` ids is scored in."""
+    return len(_windows(tokens, seq_len, stride))
+
+
 def ratio_mean_se(sums: torch.Tensor, counts: torch.Tensor) -> tuple[float, float | None]:
     """Ratio estimator ``Σ sums / Σ counts`` and its standard error, windows as sampling units.
 
