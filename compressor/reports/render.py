@@ -190,12 +190,12 @@ def confirmation_section(ev: dict) -> str:
     c = ev.get("confirmation")
     if not c:
         return ""
-    rows = "\n".join(
-        f"| {d['name']} | {d['search']['windows']} | {d['search']['relative_delta']:+.2%} | {_bound(dict(d['search'], metric=d.get('metric')))} | "
-        f"{d['confirmation']['windows']} | {d['confirmation']['relative_delta']:+.2%} | "
-        f"{_bound(dict(d['confirmation'], metric=d.get('metric')))} | {'✓' if d['passed'] else '✗'} |"
-        for d in ev["domains"] if d.get("confirmation")
-    )
+    def side(d: dict, split: str) -> str:
+        row = dict(d[split], metric=d.get("metric"))
+        return f"{row['windows']} | {row['relative_delta']:+.2%} | {_bound(row)}"
+
+    rows = "\n".join(f"| {d['name']} | {side(d, 'search')} | {side(d, 'confirmation')} | {'✓' if d['passed'] else '✗'} |"
+                     for d in ev["domains"] if d.get("confirmation"))
     back = "".join(f"\n* {n}" for n in c.get("stepped_back") or [])
     return f"""
 The search chose among cuts on {1 - c['fraction']:.0%} of each domain's windows; the other {c['fraction']:.0%},
