@@ -181,9 +181,12 @@ def test_a_cut_below_the_smallest_of_the_bisection_passes_when_it_is_within_budg
 def test_a_passing_smallest_cut_leaves_the_bisection_where_it_was(tmp_path):
     """The floor is tried first and reused: the bisection ends on the cut it found without it."""
     res = _prune_run(tmp_path, "out", {"ppl_budget": 100.0, "max_backoff": 3})
-    keeps = [a["ffn_keep_target"] for a in res.report["allocation_attempts"]]
+    rows = res.report["allocation_attempts"]
+    keeps = [a["ffn_keep_target"] for a in rows if not a["confirmation"]]
     # the floor (0.9125) first, then the bisection from 0.65: every cut passes this budget
     assert res.exit_code == 0 and keeps == pytest.approx([0.9125, 0.65, 0.475, 0.3875])
+    # then the choice, once, on the held-out windows
+    assert rows[-1]["confirmation"] and rows[-1]["passed"] and rows[-1]["ffn_keep_target"] == pytest.approx(0.3875)
 
 
 def test_allocating_whole_block_affine_swaps_runs_to_the_end(tmp_path):

@@ -101,3 +101,13 @@ def test_a_rejected_choice_steps_back_and_the_bisection_goes_on_above_it():
     search, _ = _search(0.3)
     search.run(1, start=0.4)
     assert search.step_back() is None and (search.failed, search.passed) == (0.4, 1.0)
+
+
+def test_a_target_that_chooses_the_rejected_choice_fails_too():
+    """Targets a step apart can choose the same (one measurement): after a step back, a target between
+    that chooses the rejected choice counts as failing, not as the passing attempt it shares."""
+    search, measured = _search(0.3, key=lambda t: round(t, 1))  # 0.375 and 0.4 choose the same (0.4)
+    search.run(3)  # 0.875, 0.5, 0.25, 0.375 (best)
+    search.step_back()
+    best = search.bisect(3)  # 0.4375 chooses what 0.375 chose: it fails; 0.46875 chooses what 0.5 chose
+    assert best.target == 0.5 and search.failed == 0.4375 and len(measured) == 4

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 BASE = {
     "calibration": {"dataset": "embedded", "max_tokens": 1024, "seq_len": 32},
-    "evaluation": {"max_tokens": 256, "min_tokens": 128, "seq_len": 64, "stride": 64},
+    # 8 windows: 6 for the search, 2 held out to confirm its choice (policy.confirm_fraction 0.25)
+    "evaluation": {"max_tokens": 512, "min_tokens": 128, "seq_len": 64, "stride": 64},
     "measure": {"cache": False},
 }
 SCENARIOS = {
@@ -392,3 +393,24 @@ def test_spilled_statistics_are_read_from_the_records(tmp_path, source, referenc
         "a temporary folder outlived its run in the state folder"
     assert outcome(res) == reference["allocate"]["outcome"]
     assert list(systmp.iterdir()) == []
+
+
+def test_another_confirmation_split_takes_the_kept_measurements(tmp_path, source):
+    """policy.confirm_fraction is a gate setting: the baseline's teacher pass covers every window and the
+    split is taken from it, so a run at another fraction takes the kept measurements (no pass A, no
+    baseline pass again) and gets what a fresh run at that fraction gets."""
+    first = tmp_path / "first"
+    assert compressor.run(recipe_for(source, first, "allocate"), keep_state=True).exit_code == compressor.EXIT_OK
+    other = recipe_for(source, tmp_path / "second", "allocate", confirm_fraction=0.5)
+    assert other.measurement_sha256() == recipe_for(source, first, "allocate").measurement_sha256()
+    with pytest.MonkeyPatch.context() as mp:
+        counter, grads = Counter(mp), _count_gradient_passes(mp)
+        builds = []
+        real = Evaluator.build.__func__
+        mp.setattr(Evaluator, "build", classmethod(lambda cls, *a, **k: builds.append(1) or real(cls, *a, **k)))
+        got = compressor.run(other, measurements_from=first)
+    assert got.exit_code == compressor.EXIT_OK, got.report["message"]
+    assert grads == [] and builds == [] and all(target != "none" for target, _ in counter.measured)
+    assert got.report["evaluation"]["confirmation"]["windows"] == {"embedded": 4}  # 8 windows, every other
+    fresh = compressor.run(recipe_for(source, tmp_path / "fresh", "allocate", confirm_fraction=0.5))
+    assert outcome(got) == outcome(fresh)

@@ -163,11 +163,7 @@ def _print_summary(r: dict, output) -> None:
     for d in ev.get("domains", []):
         if d.get("relative_delta_upper") is None:
             continue
-        bound = (f"KL {d['kl']:.4f}, {ev['confidence']:.0%} bound {d['kl_upper']:.4f} vs {d['limit']:.4f}"
-                 if d.get("metric") == "kl" else
-                 f"{d['relative_delta']:+.2%}, {ev['confidence']:.0%} bound {d['relative_delta_upper']:+.2%} vs "
-                 f"{d['limit'] / d['baseline_ppl'] - 1:+.2%}")
-        print(f"gate [{d['name']}]: {bound} over {d['windows']} windows — {'within' if d['passed'] else 'over'} budget")
+        print(_gate_line(d, ev["confidence"]))
     print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
     size = r.get("size") or {}
     agree = r.get("agreement") or {}
@@ -201,6 +197,25 @@ def _print_summary(r: dict, output) -> None:
     if output is not None:
         print(f"model:  {output}")
         print(f"report: {output / 'report.json'}")
+
+
+def _gate_line(d: dict, confidence: float) -> str:
+    """One domain's gate: its change and bound, on the search's windows and on the held-out
+    confirmation windows when the run kept some (``policy.confirm_fraction``)."""
+    kl = d.get("metric") == "kl"
+
+    def bound(row: dict) -> str:
+        if kl:
+            return f"KL {row['kl']:.4f}, {confidence:.0%} bound {row['kl_upper']:.4f}"
+        return f"{row['relative_delta']:+.2%}, {confidence:.0%} bound {row['relative_delta_upper']:+.2%}"
+
+    limit = f"{d['limit']:.4f}" if kl else f"{d['limit'] / d['baseline_ppl'] - 1:+.2%}"
+    verdict = "within" if d["passed"] else "over"
+    if d.get("confirmation") is None:
+        return f"gate [{d['name']}]: {bound(d)} vs {limit} over {d['windows']} windows — {verdict} budget"
+    s, c = d["search"], d["confirmation"]
+    return (f"gate [{d['name']}]: search {bound(s)} over {s['windows']} windows; confirmation {bound(c)} over "
+            f"{c['windows']} held-out windows; vs {limit} — {verdict} budget")
 
 
 def _num(v) -> str:

@@ -42,7 +42,7 @@ in window order, so every rank computes the same numbers as one process.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,7 @@ class Perplexity:
         return None if self.ppl_se is None else self.ppl_se / self.ppl
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scores"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,9 @@ class Evaluation(Perplexity):
     """Greedy next-token agreement: the share of scored tokens whose most likely next token is the
     teacher's (1.0 for the teacher itself)."""
     agreement_se: float | None = None
+    scores: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Per window ``[nll sum, KL sum, agreeing tokens, scored tokens, teacher NLL sum]`` (float64): what
+    :func:`pool` adds up to the evaluation of several window sets (not in :meth:`to_json`)."""
 
 
 def _windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
@@ -106,6 +109,11 @@ def _windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
         if end == n:
             break
     return out
+
+
+def window_count(tokens: int, seq_len: int, stride: int) -> int:
+    """The windows a stream of ``tokens`` ids is scored in."""
+    return len(_windows(tokens, seq_len, stride))
 
 
 def ratio_mean_se(sums: torch.Tensor, counts: torch.Tensor) -> tuple[float, float | None]:
@@ -129,21 +137,27 @@ def _check_stride(seq_len: int, stride: int) -> None:
         raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
 
 
-def _batches(tokens: torch.Tensor, seq_len: int, stride: int, batch_size: int):
+def _batches(tokens: torch.Tensor, seq_len: int, stride: int, batch_size: int, keep: list[int] | None = None):
     """Yield ``(window_indices, ids[B, L], scored_counts)``, equal-length windows batched together.
 
-    Order does not change any sum; per-window results are stored by window index.
+    Order does not change any sum; per-window results are stored by window index. ``keep``: score
+    only these windows; the batches stay those of all windows (a batch left without windows is
+    empty), so each rank scores windows of its own share of the teacher's batches.
     """
     wins = _windows(tokens.numel(), seq_len, stride)
     if not wins:
         raise ValueError(f"evaluation text has {tokens.numel()} tokens; need at least 2")
+    kept = None if keep is None else set(keep)
     groups: dict[int, list[int]] = {}
     for w, (b, e, _) in enumerate(wins):
         groups.setdefault(e - b, []).append(w)
     out = []
     for length, idx in groups.items():
         for i in range(0, len(idx), batch_size):
-            chunk = idx[i : i + batch_size]
+            chunk = [w for w in idx[i : i + batch_size] if kept is None or w in kept]
+            if not chunk:
+                out.append(([], None, []))
+                continue
             ids = torch.stack([tokens[wins[w][0] : wins[w][1]] for w in chunk])
             # Token t is predicted at position t-1; score the last `scored` tokens
             # (the first token of the stream has no prediction).
@@ -239,6 +253,9 @@ class TeacherCache:
     window_nll: torch.Tensor | None = field(default=None, repr=False)
     shards: int = 1
     """Ranks the windows were split across (evaluate must split them the same way)."""
+    keep: list[int] | None = None
+    """The windows (of all the stream's, in order) that :func:`evaluate` scores; None: every one.
+    A :meth:`subset` shares the rows of the cache it was taken from."""
 
     @classmethod
     @torch.no_grad()
@@ -298,7 +315,30 @@ class TeacherCache:
 
     @property
     def window_counts(self) -> torch.Tensor:
+        """Scored tokens per window, of every window of the stream."""
         return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def windows(self) -> list[int]:
+        """The windows this cache scores."""
+        return list(range(self.offsets.numel() - 1)) if self.keep is None else list(self.keep)
+
+    def teacher_sums(self) -> torch.Tensor:
+        """The teacher's NLL sum per window, of every window of the stream."""
+        if self.window_nll is not None:
+            return self.window_nll
+        off = self.offsets  # a cache assembled by hand
+        return torch.stack([self.nll[off[w] : off[w + 1]].double().sum() for w in range(off.numel() - 1)])
+
+    def subset(self, windows: list[int]) -> "TeacherCache":
+        """The same cache scoring only ``windows`` (indices into all of the stream's, in order), its
+        baseline theirs; no copy of the teacher's rows."""
+        keep = sorted(windows)
+        base = self.baseline
+        sub = _perplexity(self.teacher_sums()[keep], self.window_counts[keep].double(), self.seq_len, self.stride,
+                          name=self.name, kl=0.0, kl_se=0.0, top_k=self.top_k, nll_delta_se=0.0, agreement=1.0,
+                          agreement_se=0.0) if base is not None else None
+        return replace(self, keep=keep, baseline=sub)
 
 
 def _tail_logp(logp: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
@@ -322,23 +362,22 @@ def _kl_terms(student_logp: torch.Tensor, t_logp: torch.Tensor, t_idx: torch.Ten
 
 @torch.no_grad()
 def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate") -> Evaluation:
-    """Perplexity (± SE) and mean KL from the teacher (± SE) of ``model`` on the teacher's windows.
+    """Perplexity (± SE) and mean KL from the teacher (± SE) of ``model`` on the teacher's windows
+    (:attr:`TeacherCache.keep` of them, when it is a subset).
 
-    Streams batch by batch; holds one batch of logits at a time. Under a process
-    group, a collective: each rank scores the windows it scored for the teacher.
+    Streams batch by batch; holds one batch of logits at a time. Under a process group, a
+    collective: each rank scores the windows it scored for the teacher.
     """
     if teacher.shards != dist.world_size():
         raise ValueError(f"the teacher cache was built on {teacher.shards} rank(s), this run has "
                          f"{dist.world_size()}: build it in the same process group")
-    tokens = teacher.tokens
-    wins, batches = _batches(tokens, teacher.seq_len, teacher.stride, teacher.batch_size)
+    kept = teacher.windows
+    _, batches = _batches(teacher.tokens, teacher.seq_len, teacher.stride, teacher.batch_size, teacher.keep)
     device = model.get_input_embeddings().weight.device
-    m = len(wins)
-    nll_sums = torch.zeros(m, dtype=torch.float64)
-    kl_sums = torch.zeros(m, dtype=torch.float64)
-    agree_sums = torch.zeros(m, dtype=torch.float64)
+    at = {w: j for j, w in enumerate(kept)}  # window → row of the sums
+    sums = torch.zeros(len(kept), 3, dtype=torch.float64)  # NLL, KL, agreeing tokens
     off = teacher.offsets
-    mine = _share(len(batches), True)
+    mine = [j for j in _share(len(batches), True) if batches[j][0]]
     owned: list[int] = []
     with _EvalMode(model), progress(total=len(mine), desc=desc, unit="batch") as bar:
         for chunk, ids, ks in (batches[j] for j in mine):
@@ -347,26 +386,38 @@ def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate")
             for row, (w, k) in enumerate(zip(chunk, ks)):
                 lp = logp[row, -k:]
                 sl = slice(int(off[w]), int(off[w + 1]))
-                nll_sums[w] = -lp.gather(-1, ids[row, -k:, None]).double().sum()
+                sums[at[w], 0] = -lp.gather(-1, ids[row, -k:, None]).double().sum()
                 kl = _kl_terms(lp, teacher.topk_logp[sl].to(device), teacher.topk_idx[sl].to(device),
                                teacher.tail_logp[sl].to(device))
-                kl_sums[w] = kl.double().sum()
+                sums[at[w], 1] = kl.double().sum()
                 # the teacher's top-1 is its greedy choice: agreement costs one argmax
-                agree_sums[w] = (lp.argmax(-1) == teacher.topk_idx[sl, 0].to(device)).double().sum()
-            owned.extend(chunk)
+                sums[at[w], 2] = (lp.argmax(-1) == teacher.topk_idx[sl, 0].to(device)).double().sum()
+            owned.extend(at[w] for w in chunk)
             bar.update(1)
-    both = dist.fill_rows(torch.stack([nll_sums, kl_sums, agree_sums], dim=1), owned)
-    nll_sums, kl_sums, agree_sums = both[:, 0].contiguous(), both[:, 1].contiguous(), both[:, 2].contiguous()
-    counts = teacher.window_counts.double()
-    kl_mean, kl_se = ratio_mean_se(kl_sums, counts)
-    agree, agree_se = ratio_mean_se(agree_sums, counts)
-    t_sums = teacher.window_nll
-    if t_sums is None:  # a cache assembled by hand
-        t_sums = torch.stack([teacher.nll[off[w] : off[w + 1]].double().sum() for w in range(m)])
-    _, delta_se = ratio_mean_se(nll_sums - t_sums, counts)
-    return _perplexity(nll_sums, counts, teacher.seq_len, teacher.stride, name=teacher.name, kl=kl_mean,
-                       kl_se=kl_se, top_k=teacher.top_k, nll_delta_se=delta_se, agreement=agree,
-                       agreement_se=agree_se)
+    sums = dist.fill_rows(sums, owned)
+    scores = torch.cat([sums, teacher.window_counts[kept].double()[:, None],
+                        teacher.teacher_sums()[kept].double()[:, None]], dim=1)
+    return _summary(scores, teacher.seq_len, teacher.stride, teacher.name, teacher.top_k)
+
+
+def _summary(scores: torch.Tensor, seq_len: int, stride: int, name: str, top_k: int | None) -> Evaluation:
+    """The :class:`Evaluation` of per-window ``scores`` (see :attr:`Evaluation.scores`)."""
+    nll, kl, agree, counts, teacher_nll = (scores[:, i].contiguous() for i in range(5))
+    kl_mean, kl_se = ratio_mean_se(kl, counts)
+    agreement, agreement_se = ratio_mean_se(agree, counts)
+    _, delta_se = ratio_mean_se(nll - teacher_nll, counts)
+    return _perplexity(nll, counts, seq_len, stride, name=name, kl=kl_mean, kl_se=kl_se, top_k=top_k,
+                       nll_delta_se=delta_se, agreement=agreement, agreement_se=agreement_se, scores=scores)
+
+
+def pool(*parts: Evaluation) -> Evaluation:
+    """One evaluation of the windows of ``parts`` together (disjoint window sets of one domain,
+    e.g. the gate's search and confirmation windows of one model): exactly the evaluation of all
+    of them, standard errors included."""
+    first = parts[0]
+    if any(p.scores is None for p in parts):
+        raise ValueError("pool needs evaluations made by evaluate (with their per-window scores)")
+    return _summary(torch.cat([p.scores for p in parts]), first.seq_len, first.stride, first.name, first.top_k)
 
 
 @dataclass(frozen=True)
@@ -390,6 +441,22 @@ class DomainEvaluations:
 
     def to_json(self) -> dict:
         return dict(self.primary.to_json(), domains={k: v.to_json() for k, v in self.domains.items()})
+
+    def pooled(self, other: "DomainEvaluations") -> "DomainEvaluations":
+        """Each domain's evaluation over this one's windows and ``other``'s together (:func:`pool`)."""
+        return DomainEvaluations({n: pool(ev, other.domains[n]) for n, ev in self.domains.items()})
+
+
+def confirmation_windows(windows: int, fraction: float) -> list[int]:
+    """The windows (of ``windows``, in order) held out for confirmation: a share ``fraction`` of them,
+    spread evenly and chosen by position alone (window ``i`` when ``⌊(i+1)·f⌋ > ⌊i·f⌋``; every 4th at
+    0.25, every other at 0.5), so the split needs no random seed and no second baseline pass.
+
+    >>> confirmation_windows(8, 0.25), confirmation_windows(5, 0.5), confirmation_windows(8, 0)
+    ([3, 7], [1, 3], [])
+    """
+    eps = 1e-9  # 10 · 0.1 is not always 1.0 in floating point
+    return [i for i in range(windows) if math.floor((i + 1) * fraction + eps) > math.floor(i * fraction + eps)]
 
 
 class Evaluator:
@@ -425,6 +492,23 @@ class Evaluator:
     @property
     def baseline(self) -> DomainEvaluations:
         return DomainEvaluations({t.name: t.baseline for t in self.teachers})
+
+    def split(self, fraction: float) -> tuple["Evaluator", "Evaluator | None"]:
+        """(search, confirmation): every domain's windows split by :func:`confirmation_windows`, as two
+        evaluators sharing these teacher caches (no pass of the model); ``fraction`` 0: (self, None).
+
+        >>> search, confirm = ev.split(0.25)   # doctest: +SKIP
+        >>> len(confirm.teachers[0].windows)   # 8 of 32 windows                 # doctest: +SKIP
+        """
+        if not fraction:
+            return self, None
+        search, confirm = [], []
+        for t in self.teachers:
+            every = t.windows
+            held = {every[j] for j in confirmation_windows(len(every), fraction)}
+            search.append(t.subset([w for w in every if w not in held]))
+            confirm.append(t.subset(sorted(held)))
+        return Evaluator(search), Evaluator(confirm)
 
     def __call__(self, model: nn.Module, desc: str = "evaluate") -> DomainEvaluations:
         many = len(self.teachers) > 1

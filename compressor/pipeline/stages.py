@@ -143,6 +143,7 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
         streams = evaluation_streams(recipe, tokenizer)
     except ValueError as err:
         raise InputError(str(err)) from None
+    _check_confirmation(recipe, streams)
     if not write:
         return Checked(None, streams, RunState(), [], width_multiple=_check_architecture(recipe, src, given),
                        seconds=time.perf_counter() - t0)
@@ -163,6 +164,26 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
             lock.release()
         raise InputError(str(err)) from None
     return Checked(out, streams, state, reads, lock, width_multiple=multiple, seconds=time.perf_counter() - t0)
+
+
+def _check_confirmation(recipe: Recipe, streams: dict[str, torch.Tensor]) -> None:
+    """``policy.confirm_fraction`` leaves at least two windows (a standard error) on each side of every
+    domain's split; said before the model loads."""
+    from compressor.evaluation.evaluate import confirmation_windows, window_count
+
+    f = recipe.policy.confirm_fraction
+    if not f or recipe.output.size is not None:  # a size plan measures one file once: no search to confirm
+        return
+    for e in recipe.evaluation_domains():
+        windows = window_count(streams[e.domain_name()].numel(), e.seq_len, e.stride)
+        held = len(confirmation_windows(windows, f))
+        if min(held, windows - held) < 2:
+            raise InputError(
+                f"policy.confirm_fraction: {f:g} of evaluation domain {e.domain_name()!r}'s {windows} windows "
+                f"(seq_len {e.seq_len}) leaves {held} held out for confirmation and {windows - held} for the search; "
+                "each needs at least 2 (a standard error). Give more evaluation text (evaluation.max_tokens), "
+                "shorter windows (evaluation.seq_len), another fraction, or policy.confirm_fraction: 0 (no "
+                "confirmation)")
 
 
 def _fetch_hub_calibration(recipe: Recipe) -> None:

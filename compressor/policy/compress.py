@@ -21,6 +21,7 @@ import functools
 import inspect
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -37,11 +38,12 @@ from compressor.fitting.kinds import get_kind
 from compressor.fitting.replace import count_params, ffn_path
 from compressor.inputs.data import CalibrationSet
 from compressor.policy.apply import Installer
+from compressor.policy.confirm import Confirmation
 from compressor.policy.gate import run_allocate
 from compressor.policy.greedy import greedy_gate
 from compressor.policy.plan import Blocks, Plan, activation, checkpointed_walk, measure
 from compressor.policy.plan import scarce_rows_message  # noqa: F401  (its home before the split)
-from compressor.policy.result import BlockDecision, CompressionResult, no_cut_message
+from compressor.policy.result import BlockDecision, CompressionResult, GateSplits, no_cut_message
 from compressor.policy.search import smallest_cut  # noqa: F401  (its home before the split)
 from compressor.recipe.schema import Recipe, width_multiple as output_width_multiple
 
@@ -101,7 +103,8 @@ def compress_model(
                    "calibrate" + (f" (FFN widths in multiples of {multiple})" if multiple > 1 else ""))
     timings["measure_s"] = time.perf_counter() - t0 - timings.get("sensitivity_s", 0.0)  # pass A alone
 
-    baseline, evaluate, limit = _gate_evaluations(model, recipe, eval_tokens, state, timings)
+    gate = _gate_evaluations(model, recipe, eval_tokens, state, timings)
+    baseline, evaluate, confirmation = gate.search_baseline, gate.evaluate, gate.confirmation
 
     def check(candidate: DomainEvaluations) -> tuple[bool, str]:
         ok, why, _ = gate_check(baseline, candidate, pol)
@@ -116,20 +119,22 @@ def compress_model(
             f = plan.fitted[d.index]
             d.size, d.replacement_params, d.r2_replacement = f.config.get("units", f.config.get("rank")), f.params, f.heldout_r2
         final, accepted = greedy_gate(model, plan.fitted, plan.profiles, decisions, pol, baseline, evaluate, check,
-                                      sweep_all=m.swap_sweep)
+                                      sweep_all=m.swap_sweep, confirmation=confirmation)
     else:
         final, plan.fitted, attempts = run_allocate(
             Installer(blocks, kept, walk), plan.curves, decisions, pol, baseline, evaluate, check, timings,
             target=getattr(recipe.replacement, "target", "none"), standard=recipe.output.architecture == "standard",
-            multiple=multiple)
+            multiple=multiple, confirmation=confirmation)
         accepted = sorted(plan.fitted)
     timings["gate_s"] = time.perf_counter() - t0
     kept.close()
-    passed, msg = _verdict(recipe, baseline, final, accepted, attempts, check)
+    passed, msg = _verdict(recipe, baseline, final, accepted, attempts, check, confirmation)
+    splits = gate.splits(final, accepted)
     return CompressionResult(
-        model=model, profiles=plan.profiles, decisions=decisions, baseline=baseline, final=final, budget_ppl=limit,
-        params_before=params_before, params_after=count_params(model), gate_passed=passed, gate_message=msg,
-        strategy=strategy, timings=timings, fitted={i: plan.fitted[i] for i in accepted}, attempts=attempts,
+        model=model, profiles=plan.profiles, decisions=decisions, baseline=gate.baseline,
+        final=_whole(gate, final, accepted), budget_ppl=gate.limit, params_before=params_before,
+        params_after=count_params(model), gate_passed=passed, gate_message=msg, strategy=strategy, timings=timings,
+        fitted={i: plan.fitted[i] for i in accepted}, attempts=attempts, splits=splits,
     )
 
 
@@ -178,33 +183,75 @@ def _gradients(model: nn.Module, recipe: Recipe, calibration: CalibrationSet, mo
     return moments
 
 
-def _gate_evaluations(model: nn.Module, recipe: Recipe, eval_tokens, state: RunState, timings: dict[str, float],
-                      ) -> tuple[DomainEvaluations, Callable[[str], DomainEvaluations], float]:
-    """(the baseline, ``evaluate(desc)`` of the model as it stands, the perplexity limit)."""
+@dataclass
+class GateEvaluations:
+    """The gate's measurements: every window's baseline, the search's windows (baseline, ``evaluate``)
+    and the held-out confirmation (:class:`~compressor.policy.confirm.Confirmation`; disabled with
+    ``policy.confirm_fraction: 0``, when the search's windows are every window)."""
+
+    baseline: DomainEvaluations
+    search_baseline: DomainEvaluations
+    evaluate: Callable[[str], DomainEvaluations]
+    confirmation: Confirmation
+    limit: float
+    fraction: float = 0.0
+
+    def splits(self, final: DomainEvaluations, accepted: list[int]) -> GateSplits | None:
+        """Both window sets' numbers of the model chosen (``final``: its search windows' evaluation)."""
+        c = self.confirmation
+        if not c.enabled:
+            return None
+        confirmed = c.final if accepted and c.final is not None else c.baseline
+        return GateSplits(self.fraction, self.search_baseline, final, c.baseline, confirmed, c.count, list(c.notes))
+
+
+def _whole(gate: GateEvaluations, final: DomainEvaluations, accepted: list[int]) -> DomainEvaluations:
+    """The chosen model on every window: its search and confirmation windows' evaluations pooled."""
+    c = gate.confirmation
+    if not c.enabled:
+        return final
+    if not accepted or c.final is None:  # nothing replaced (or nothing measured): the original model
+        return gate.baseline
+    return final.pooled(c.final)
+
+
+def _gate_evaluations(model: nn.Module, recipe: Recipe, eval_tokens, state: RunState,
+                      timings: dict[str, float]) -> GateEvaluations:
+    """The baseline (one teacher pass over every window), split into the search's windows and the
+    held-out confirmation windows (``policy.confirm_fraction``), and their ``evaluate(desc)``."""
     t0, pol = time.perf_counter(), recipe.policy
     # The teacher pass over the evaluation windows (original model: nothing is
-    # installed yet) is the baseline; later evaluations compare with it.
+    # installed yet) is the baseline; later evaluations compare with it. It covers every window,
+    # whatever the split: the split is the gate's, and a change of it keeps the measurements.
     cfgs = {c.domain_name(): c for c in recipe.evaluation_domains()}
     streams = eval_tokens if isinstance(eval_tokens, dict) else {next(iter(cfgs)): eval_tokens}
     evaluator = Evaluator(state.once("baseline", "baseline evaluation (teacher caches)", lambda: Evaluator.build(
         model, streams, seq_len={n: cfgs[n].seq_len for n in streams}, stride={n: cfgs[n].stride for n in streams},
         batch_size={n: cfgs[n].batch_size for n in streams}, top_k=min(cfgs[n].kl_top_k for n in streams),
     ).teachers))
+    search, held = evaluator.split(pol.confirm_fraction)
     baseline = evaluator.baseline
     state.begin_gate()  # what follows depends on the budget too
     limit = ppl_limit(baseline.ppl, pol.ppl_budget, pol.budget_mode)
     logger.info("baseline perplexity %.4f over %d tokens; budget ≤ %.4f", baseline.ppl, baseline.tokens, limit)
+    if held is not None:
+        logger.info("gate windows: the search measures %s; %s held out to confirm its choice",
+                    ", ".join(f"{len(t.windows)} of {t.name}" for t in search.teachers),
+                    ", ".join(str(len(t.windows)) for t in held.teachers))
     timings["baseline_s"] = time.perf_counter() - t0
 
-    def evaluate(desc: str) -> DomainEvaluations:
+    def measure(which: Evaluator, desc: str) -> DomainEvaluations:
         t = time.perf_counter()
         try:
-            return state.evaluation(desc, lambda: evaluator(model, desc))
+            return state.evaluation(desc, lambda: which(model, desc))
         finally:
             timings["gate_evaluations_s"] = timings.get("gate_evaluations_s", 0.0) + time.perf_counter() - t
             timings["gate_evaluations"] = timings.get("gate_evaluations", 0) + 1
 
-    return baseline, evaluate, limit
+    confirmation = Confirmation(held.baseline if held is not None else None,
+                                functools.partial(measure, held) if held is not None else None, pol)
+    return GateEvaluations(baseline, search.baseline, functools.partial(measure, search), confirmation, limit,
+                           pol.confirm_fraction)
 
 
 def _decisions(plan: Plan, modules: dict[int, str], kind: str) -> list[BlockDecision]:
@@ -215,12 +262,18 @@ def _decisions(plan: Plan, modules: dict[int, str], kind: str) -> list[BlockDeci
 
 
 def _verdict(recipe: Recipe, baseline: DomainEvaluations, final: DomainEvaluations, accepted: list[int],
-             attempts: list[dict], check: Callable[[DomainEvaluations], tuple[bool, str]]) -> tuple[bool, str]:
-    """(whether the gate passed, the run's message; exit 3 when it did not)."""
+             attempts: list[dict], check: Callable[[DomainEvaluations], tuple[bool, str]],
+             confirmation: Confirmation | None = None) -> tuple[bool, str]:
+    """(whether the gate passed, the run's message; exit 3 when it did not). ``baseline`` and
+    ``final``: the search windows'; a choice must also have passed ``confirmation``."""
     pol = recipe.policy
     within, why = check(final)
-    if not accepted and attempts:
-        return False, no_cut_message(attempts, baseline.ppl, pol.ppl_budget, pol.budget_mode,
+    confirming = confirmation is not None and confirmation.enabled
+    if not accepted and confirming and confirmation.failures:
+        return False, confirmation.failed_message()
+    searched = [a for a in attempts if not a.get("confirmation")]
+    if not accepted and searched:
+        return False, no_cut_message(searched, baseline.ppl, pol.ppl_budget, pol.budget_mode,
                                      self_written=recipe.calibration.dataset == "self",
                                      kl_budget=pol.kl_budget if pol.metric == "kl" else None,
                                      baselines={n: ev.ppl for n, ev in getattr(baseline, "domains", {}).items()})
@@ -228,4 +281,9 @@ def _verdict(recipe: Recipe, baseline: DomainEvaluations, final: DomainEvaluatio
         return False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"
     if not within:
         return False, f"final model {why}" + ("" if pol.gate else " (gate off)")
-    return True, f"{len(accepted)} block(s) replaced; {why}"
+    if confirming and accepted and not confirmation.passed:
+        return False, f"final model on the held-out confirmation windows {confirmation.why}" + (
+            "" if pol.gate else " (gate off)")
+    confirmed = f"; confirmed on the held-out windows: {confirmation.why}" if confirming and accepted else ""
+    stepped = f" ({'; '.join(confirmation.notes)})" if confirming and confirmation.notes else ""
+    return True, f"{len(accepted)} block(s) replaced; {why}{confirmed}{stepped}"

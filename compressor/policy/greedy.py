@@ -17,6 +17,7 @@ from compressor.fitting.kinds import Fitted
 from compressor.engine.profiling import BlockProfile
 from compressor.recipe.schema import PolicyConfig
 from compressor.fitting.replace import count_params, swap
+from compressor.policy.confirm import Confirmation
 from compressor.policy.select import candidates
 from compressor.evaluation.evaluate import DomainEvaluations
 
@@ -34,28 +35,24 @@ def greedy_gate(
     check: Callable[[DomainEvaluations], tuple[bool, str]],
     *,
     sweep_all: bool = False,
+    confirmation: Confirmation | None = None,
 ) -> tuple[DomainEvaluations, list[int]]:
     """Apply the greedy policy in place; returns (final evaluation, kept blocks).
 
-    ``check(evaluation) -> (within budget on every domain, why)`` is the gate."""
+    ``check(evaluation) -> (within budget on every domain, why)`` is the gate. ``confirmation``: the
+    kept set is measured once on the held-out windows, and rolled back block by block (the last kept
+    first) until it passes there (:func:`_confirm_kept`)."""
     modules = {i: d.module for i, d in enumerate(decisions)}
 
     def install(i: int):
         return swap(model, i, fitted[i].build(model.get_submodule(modules[i])))
 
-    swap_evals: dict[int, DomainEvaluations] = {}
-    swap_delta: dict[int, float] | None = None
-    if sweep_all or policy.order == "swap_ppl":
-        by_index = policy.model_copy(update={"order": "index"})
-        sweep = range(len(profiles)) if sweep_all else candidates(profiles, by_index)[0]
-        swap_evals = _single_swaps(sweep, install, evaluate, decisions, baseline)
-        swap_delta = {i: r.ppl - baseline.ppl for i, r in swap_evals.items()}
-    order = _order(profiles, policy, decisions, swap_delta)
-
+    order, swap_evals = _prepare(profiles, policy, decisions, install, evaluate, baseline, sweep_all)
     params_before = count_params(model)
     params_now = params_before
     current = baseline
     accepted: list[int] = []
+    undo: dict[int, tuple] = {}  # kept block → (its swap, the evaluation before it was kept)
     rejected_in_a_row = 0
     for k, i in enumerate(order):
         d = decisions[i]
@@ -64,7 +61,7 @@ def greedy_gate(
             d.reason = why
             continue
         if not policy.gate:
-            install(i)
+            undo[i] = (install(i), current)
             params_now = count_params(model)
             accepted.append(i)
             d.decision, d.reason = "kept", "R²_lin threshold rule (no per-block gate)"
@@ -84,6 +81,7 @@ def greedy_gate(
         if ok:
             d.decision, d.delta_ppl, d.reason = "kept", r.ppl - current.ppl, why
             params_now = count_params(model)
+            undo[i] = (s, current)
             current = r
             accepted.append(i)
             rejected_in_a_row = 0
@@ -96,7 +94,44 @@ def greedy_gate(
             logger.info("block %d rejected: %s", i, why)
     if not policy.gate:
         current = evaluate("final perplexity") if accepted else baseline
-    return current, accepted
+    return _confirm_kept(confirmation, current, accepted, undo, decisions, policy), accepted
+
+
+def _prepare(profiles: list[BlockProfile], policy: PolicyConfig, decisions: list, install: Callable,
+             evaluate: Callable[[str], DomainEvaluations], baseline: DomainEvaluations,
+             sweep_all: bool) -> tuple[list[int], dict[int, DomainEvaluations]]:
+    """(the candidates in the order tried, each swept block's evaluation alone)."""
+    swap_evals: dict[int, DomainEvaluations] = {}
+    swap_delta: dict[int, float] | None = None
+    if sweep_all or policy.order == "swap_ppl":
+        by_index = policy.model_copy(update={"order": "index"})
+        sweep = range(len(profiles)) if sweep_all else candidates(profiles, by_index)[0]
+        swap_evals = _single_swaps(sweep, install, evaluate, decisions, baseline)
+        swap_delta = {i: r.ppl - baseline.ppl for i, r in swap_evals.items()}
+    return _order(profiles, policy, decisions, swap_delta), swap_evals
+
+
+def _confirm_kept(confirmation: Confirmation | None, current: DomainEvaluations, accepted: list[int],
+                  undo: dict[int, tuple], decisions: list, policy: PolicyConfig) -> DomainEvaluations:
+    """The kept set measured on the held-out confirmation windows; while it fails there (gate on), the
+    last kept block is rolled back (the set before it is the one the search measured then) and the
+    rest confirmed again. Edits ``accepted`` in place; returns the search windows' evaluation."""
+    if confirmation is None or not confirmation.enabled or not accepted:
+        return current
+    while accepted:
+        ok, _ = confirmation(f"{len(accepted)} block(s) kept ({', '.join(map(str, accepted))})")
+        if ok or not policy.gate:
+            return current
+        i = accepted.pop()
+        s, current = undo.pop(i)
+        s.undo()
+        d = decisions[i]
+        d.decision, d.delta_ppl = "rejected", None
+        d.reason = f"kept on the search windows, rolled back: the kept set failed confirmation ({confirmation.why})"
+        confirmation.stepped_back(f"the kept set failed confirmation; block {i} (the last kept) rolled back"
+                                  + ("" if accepted else ": nothing is left"))
+    confirmation.reset()
+    return current
 
 
 def _stop_reason(policy: PolicyConfig, kept: int, params_now: int, params_before: int,

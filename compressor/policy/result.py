@@ -39,6 +39,24 @@ class BlockDecision:
 
 
 @dataclass
+class GateSplits:
+    """The gate's two window sets (``policy.confirm_fraction``): the search's, and the held-out
+    confirmation windows its final choice was measured on once."""
+
+    fraction: float
+    search_baseline: DomainEvaluations
+    search_final: DomainEvaluations
+    baseline: DomainEvaluations
+    """The original model on the confirmation windows."""
+    final: DomainEvaluations
+    """The chosen model on the confirmation windows."""
+    confirmations: int = 0
+    """Confirmation evaluations made (one more for each step back)."""
+    notes: list[str] = field(default_factory=list)
+    """Each step back the confirmation caused, in words."""
+
+
+@dataclass
 class CompressionResult:
     model: nn.Module
     profiles: list[BlockProfile]
@@ -54,7 +72,10 @@ class CompressionResult:
     timings: dict[str, float] = field(default_factory=dict)
     fitted: dict[int, Fitted] = field(default_factory=dict)
     attempts: list[dict] = field(default_factory=list)
-    """allocate: every global target tried, with its perplexity and verdict."""
+    """allocate: every global target tried, with its perplexity and verdict (confirmations marked)."""
+    splits: GateSplits | None = None
+    """The search and confirmation windows' numbers (None: ``policy.confirm_fraction: 0``); ``baseline``
+    and ``final`` are then of every window, both sets together."""
 
     @property
     def kept(self) -> list[BlockDecision]:

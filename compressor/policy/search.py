@@ -67,6 +67,8 @@ class TargetSearch:
         self.failed, self.passed, self.ceiling = floor, ceiling, ceiling
         self.best: Attempt | None = None
         self._tried: dict[tuple, Attempt] = {}
+        self._rejected: set = set()
+        """Keys of choices that passed here but failed elsewhere (:meth:`step_back`)."""
 
     @property
     def attempts(self) -> list[Attempt]:
@@ -114,7 +116,7 @@ class TargetSearch:
             if mid is None or not self.key(mid):  # nothing left between, or a target that chooses nothing
                 break
             a = self.measured(mid)
-            if a.passed:
+            if a.passed and self.key(mid) not in self._rejected:  # a target choosing a rejected choice fails
                 self.best, self.passed = a, mid
             else:
                 self.failed = mid
@@ -123,10 +125,11 @@ class TargetSearch:
     def step_back(self) -> Attempt | None:
         """The best attempt failed elsewhere (a confirmation on other windows): its target counts as
         failing, and the best is the passing attempt next above it (None: only the ceiling passes).
-        :meth:`bisect` then searches between them."""
+        :meth:`bisect` then searches between them; a target there that chooses what failed fails too."""
         self.failed = self.passed
-        above = [a for (variant, _), a in self._tried.items()
-                 if variant == "none" and a.passed and a.target > self.failed]
+        self._rejected.add(self.key(self.failed))
+        above = [a for (variant, k), a in self._tried.items()
+                 if variant == "none" and a.passed and a.target > self.failed and k not in self._rejected]
         self.best = min(above, key=lambda a: a.target, default=None)
         self.passed = self.best.target if self.best else self.ceiling
         return self.best

@@ -144,6 +144,11 @@ class PolicyConfig(_Section):
         0.9, ge=0.5, lt=1, description="one-sided confidence of the gate's bound: a candidate passes when the upper "
         "confidence bound of its change (paired by window, on every domain) is within the budget; 0.5 is the bare "
         "point test")
+    confirm_fraction: float = Field(
+        0.25, ge=0, le=0.5, description="share of each evaluation domain's windows held out for confirmation (every "
+        "4th window at 0.25): the search (bisection, greedy) sees only the others; its final choice is measured once "
+        "on the held-out windows and must pass the same bound there too, else the policy steps back; 0: no "
+        "confirmation (the search's windows are every window)")
     budget_mode: Literal["relative", "absolute"] = Field("relative", description="relative: ppl ≤ base·(1+budget); absolute: ppl ≤ base+budget")
     gate: bool = Field(True, description="validate each candidate and roll it back if over budget; false = bare threshold rule")
     order: Literal["r2", "swap_ppl", "index"] = Field("swap_ppl", description="order candidates are tried in; swap_ppl measures each candidate alone first (one extra evaluation per candidate)")

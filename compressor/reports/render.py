@@ -181,7 +181,31 @@ Calibration (fits): `{source}`. Gate: {rule}.
 
 ± is one standard error, windows as the sampling unit. KL is measured against the original model's top-k
 next-token distribution (a lower bound of the full KL).
-{warn}"""
+{confirmation_section(ev)}{warn}"""
+
+
+def confirmation_section(ev: dict) -> str:
+    """The decision's two numbers per domain: on the windows the search measured, and on the held-out
+    windows its choice was confirmed on once (``policy.confirm_fraction``); '' without them."""
+    c = ev.get("confirmation")
+    if not c:
+        return ""
+    def side(d: dict, split: str) -> str:
+        row = dict(d[split], metric=d.get("metric"))
+        return f"{row['windows']} | {row['relative_delta']:+.2%} | {_bound(row)}"
+
+    rows = "\n".join(f"| {d['name']} | {side(d, 'search')} | {side(d, 'confirmation')} | {'✓' if d['passed'] else '✗'} |"
+                     for d in ev["domains"] if d.get("confirmation"))
+    back = "".join(f"\n* {n}" for n in c.get("stepped_back") or [])
+    return f"""
+The search chose among cuts on {1 - c['fraction']:.0%} of each domain's windows; the other {c['fraction']:.0%},
+held out, measured its choice once, with the same rule (the table above is every window together):
+
+| domain | search windows | Δ | bound | held-out windows | Δ | bound | both within budget |
+|---|---:|---:|---:|---:|---:|---:|:-:|
+{rows}
+{back}
+"""
 
 
 def public_name(value: str | None) -> str:

@@ -60,6 +60,9 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
     """What the gate was measured on, per domain, and the warnings a reader needs."""
     pol = recipe.policy
     passed, message, per = gate_check(r.baseline, r.final, pol)
+    halves = _split_rows(r, pol)
+    if halves is not None:
+        passed, message = halves["passed"], halves["message"]
     first = recipe.evaluation_domains()[0].domain_name()
     base_d = getattr(r.baseline, "domains", None) or {first: r.baseline}
     final_d = getattr(r.final, "domains", None) or {first: r.final}
@@ -76,6 +79,10 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
             "relative_delta_se": None if delta_se is None else delta_se * f.ppl / b.ppl,
             "overlap": overlap.get(name),
         })
+        if halves is not None:  # the decision: the search's windows and the held-out ones, both within budget
+            search, confirmation = halves["search"][name], halves["confirmation"][name]
+            domains[-1].update(search=search, confirmation=confirmation,
+                               passed=search["passed"] and confirmation["passed"])
         for label, ev in (("baseline", b), ("final", f)):
             if ev.relative_se is not None and ev.relative_se > POOR_RELATIVE_SE:
                 warnings.append(
@@ -97,7 +104,32 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
             "(measured on SmolLM2: 3-12x the gated change). Calibrate on other text (calibration.dataset: self) "
             "or add evaluation domains like your use."
         )
+    confirmation = None if halves is None else {
+        "fraction": r.splits.fraction, "confirmations": r.splits.confirmations, "stepped_back": r.splits.notes,
+        "windows": {n: row["windows"] for n, row in halves["confirmation"].items()},
+        "search_windows": {n: row["windows"] for n, row in halves["search"].items()}}
     return {
+        "confirm_fraction": pol.confirm_fraction, "confirmation": confirmation,
         "metric": pol.metric, "confidence": pol.confidence, "ppl_budget": pol.ppl_budget, "budget_mode": pol.budget_mode, "kl_budget": pol.kl_budget,
         "passed": passed, "message": message, "domains": domains, "one_domain": one_domain, "warnings": warnings,
     }
+
+
+#: What a split's row keeps of :func:`gate_check`'s row (the rest is in the domain's row).
+SPLIT_FIELDS = ("windows", "baseline_ppl", "ppl", "relative_delta", "relative_delta_upper", "ppl_upper", "kl",
+                "kl_upper", "limit", "quantile", "passed", "summary")
+
+
+def _split_rows(r: CompressionResult, pol) -> dict | None:
+    """Per domain, the search windows' and the confirmation windows' change, bound and verdict (None
+    without a confirmation split); with the decision (both within budget) and its message."""
+    if r.splits is None:
+        return None
+    out, ok, words = {}, True, []
+    for label, base, final in (("search", r.splits.search_baseline, r.splits.search_final),
+                               ("confirmation", r.splits.baseline, r.splits.final)):
+        passed, message, per = gate_check(base, final, pol)
+        out[label] = {n: {"windows": final.domains[n].windows, **{k: row.get(k) for k in SPLIT_FIELDS[1:]}}
+                      for n, row in per.items()}
+        ok, words = ok and passed, words + [f"{label}: {message}"]
+    return {**out, "passed": ok, "message": "; ".join(words)}
