@@ -151,16 +151,16 @@ def test_report_write_failure_after_publishing_is_exit_1(project, capsys, monkey
 
     from compressor.pipeline import runner as pipeline
 
-    real_run = pipeline.run
+    real_oneshot = pipeline.oneshot
     report_dir = project / "reports"
     report_dir.mkdir()
 
-    def run_then_remove_report_dir(recipe, **kw):
-        result = real_run(recipe, **kw)
+    def run_then_remove_report_dir(*args, **kw):
+        result = real_oneshot(*args, **kw)
         shutil.rmtree(report_dir)  # e.g. a network mount went away during the run
         return result
 
-    monkeypatch.setattr(pipeline, "run", run_then_remove_report_dir)
+    monkeypatch.setattr(pipeline, "oneshot", run_then_remove_report_dir)  # the CLI's run is a layer over oneshot
     rc = main(["run", "myrecipe.yaml", "--report", str(report_dir / "report.json")])
     captured = capsys.readouterr()
     assert rc == 1, captured.err
