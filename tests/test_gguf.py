@@ -9,6 +9,7 @@ installs it).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -469,6 +470,7 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     assert check["preset"]["name"] == "Q4_0" and check["preset"]["file_bytes"] == check["budget_bytes"]
     assert check["perplexity"] > 0 and check["preset"]["perplexity"] > 0 and check["gate_passed"]
     assert [d["name"] for d in check["domains"]] == ["eval"] and check["domains"][0]["preset_relative_change"] > -1
+    assert check["domains"][0]["paired"] and check["domains"][0]["relative_delta_upper"] >= check["relative_change"]
     written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(res.output / "model.gguf").tensors}
     assert all(written[row["tensor"]] == row["type"] for row in plan["tensors"])
     assert not list(tmp_path.glob(".compressor-size-*"))  # the F16 and the preset are cleaned up
@@ -476,9 +478,14 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     small.output.size = "2bpw"  # below what rows of 64 take (the 32-element types: 4.5 bits at least)
     with pytest.raises(compressor.InputError, match="cannot be met.*give a size of at least"):
         compressor.run(small)
-    real = gw.llama_cpp_perplexity
-    monkeypatch.setattr(gw, "llama_cpp_perplexity", lambda path, *a: (lambda p, n: (
-        p * (3 if path.name == "model.gguf" else 1), n))(*real(path, *a)))
+    real = gw.llama_cpp_window_nll
+
+    def tripled(path, *args):  # the planned file made 3× worse in perplexity, the preset left alone
+        sums, counts = real(path, *args)
+        bump = math.log(3) if path.name == "model.gguf" else 0.0
+        return [s + bump * n for s, n in zip(sums, counts)], counts
+
+    monkeypatch.setattr(gw, "llama_cpp_window_nll", tripled)
     failed = compressor.run(recipe("out3", 0.5))
     assert failed.exit_code == 3 and "larger output.size" in failed.report["message"]
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()

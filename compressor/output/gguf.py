@@ -775,6 +775,13 @@ def llama_cpp_perplexity(path: Path, tokens: torch.Tensor, seq_len: int, stride:
     """Perplexity of the GGUF at ``path`` in llama.cpp on ``tokens``, windowed exactly as
     :func:`compressor.evaluation.evaluate.perplexity` windows (only tokens the previous window did
     not score count). Returns (perplexity, scored tokens)."""
+    sums, counts = llama_cpp_window_nll(path, tokens, seq_len, stride)
+    return math.exp(sum(sums) / sum(counts)), int(sum(counts))
+
+
+def llama_cpp_window_nll(path: Path, tokens: torch.Tensor, seq_len: int, stride: int) -> tuple[list[float], list[int]]:
+    """Per window (as :func:`llama_cpp_perplexity` windows): the summed NLL of its scored tokens in
+    llama.cpp, and how many it scored — what a paired comparison with another model needs."""
     import llama_cpp
 
     from compressor.evaluation.evaluate import _windows
@@ -791,7 +798,7 @@ def llama_cpp_perplexity(path: Path, tokens: torch.Tensor, seq_len: int, stride:
     if failure is not None:
         raise VerificationError(f"llama.cpp does not load {path.name} ({failure}):\n{out.tail()}")
     try:
-        total, count = 0.0, 0
+        sums, counts = [], []
         for begin, end, scored in _windows(len(tokens), seq_len, stride):
             ids = tokens[begin:end]
             llm.reset()
@@ -800,11 +807,11 @@ def llama_cpp_perplexity(path: Path, tokens: torch.Tensor, seq_len: int, stride:
             logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
             nll = logz - logits[np.arange(len(ids) - 1), ids[1:]]
             k = min(scored, len(ids) - 1)
-            total += float(nll[-k:].sum())
-            count += k
+            sums.append(float(nll[-k:].sum()))
+            counts.append(k)
     finally:
         llm.close()
-    return math.exp(total / count), count
+    return sums, counts
 
 
 def gguf_summary(path: Path) -> dict:
@@ -916,10 +923,11 @@ def planned_check(path: Path, request: WriteRequest, options: dict) -> dict:
     preset = options.get("preset")
     measured = []
     for d in domains:
-        ppl, n = llama_cpp_perplexity(path, d["tokens"], d["seq_len"], d["stride"])
+        sums, counts = llama_cpp_window_nll(path, d["tokens"], d["seq_len"], d["stride"])
+        ppl, n = math.exp(sum(sums) / sum(counts)), int(sum(counts))
         ref = d["reference_ppl"]
         row = {"name": d["name"], "perplexity": ppl, "scored_tokens": n, "reference_perplexity": ref,
-               "relative_change": ppl / ref - 1.0 if ref else None}
+               "relative_change": ppl / ref - 1.0 if ref else None, "window_nll": sums, "window_tokens": counts}
         if preset:
             p_ppl, _ = llama_cpp_perplexity(Path(preset["path"]), d["tokens"], d["seq_len"], d["stride"])
             row["preset_perplexity"], row["preset_relative_change"] = p_ppl, p_ppl / ref - 1.0 if ref else None

@@ -259,7 +259,7 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
             tmp = fit_budget(sizing, recipe, request, checked, report, tmp)
         stages.verify(recipe.output, request, tmp, report)
         if sizing is not None:
-            stages.size_gate(recipe, report, tmp)
+            stages.size_gate(recipe, report, tmp, result)
         out = stages.publish_output(tmp, checked.out, report, t_start)
     except BaseException as err:
         dist.broadcast_object(((exit_code_for(err), f"{type(err).__name__}: {err}"), None))

@@ -93,7 +93,8 @@ def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> Co
         model=model, profiles=[], decisions=[], baseline=base, final=base,
         budget_ppl=ppl_limit(base.ppl, pol.ppl_budget, pol.budget_mode), params_before=params, params_after=params,
         gate_passed=True, gate_message="no structural change (output.size plans the tensor types)",
-        strategy="size", timings={"baseline_s": time.perf_counter() - t0})
+        strategy="size", timings={"baseline_s": time.perf_counter() - t0},
+        teacher_windows={t.name: (t.window_nll, t.window_counts) for t in ev.teachers})
 
 
 F16_OPTIONS = {"quant": "f16", "from_source": True}

@@ -553,31 +553,54 @@ def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> Non
         raise
 
 
-def size_gate(recipe: Recipe, rep: dict, tmp: Path) -> None:
-    """``output.size``: the planned GGUF's perplexity in llama.cpp on every gate domain is the gate
-    (``policy.ppl_budget`` over the original's there); over it anywhere, nothing is published (exit 3)."""
+def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult) -> None:
+    """``output.size``: the planned GGUF in llama.cpp on every gate domain is the gate — the upper confidence
+    bound of its change against the original (``result``'s baseline, transformers; paired by window) within
+    ``policy.ppl_budget`` everywhere (:func:`~compressor.evaluation.evaluate.gate_check`); over it anywhere,
+    nothing is published (exit 3)."""
     from compressor.core.errors import GateFailed
+    from compressor.evaluation.evaluate import gate_check
 
     check, pol = rep["verification"]["gguf"], recipe.policy
+    base = getattr(result.baseline, "domains", None) or {}
+    candidates = {d["name"]: _llama_cpp_evaluation(d, base[d["name"]], result.teacher_windows.get(d["name"]))
+                  for d in check["domains"]}
+    ok, why, per = gate_check({n: base[n] for n in candidates}, candidates, pol)
     for d in check["domains"]:
-        d["limit"] = ppl_limit(d["reference_perplexity"], pol.ppl_budget, pol.budget_mode)
-        d["passed"] = bool(d["perplexity"] <= d["limit"])
-    check["gate_passed"] = all(d["passed"] for d in check["domains"]) or not pol.gate
-    worst = max(check["domains"], key=lambda d: d["perplexity"] / d["limit"])
+        d.update({k: per[d["name"]][k] for k in ("relative_delta_upper", "limit", "passed", "paired", "quantile")})
+        d.pop("window_nll", None), d.pop("window_tokens", None)
+    check["gate_passed"] = ok or not pol.gate
     changes = "; ".join(
-        f"{d['name']} {100 * d['relative_change']:+.2f} %" + (
-            f" (llama.cpp's {check['preset']['name']}: {100 * d['preset_relative_change']:+.2f} %)"
-            if check.get("preset") else "") for d in check["domains"])
+        f"{d['name']} {100 * d['relative_change']:+.2f} % ({pol.confidence:.0%} bound "
+        f"{100 * d['relative_delta_upper']:+.2f} %" + (
+            f"; llama.cpp's {check['preset']['name']}: {100 * d['preset_relative_change']:+.2f} %)"
+            if check.get("preset") else ")") for d in check["domains"])
     rep["message"] = (f"GGUF of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); perplexity in "
-                      f"llama.cpp against the original's: {changes}; budget {pol.ppl_budget:+.0%} "
-                      f"({pol.budget_mode})")
+                      f"llama.cpp against the original's: {changes}; budget {pol.ppl_budget:+.0%} ({pol.budget_mode})")
     if not check["gate_passed"]:
         _remove(tmp)
         rep.update(status="rejected", exit_code=3)
-        rep["message"] += (f". Over the budget on {worst['name']}: nothing was written; give a larger output.size "
-                           "or raise policy.ppl_budget")
+        rep["message"] += f". {why}: nothing was written; give a larger output.size or raise policy.ppl_budget"
         rep["output"] = None
         raise GateFailed(rep["message"], report=rep)
+
+
+def _llama_cpp_evaluation(d: dict, original, teacher: tuple | None):
+    """An :class:`~compressor.evaluation.evaluate.Evaluation` of llama.cpp's per-window NLL sums on one domain,
+    its change's standard error paired by window with ``teacher`` (the original's ``(NLL sums, scored
+    tokens)`` per window) when the windows line up."""
+    import math
+
+    from compressor.evaluation.evaluate import Evaluation, ratio_mean_se
+
+    sums, counts = torch.tensor(d["window_nll"]), torch.tensor(d["window_tokens"])
+    nll, nll_se = ratio_mean_se(sums, counts)
+    delta_se = None
+    if teacher is not None and len(teacher[0]) == len(sums) and torch.equal(teacher[1].long().cpu(), counts.long()):
+        _, delta_se = ratio_mean_se(sums.double() - teacher[0].double().cpu(), counts)
+    return Evaluation(ppl=math.exp(nll), nll=nll, tokens=int(counts.sum()), seq_len=original.seq_len,
+                      stride=original.stride, windows=len(sums), nll_se=nll_se,
+                      ppl_se=None if nll_se is None else math.exp(nll) * nll_se, name=d["name"], nll_delta_se=delta_se)
 
 
 def publish_output(tmp: Path, out: Path, rep: dict, t_start: float) -> Path:
