@@ -490,3 +490,25 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     assert failed.exit_code == 3 and "larger output.size" in failed.report["message"]
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
     assert not list(tmp_path.glob(".*tmp*")) and not list(tmp_path.glob(".compressor-size-*"))
+
+
+def test_the_size_plan_summary_puts_the_file_beside_the_preset(capsys):
+    """``output.size``'s summary: the file, its types, and per domain its change (with the bound) beside the
+    preset's — not the unchanged in-memory model's gate lines."""
+    from compressor.cli.run import _print_summary
+
+    report = {"status": "success", "message": "ok", "blocks": [], "strategy": "size",
+              "perplexity": {"baseline": {"ppl": 10.0}, "final": {"ppl": 10.0, "tokens": 8, "seq_len": 4, "stride": 4},
+                             "budget": 10.5},
+              "size_plan": {"size": "Q3_K_M", "types_used": {"Q4_K": 3, "Q6_K": 1}},
+              "verification": {"gguf": {
+                  "quant": "plan", "file_bytes": 900, "budget_bytes": 1000, "predicted_relative_change": 0.01,
+                  "preset": {"name": "Q3_K_M", "file_bytes": 1000},
+                  "domains": [{"name": "prose", "perplexity": 10.2, "relative_change": 0.02, "confidence": 0.9,
+                               "relative_delta_upper": 0.03, "reference_perplexity": 10.0,
+                               "preset_relative_change": 0.08}]}}}
+    _print_summary(report, Path("out"))
+    out = capsys.readouterr().out
+    assert "tensor types: Q4_K ×3, Q6_K ×1" in out and "beside it: llama.cpp's Q3_K_M" in out
+    assert "llama.cpp [prose]: perplexity 10.2000, +2.00 % (90% bound +3.00 %)" in out and "Q3_K_M: +8.00 %" in out
+    assert "gate [" not in out and "out/model.gguf" in out

@@ -96,12 +96,13 @@ def main() -> None:
         types = [t for t in low if fits(t, s.weight.shape[1])]
         t = types[int(rng.integers(len(types)))]
         approx = torch.from_numpy(roundtrip(s.weight.numpy(), t, s.imatrix))
-        predicted = s.cost(approx - s.weight)
+        delta = approx - s.weight
+        predicted = s.cost(delta if s.rows is None else delta[s.rows])  # a sampled tensor: its priced rows
         p = params[f"{s.module}.weight"]
-        saved = p.data.clone()
+        saved = p.data.clone()  # s.weight is a view of the live parameter: keep the original apart
         p.data.copy_(approx.reshape(p.shape))
         measured = mean_nll(model, test) - base
-        p.data.copy_((2 * s.weight - approx).reshape(p.shape))  # the mirrored change, W − ΔW
+        p.data.copy_((2 * saved - approx.reshape(p.shape)))  # the mirrored change, W − ΔW
         mirrored = mean_nll(model, test) - base
         p.data.copy_(saved)
         rows.append({"tensor": s.name, "type": t.name, "predicted_nll_increase": predicted,

@@ -157,6 +157,13 @@ def _print_summary(r: dict, output) -> None:
     ppl = r["perplexity"]
     kept = [d["index"] for d in r["blocks"] if d["decision"] == "kept"]
     print(f"status: {r['status']} — {r['message']}")
+    gguf = (r.get("verification") or {}).get("gguf") or {}
+    if gguf.get("quant") == "plan":  # output.size: the file is what was gated, in llama.cpp
+        _print_size_plan(r, gguf)
+        if output is not None:
+            print(f"model:  {output / 'model.gguf'}")
+            print(f"report: {output / 'report.json'}")
+        return
     print(f"perplexity: {ppl['baseline']['ppl']:.4f} → {ppl['final']['ppl']:.4f} (budget {ppl['budget']:.4f}, "
           f"{ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']}, stride {ppl['final']['stride']})")
     ev = r.get("evaluation") or {}
@@ -237,8 +244,10 @@ def _print_size_plan(r: dict, gguf: dict) -> None:
           + (f"; beside it: llama.cpp's {preset['name']} from the same F16, {human_bytes(preset['file_bytes'])}"
              if preset else ""))
     for d in gguf.get("domains", []):
+        bound = (f" ({d['confidence']:.0%} bound {100 * d['relative_delta_upper']:+.2f} %)"
+                 if d.get("relative_delta_upper") is not None else "")
         beside = f" | {preset['name']}: {100 * d['preset_relative_change']:+.2f} %" if preset else ""
-        print(f"llama.cpp [{d['name']}]: perplexity {d['perplexity']:.4f}, {100 * d['relative_change']:+.2f} % "
+        print(f"llama.cpp [{d['name']}]: perplexity {d['perplexity']:.4f}, {100 * d['relative_change']:+.2f} %{bound} "
               f"against the original's {d['reference_perplexity']:.4f}{beside}")
 
 

@@ -567,7 +567,8 @@ def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult) -
                   for d in check["domains"]}
     ok, why, per = gate_check({n: base[n] for n in candidates}, candidates, pol)
     for d in check["domains"]:
-        d.update({k: per[d["name"]][k] for k in ("relative_delta_upper", "limit", "passed", "paired", "quantile")})
+        d.update({k: per[d["name"]][k] for k in ("relative_delta_upper", "limit", "passed", "paired", "quantile",
+                                                  "confidence")})
         d.pop("window_nll", None), d.pop("window_tokens", None)
     check["gate_passed"] = ok or not pol.gate
     changes = "; ".join(
