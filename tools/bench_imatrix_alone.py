@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--cal-tokens", type=int, default=16384)
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--output", required=True)
+    ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
     args = ap.parse_args()
     import torch
 
@@ -79,7 +80,7 @@ def main() -> None:
     Path(args.output).write_text(json.dumps({
         "model": args.model, "type": args.type, "eval": f"WikiText-2 test, {args.windows} windows of 512, llama.cpp",
         "calibration": f"{args.cal_tokens} tokens of {work / 'calibration.txt'} (the first characters of WikiText-2 "
-                       "valid), the same text llama-imatrix read", "f16_ppl": base, "ran_alone": True,
+                       "valid), the same text llama-imatrix read", "f16_ppl": base, "ran_alone": bool(args.alone),
         "rows": rows}, indent=2) + "\n")
     for r in rows:
         print(f"{r['file']:34s} {r['bytes'] / 1e6:7.1f} MB  {100 * r['change_vs_f16']:+6.2f} %")

@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-ours", action="store_true", help="presets only")
     ap.add_argument("--output", required=True)
+    ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -165,7 +166,7 @@ def main() -> None:
     result = {"model": args.name, "source": args.model, "eval_text": Path(args.eval_text).name,
               "windows": args.windows, "seq_len": 512, "calibration": f"first {args.cal_chars} characters of "
               f"{Path(args.cal_text).name}, {args.cal_tokens} tokens", "runtime": "llama-cpp-python 0.3.36",
-              "ran_alone": True, "rows": rows, "seconds": seconds,
+              "ran_alone": bool(args.alone), "rows": rows, "seconds": seconds,
               "commands": (work / "log.txt").read_text().splitlines()[:0] or [
                   "llama-quantize F16.gguf OUT.gguf PRESET", "llama-imatrix -m F16.gguf -f calibration.txt "
                   f"--chunks {args.cal_tokens // 512} -c 512 -o imatrix.gguf",

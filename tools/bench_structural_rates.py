@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--units", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--cal-windows", type=int, default=32)
     ap.add_argument("--output", required=True)
+    ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
     args = ap.parse_args()
 
     from compressor.core.ggml import GGMLType, bits_per_weight, bytes_per_row
@@ -115,7 +116,7 @@ def main() -> None:
     Path(args.output).write_text(json.dumps({
         "model": args.model, "calibration": f"WikiText-2 valid, {args.cal_windows} windows of 512",
         "what": "predicted loss per byte saved: quantization's cheapest next step at each plan vs removing FFN "
-                "hidden units (OBS, down projection re-solved) at the plan's types", "ran_alone": True,
+                "hidden units (OBS, down projection re-solved) at the plan's types", "ran_alone": bool(args.alone),
         "seconds": time.perf_counter() - t0, "sizes": rows}, indent=2) + "\n")
 
 
