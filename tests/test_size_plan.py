@@ -244,3 +244,18 @@ def test_prices_round_trip_through_the_cache_format():
     assert np.array_equal(back_priced[1].imatrix, priced[1].imatrix)
     p = plan(back_units, back_priced, 18 + 68)
     assert p.types == {"a": "Q8_0", "b": "Q4_0"} and p.tensor_bytes == 70  # 1.9 saved for 16 bytes beats 0.95 for 32
+
+
+def test_a_large_unit_whose_step_overshoots_the_multiplier_is_still_taken():
+    """One unit a large share of the budget (an embedding) whose upgrade saves a little less per byte than
+    the small units' upgrades: the multiplier stops before it and the fill has no room left, though taking
+    it and stepping a few small units down is cheaper. The allocation finds that (exhaustive check)."""
+    units = {"emb": [Option("emb", "q5", 60, 1.0), Option("emb", "q8", 85, 0.0)]}  # 0.040 per byte
+    for i in range(10):  # 0.0425 per byte each
+        units[f"t{i}"] = [Option(f"t{i}", "q4", 4, 0.17), Option(f"t{i}", "q8", 8, 0.0)]
+    budget = 150
+    plain = allocate(units, budget, lumpy=0)
+    chosen = allocate(units, budget)
+    assert plain["emb"].name == "q5" and total_cost(plain) == pytest.approx(1.0)
+    assert chosen["emb"].name == "q8" and total_size(chosen) <= budget
+    assert total_cost(chosen) == pytest.approx(_brute(units, budget)) == pytest.approx(4 * 0.17)

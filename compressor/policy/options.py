@@ -61,12 +61,38 @@ def at_multiplier(units: Mapping[str, list[Option]], lam: float) -> dict[str, Op
     return {u: pick(opts, lam) for u, opts in units.items()}
 
 
-def allocate(units: Mapping[str, list[Option]], budget: float, *, fill: bool = True) -> dict[str, Option]:
+#: Units whose options the allocation also tries fixing, one at a time (the largest ones): see :func:`allocate`.
+LUMPY_UNITS = 3
+
+
+def allocate(units: Mapping[str, list[Option]], budget: float, *, fill: bool = True,
+             lumpy: int = LUMPY_UNITS) -> dict[str, Option]:
     """One option per unit, total size ≤ ``budget``, summed cost minimised over the lower convex hull.
 
     Returns every unit's smallest option when even those exceed ``budget`` (the caller says so).
     ``fill``: spend what the multiplier leaves below the budget on the upgrades with the best cost
-    saved per extra size (the hull's corners are sparse when units are few)."""
+    saved per extra size (the hull's corners are sparse when units are few). ``lumpy``: a multiplier
+    cannot take a step of one very large unit that overshoots the budget (Gemma-3-270M's embedding is
+    two thirds of the file), though taking it and stepping smaller units down can be cheaper; so each
+    larger option of the ``lumpy`` largest units is also tried fixed, the rest allocated around it, and
+    the cheapest result kept."""
+    best = _allocate(units, budget, fill)
+    if not fill or lumpy <= 0:
+        return best
+    largest = sorted(units, key=lambda u: -max(o.size for o in units[u]))[:lumpy]
+    for u in largest:
+        rest = {k: v for k, v in units.items() if k != u}
+        for o in units[u]:
+            if o.size <= best[u].size or o.size > budget or not rest:
+                continue
+            choice = _allocate(rest, budget - o.size, fill)
+            choice[u] = o
+            if total_size(choice) <= budget and total_cost(choice) < total_cost(best) - 1e-15:
+                best = choice
+    return {u: best[u] for u in units}
+
+
+def _allocate(units: Mapping[str, list[Option]], budget: float, fill: bool) -> dict[str, Option]:
     empty = [u for u, opts in units.items() if not opts]
     if empty:
         raise ValueError(f"units without options: {empty[:5]}")
