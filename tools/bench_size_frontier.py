@@ -127,6 +127,8 @@ def main() -> None:
             r.write_text(recipe(args.model, cal, preset, out, args.cal_tokens))
             t0 = time.perf_counter()
             with open(log, "a") as f:
+                f.write(f"$ {Path(PY).parent / 'compressor'} run {r}\n")
+                f.flush()
                 rc = subprocess.run([str(Path(PY).parent / "compressor"), "run", str(r)], stdout=f,
                                     stderr=subprocess.STDOUT, env=env).returncode
             seconds[f"compressor-{preset}"] = time.perf_counter() - t0
@@ -167,12 +169,8 @@ def main() -> None:
               "windows": args.windows, "seq_len": 512, "calibration": f"first {args.cal_chars} characters of "
               f"{Path(args.cal_text).name}, {args.cal_tokens} tokens", "runtime": "llama-cpp-python 0.3.36",
               "ran_alone": bool(args.alone), "rows": rows, "seconds": seconds,
-              "commands": (work / "log.txt").read_text().splitlines()[:0] or [
-                  "llama-quantize F16.gguf OUT.gguf PRESET", "llama-imatrix -m F16.gguf -f calibration.txt "
-                  f"--chunks {args.cal_tokens // 512} -c 512 -o imatrix.gguf",
-                  "llama-quantize --imatrix imatrix.gguf F16.gguf OUT.gguf PRESET",
-                  "compressor run recipe-PRESET.yaml (output.size: PRESET)",
-                  f"python tools/llamacpp_perplexity.py FILES --text test.txt --windows {args.windows}"]}
+              # the commands as run, from the log (`python -c` is F16_SNIPPET above)
+              "commands": [line[2:] for line in log.read_text().splitlines() if line.startswith("$ ")]}
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     for r in rows:
         print(f"{r['file']:>22}  {r['bytes'] / 1e6:8.1f} MB  ppl {r['ppl']:8.3f}  {100 * r['change_vs_f16']:+6.2f} %")
