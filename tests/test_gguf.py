@@ -225,7 +225,9 @@ def test_a_gguf_source_keeps_its_tensors_and_tokenizer(tmp_path, tokenizer, ids)
     writer = gw.GGUFWriter()
     writer.write(request, out)
     check = writer.verify(request, out)
-    assert check["file_type"] == "MOSTLY_Q8_0" and check["ffn_widths"][1] == 64 and check["passed"]
+    assert check["file_type"] == "MOSTLY_Q8_0" and check["ffn_widths"][1] == 64
+    # no gate budget given: nothing to hold a quantized file against, and the check says so instead of "passed"
+    assert check["compared_with"] is None and "passed" not in check and "not compared" in check["checked"]
     assert check["relative_ppl_diff"] < 0.01  # only the new FFN was quantized
     before = {t.name: t for t in gguf.GGUFReader(src_dir / "tiny.gguf").tensors}
     after = {t.name: t for t in gguf.GGUFReader(out / "model.gguf").tensors}
@@ -492,6 +494,59 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     assert not list(tmp_path.glob(".*tmp*")) and not list(tmp_path.glob(".compressor-size-*"))
 
 
+def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_path, tokenizer, ids, monkeypatch):
+    """``output.size: smallest``: the planned file is smaller than the F16 and its predicted change is within
+    the share of the budget it planned for; when llama.cpp measures the first file over the gate, the plan
+    steps back to more bytes and the second file passes; with no back-off left, exit 3, every attempt
+    recorded and nothing written."""
+    needs_llama_cpp()
+    import compressor
+
+    src = tmp_path / "src"
+    src.mkdir()
+    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="f16", expected=1.0, file="tiny.gguf"), src)
+    rng = np.random.default_rng(0)
+    words = TEXT.split()
+    (tmp_path / "cal.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
+    (tmp_path / "eval.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
+
+    def recipe(out: str, **policy):
+        return compressor.recipe_from_dict({
+            "model": {"source": str(src / "tiny.gguf")},
+            "calibration": {"dataset": str(tmp_path / "cal.txt"), "max_tokens": 2048, "seq_len": 32},
+            "evaluation": {"dataset": str(tmp_path / "eval.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
+            "policy": {"ppl_budget": 0.05, **policy}, "measure": {"cache": False},
+            "output": {"path": str(tmp_path / out), "size": "smallest"},
+        })
+
+    real, calls = gw.llama_cpp_window_nll, []
+
+    def worse_first(path, *args):  # the first planned file measured 2× worse; the later ones as they are
+        sums, counts = real(path, *args)
+        calls.append(path.name)
+        bump = math.log(2) if calls.count("model.gguf") == 1 and path.name == "model.gguf" else 0.0
+        return [s + bump * n for s, n in zip(sums, counts)], counts
+
+    monkeypatch.setattr(gw, "llama_cpp_window_nll", worse_first)
+    res = compressor.run(recipe("out"))
+    assert res.exit_code == 0, res.report.get("message")
+    plan, check = res.report["size_plan"], res.report["verification"]["gguf"]
+    first, second = plan["search"]["attempts"]
+    assert not first["passed"] and second["passed"] and second["tensor_bytes"] > first["tensor_bytes"]
+    assert second["predicted_ppl_change"] < first["predicted_ppl_change"]
+    assert check["file_bytes"] < (src / "tiny.gguf").stat().st_size and check["gate_passed"]
+    assert plan["predicted_ppl_change"] <= plan["search"]["target_predicted_ppl_change"] + 1e-12
+
+    calls.clear()
+    monkeypatch.setattr(gw, "llama_cpp_window_nll", lambda path, *a: (
+        lambda sc: ([s + (math.log(2) * n if path.name == "model.gguf" else 0) for s, n in zip(*sc)], sc[1]))(
+        real(path, *a)))
+    failed = compressor.run(recipe("out2", max_backoff=1))
+    assert failed.exit_code == 3 and "policy.max_backoff" in failed.report["message"]
+    assert [a["passed"] for a in failed.report["size_plan"]["search"]["attempts"]] == [False, False]
+    assert not (tmp_path / "out2").exists() and not list(tmp_path.glob(".compressor-size-*"))
+
+
 def test_the_size_plan_summary_puts_the_file_beside_the_preset(capsys):
     """``output.size``'s summary: the file, its types, and per domain its change (with the bound) beside the
     preset's — not the unchanged in-memory model's gate lines."""
@@ -512,3 +567,7 @@ def test_the_size_plan_summary_puts_the_file_beside_the_preset(capsys):
     assert "tensor types: Q4_K ×3, Q6_K ×1" in out and "beside it: llama.cpp's Q3_K_M" in out
     assert "llama.cpp [prose]: perplexity 10.2000, +2.00 % (90% bound +3.00 %)" in out and "Q3_K_M: +8.00 %" in out
     assert "gate [" not in out and "out/model.gguf" in out
+    report["size_plan"]["search"] = {"target_predicted_ppl_change": 0.03, "attempts": [
+        {"file_bytes": 800_000, "passed": False}, {"file_bytes": 900_000, "passed": True}]}
+    _print_summary(report, Path("out"))
+    assert "planned for a predicted +3.00 %; files measured: 0.8 MB over, 0.9 MB passed" in capsys.readouterr().out

@@ -130,9 +130,15 @@ def test_input_moments_match_collected_inputs_and_share_one_matrix(llama):
         h.remove()
     for n in names:
         x = torch.cat(seen[n])
-        assert torch.allclose(moments[n], x.T @ x / windows.numel(), rtol=1e-4, atol=1e-6), n
+        assert torch.allclose(moments[n].double(), x.T @ x / windows.numel(), rtol=1e-4, atol=1e-6), n
     q, k = (n for n in names if n.endswith("layers.0.self_attn.q_proj") or n.endswith("layers.0.self_attn.k_proj"))
     assert moments[q] is moments[k]  # q and k read the same tensor: one matrix
+    first = [n for n in names if ".layers.0." in n]
+    calls = []
+    hook = llama.get_submodule(names[-1]).register_forward_pre_hook(lambda m, a: calls.append(1))
+    early = input_moments(llama, windows, first, batch_size=4)  # stops after layer 0: the head never runs
+    hook.remove()
+    assert not calls and all(torch.allclose(early[n], moments[n]) for n in first)
 
 
 def test_the_closed_form_cost_equals_the_per_token_sum(llama):
@@ -233,10 +239,11 @@ def test_row_sampling_is_unbiased_and_keeps_the_rows_that_matter():
 
 
 def test_prices_round_trip_through_the_cache_format():
-    from compressor.policy.quantplan import Priced, from_tensors, plan, to_tensors
+    from compressor.policy.quantplan import Choice, Priced, from_tensors, plan, to_tensors
 
-    units = {n: [Option(n, "Q4_0", 18.0 * k, 2.0 / k, payload=GGMLType.Q4_0),
-                 Option(n, "Q8_0", 34.0 * k, 0.1 / k, payload=GGMLType.Q8_0)] for k, n in ((1, "a"), (2, "b"))}
+    units = {n: [Option(n, "Q4_0", 18.0 * k, 2.0 / k, payload=Choice(GGMLType.Q4_0, n == "b")),
+                 Option(n, "Q8_0", 34.0 * k, 0.1 / k, payload=Choice(GGMLType.Q8_0, True))]
+             for k, n in ((1, "a"), (2, "b"))}
     priced = [Priced("a", "m.a", (1, 32), np.ones(32, dtype=np.float32)),
               Priced("b", "m.b", (2, 32), np.arange(32, dtype=np.float32))]
     back_units, back_priced = from_tensors(*to_tensors(units, priced))
@@ -244,6 +251,30 @@ def test_prices_round_trip_through_the_cache_format():
     assert np.array_equal(back_priced[1].imatrix, priced[1].imatrix)
     p = plan(back_units, back_priced, 18 + 68)
     assert p.types == {"a": "Q8_0", "b": "Q4_0"} and p.tensor_bytes == 70  # 1.9 saved for 16 bytes beats 0.95 for 32
+    assert set(p.imatrix) == {"a", "b"}  # both chosen options were priced with the importance matrix
+    p = plan(back_units, back_priced, 18 + 36)
+    assert p.types == {"a": "Q4_0", "b": "Q4_0"} and set(p.imatrix) == {"b"}  # a's Q4_0 was cheaper unweighted
+
+
+def test_a_type_is_priced_with_and_without_the_importance_matrix_and_keeps_the_cheaper():
+    """An importance matrix that disagrees with the true cost (here the cost weighs every column alike,
+    the matrix a seventh of them 50×): quantizing with it costs more, so the option keeps the unweighted
+    price and says so; with a matrix that agrees it keeps the weighted one. F16 takes no matrix."""
+    pytest.importorskip("llama_cpp")
+    from compressor.policy.quantplan import Site, price, variants
+
+    w = torch.from_numpy(np.random.default_rng(0).standard_normal((32, 256)).astype(np.float32))
+    skew = np.ones(256, dtype=np.float32)
+    skew[::7] = 50.0
+    site = Site("t", "m", w, torch.eye(256), torch.ones(32), skew)
+    costs = {m is not None: site.cost(torch.from_numpy(ggml.roundtrip(w.numpy(), GGMLType.Q4_K, m)) - w)
+             for m in (None, skew)}
+    (opt,) = price(site, (GGMLType.Q4_K,))
+    assert costs[False] < costs[True] and opt.payload.weighted is False and opt.cost == pytest.approx(costs[False])
+    agreeing = Site("t", "m", w, torch.diag(torch.from_numpy(skew)), torch.ones(32), skew)
+    (opt,) = price(agreeing, (GGMLType.Q4_K,))
+    assert opt.payload.weighted is True
+    assert variants(site, GGMLType.F16) == [None]
 
 
 def test_a_large_unit_whose_step_overshoots_the_multiplier_is_still_taken():
@@ -259,3 +290,27 @@ def test_a_large_unit_whose_step_overshoots_the_multiplier_is_still_taken():
     assert plain["emb"].name == "q5" and total_cost(plain) == pytest.approx(1.0)
     assert chosen["emb"].name == "q8" and total_size(chosen) <= budget
     assert total_cost(chosen) == pytest.approx(_brute(units, budget)) == pytest.approx(4 * 0.17)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_smallest_plan_within_a_predicted_cost_is_found_by_bisection(seed):
+    """``smallest_within``: its plan's predicted cost is within the target, and the allocation one
+    tolerance fewer bytes is not; a target even the smallest types meet gives the smallest types."""
+    from compressor.policy.quantplan import Choice, Priced, smallest_within
+
+    rng = np.random.default_rng(seed)
+    units, priced = {}, []
+    for i in range(12):
+        sizes = np.sort(rng.integers(10, 400, 4)) * 100
+        costs = np.sort(rng.random(4))[::-1] * rng.random()
+        units[f"t{i}"] = [Option(f"t{i}", f"x{j}", float(sizes[j]), float(costs[j]),
+                                 payload=Choice(GGMLType.Q8_0, True)) for j in range(4)]
+        priced.append(Priced(f"t{i}", f"m{i}", (1, 32), np.ones(32, dtype=np.float32)))
+    hi = int(total_size({n: max(o, key=lambda o: o.size) for n, o in units.items()}))
+    target = 0.5 * total_cost({n: min(o, key=lambda o: o.size) for n, o in units.items()})
+    p = smallest_within(units, priced, hi, target, tolerance=64)
+    assert p.predicted_nll_increase <= target
+    assert total_cost(allocate(units, p.budget_bytes - 65)) > target
+    floor = smallest_within(units, priced, hi, 1e9)
+    assert floor.tensor_bytes == total_size({n: min(o, key=lambda o: o.size) for n, o in units.items()})
+

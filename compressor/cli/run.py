@@ -194,8 +194,11 @@ def _print_summary(r: dict, output) -> None:
             print(f"llama.cpp: perplexity {gguf['perplexity']:.4f} against the source GGUF's "
                   f"{gguf['source_perplexity']:.4f} ({100 * gguf['source_relative_change']:+.2f} %, same windows)")
         elif size.get("gguf_bytes") is not None:
+            q = gguf.get("quantization_change")
+            note = (f", {100 * q:+.2f} % against the float model: quantizing costs this, not judged"
+                    if gguf.get("compared_with") is None and q is not None else "")
             print(f"gguf: {human_bytes(size['gguf_bytes'])} ({gguf.get('file_type', '?')}; llama.cpp perplexity "
-                  f"{gguf.get('perplexity', float('nan')):.4f})")
+                  f"{gguf.get('perplexity', float('nan')):.4f}{note})")
         wrote_hf = size.get("output_bytes") is not None
         if wrote_hf and (not same or "Hugging Face" not in same["what"]):
             source = "GGUF file" if r["model"]["resolved"].endswith(".gguf") else "weights"
@@ -239,6 +242,12 @@ def _print_size_plan(r: dict, gguf: dict) -> None:
     types = ", ".join(f"{t} ×{n}" for t, n in plan.get("types_used", {}).items())
     print(f"gguf: {human_bytes(gguf['file_bytes'])} (budget {human_bytes(gguf['budget_bytes'])}, output.size "
           f"{plan.get('size')}); tensor types: {types}")
+    search = plan.get("search")
+    if search:  # output.size: smallest — the plans the gate measured, smallest first
+        tried = ", ".join(f"{a['file_bytes'] / 1e6:.1f} MB {'passed' if a['passed'] else 'over'}"
+                          for a in search["attempts"])
+        print(f"smallest within the budget: planned for a predicted {100 * search['target_predicted_ppl_change']:+.2f} "
+              f"%; files measured: {tried}")
     preset = gguf.get("preset")
     print(f"predicted: {100 * gguf['predicted_relative_change']:+.2f} % perplexity"
           + (f"; beside it: llama.cpp's {preset['name']} from the same F16, {human_bytes(preset['file_bytes'])}"

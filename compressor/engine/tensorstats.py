@@ -16,8 +16,9 @@ are uncorrelated over tokens). Two passes measure the pieces:
   token ``v``'s frequency);
 * :func:`input_moments` — forward only: ``Ĥ`` at the input of each named
   ``nn.Linear``; modules fed the same tensor (q/k/v, gate/up) share one matrix.
-  Float64 sums, ``d_in²`` each: the caller decides how many modules a pass holds
-  (Qwen2.5-1.5B's down projections are 8,960² = 640 MB each).
+  Float32 sums, ``d_in²`` each (each batch's ``XᵀX`` is a float32 product anyway; a
+  float64 sum would double the memory for nothing): the caller decides how many
+  modules a pass holds (Qwen2.5-1.5B's down projections are 8,960² = 321 MB each).
 
 ``diag(Ĥ)`` is also what llama.cpp's ``llama-imatrix`` collects (its importance
 matrix), so the same pass gives the quantizer its column weights.
@@ -87,11 +88,18 @@ def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     return Fisher({k: v / n_tokens for k, v in sums.items()}, counts, n_tokens)
 
 
+class _AllSeen(Exception):
+    """Raised by :func:`input_moments`'s hooks once every named module has had its input: the rest of the
+    forward pass would compute nothing it needs."""
+
+
 def input_moments(model: nn.Module, windows: torch.Tensor, names: list[str], *,
                   batch_size: int = 8) -> dict[str, torch.Tensor]:
-    """``Ĥ = mean_t x_t x_tᵀ`` (float64 [d_in, d_in], CPU) at the input of each linear in ``names``; modules
-    that read the same tensor get the same matrix object."""
+    """``Ĥ = mean_t x_t x_tᵀ`` (float32 [d_in, d_in], CPU) at the input of each linear in ``names``; modules
+    that read the same tensor get the same matrix object. Each batch's forward pass stops once every named
+    module has read its input (moments of the first layers cost only the first layers' compute)."""
     sums: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     # this batch's inputs by tensor identity → (the module that took it first, the tensor, held so that
     # its memory cannot be reused by a later input of the same batch)
     first_reader: dict[int, tuple[str, torch.Tensor]] = {}
@@ -100,24 +108,32 @@ def input_moments(model: nn.Module, windows: torch.Tensor, names: list[str], *,
     def hook(name: str):
         def fwd(module, args):
             x = args[0]
-            seen = first_reader.get(id(x))
-            if seen is not None and seen[1] is x and seen[0] != name:
-                alias[name] = seen[0]
-                return
-            first_reader[id(x)] = (name, x)
-            x = x.detach().reshape(-1, x.shape[-1]).float()
-            xx = (x.T @ x).double().cpu()
-            sums[name] = xx if name not in sums else sums[name] + xx
+            reader = first_reader.get(id(x))
+            if reader is not None and reader[1] is x and reader[0] != name:
+                alias[name] = reader[0]
+            else:
+                first_reader[id(x)] = (name, x)
+                x = x.detach().reshape(-1, x.shape[-1]).float()
+                xx = (x.T @ x).cpu()
+                sums[name] = xx if name not in sums else sums[name] + xx
+            seen.add(name)
+            if len(seen) == len(wanted):
+                raise _AllSeen
         return fwd
 
-    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    wanted = set(names)
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in wanted]
     device = model.get_input_embeddings().weight.device
     try:
         with torch.no_grad():
             for first in progress(range(0, windows.shape[0], batch_size), desc="price: input moments",
                                   unit="batch"):
                 first_reader.clear()
-                model(windows[first:first + batch_size].to(device), use_cache=False)
+                seen.clear()
+                try:
+                    model(windows[first:first + batch_size].to(device), use_cache=False)
+                except _AllSeen:
+                    pass
     finally:
         for h in handles:
             h.remove()

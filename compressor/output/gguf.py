@@ -893,18 +893,25 @@ class GGUFWriter(Writer):
         expected = request.expected_ppl
         rel = abs(ppl - expected) / expected if expected else None
         exact = quant in ("f32", "f16", "bf16")
-        passed = math.isfinite(ppl) and (not exact or (rel is not None and rel <= PPL_TOLERANCE))
+        if not math.isfinite(ppl) or (exact and (rel is None or rel > PPL_TOLERANCE)):
+            raise VerificationError(
+                f"llama.cpp check failed: {path.name} ({gguf_summary(path)['architecture']}, {quant}) has perplexity "
+                f"{ppl:.5f} in llama.cpp, the in-memory model {expected:.5f} (relative tolerance {PPL_TOLERANCE:g}); "
+                "nothing was published")
         check = {"runtime": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, **gguf_summary(path),
                  "quant": quant, "perplexity": ppl, "expected_perplexity": expected, "scored_tokens": n,
                  "relative_ppl_diff": rel, "relative_ppl_tolerance": PPL_TOLERANCE if exact else None,
-                 "passed": passed, "file_bytes": path.stat().st_size}
-        if not passed:
-            raise VerificationError(
-                f"llama.cpp check failed: {path.name} ({check['architecture']}, {quant}) has perplexity {ppl:.5f} "
-                f"in llama.cpp, the in-memory model {expected:.5f} (relative tolerance {PPL_TOLERANCE:g}); "
-                "nothing was published")
-        if quant == "source" and request.ppl_limit_ratio is not None:
-            check.update(same_quant_check(path, request, ppl))
+                 "file_bytes": path.stat().st_size}
+        if exact:
+            check.update(compared_with="the in-memory model", passed=True)
+        elif quant == "source" and request.ppl_limit_ratio is not None:
+            check.update(compared_with="the source GGUF at the same quantization, in llama.cpp",
+                         **same_quant_check(path, request, ppl))
+        else:
+            # No original exists at this quantization to hold the file against: what is checked is that
+            # llama.cpp runs it (finite perplexity); the change quantizing added is recorded, not judged.
+            check.update(compared_with=None, checked="llama.cpp runs it (finite perplexity); not compared",
+                         quantization_change=ppl / expected - 1.0 if expected else None)
         return check
 
 

@@ -259,7 +259,7 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
             tmp = fit_budget(sizing, recipe, request, checked, report, tmp)
         stages.verify(recipe.output, request, tmp, report)
         if sizing is not None:
-            stages.size_gate(recipe, report, tmp, result)
+            tmp = gate_size(sizing, recipe, request, checked, report, tmp, result)
         out = stages.publish_output(tmp, checked.out, report, t_start)
     except BaseException as err:
         dist.broadcast_object(((exit_code_for(err), f"{type(err).__name__}: {err}"), None))
@@ -284,7 +284,8 @@ def sized(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stage
 
     t0 = time.perf_counter()
     cal = calibrated.cal
-    sizing = plan_size(recipe, request, torch.cat([cal.fit, cal.heldout]), checked.out)
+    ratio = result.budget_ppl / result.baseline.ppl if result.baseline.ppl else None
+    sizing = plan_size(recipe, request, torch.cat([cal.fit, cal.heldout]), checked.out, ppl_ratio=ratio)
     request.options.update(sizing.writer_options())
     base = getattr(result.baseline, "domains", None) or {}
     request.options["gate_domains"] = [
@@ -296,6 +297,31 @@ def sized(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stage
     return sizing
 
 
+def gate_size(sizing, recipe: Recipe, request, checked: stages.Checked, report: dict, tmp: Path, result) -> Path:
+    """The size gate on the written file; ``output.size: smallest`` steps back to a larger plan while the
+    gate fails and back-offs are left (:meth:`~compressor.pipeline.sizing.Sizing.back_off`)."""
+    while True:
+        last = sizing.search is None or sizing.search.backoffs_left <= 0
+        try:
+            stages.size_gate(recipe, report, tmp, result, last=last)
+        except GateFailed:
+            if sizing.search is not None:  # the last attempt, recorded beside the others
+                sizing.back_off(report["verification"]["gguf"])
+                report["size_plan"] = sizing.to_json()
+            raise
+        except stages.SizeGateMissed:
+            sizing.back_off(report["verification"]["gguf"])
+            request.options.update(sizing.writer_options())
+            report["size_plan"] = sizing.to_json()
+            tmp = stages.write(recipe.output, request, checked, report["timings"])
+            tmp = fit_budget(sizing, recipe, request, checked, report, tmp)
+            stages.verify(recipe.output, request, tmp, report)
+            continue
+        sizing.passed(report["verification"]["gguf"])
+        report["size_plan"] = sizing.to_json()
+        return tmp
+
+
 def fit_budget(sizing, recipe: Recipe, request, checked: stages.Checked, report: dict, tmp: Path) -> Path:
     """Re-plan and write again while the GGUF is over its budget (its non-tensor bytes were estimated)."""
     from compressor.pipeline.sizing import replan
@@ -303,7 +329,7 @@ def fit_budget(sizing, recipe: Recipe, request, checked: stages.Checked, report:
     for _ in range(3):
         if not replan(sizing, (tmp / "model.gguf").stat().st_size):
             break
-        stages._remove(tmp)
+        stages.remove_tree(tmp)
         request.options.update(sizing.writer_options())
         report["size_plan"] = sizing.to_json()
         tmp = stages.write(recipe.output, request, checked, report["timings"])

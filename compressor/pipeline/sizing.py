@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -36,7 +37,7 @@ from compressor.evaluation.evaluate import Evaluator, ppl_limit
 from compressor.output.base import WriteRequest
 from compressor.policy.compress import CompressionResult
 from compressor.policy.quantplan import (DEFAULT_TYPES, MAX_PRICED_ELEMENTS, Priced, SizePlan, from_tensors, plan,
-                                          price_all, sites, to_tensors)
+                                          price_all, sites, smallest_within, to_tensors)
 from compressor.recipe.schema import Recipe, parse_size
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class Sizing:
     priced: list[Priced] = field(default_factory=list, repr=False)
     cached: bool = False
     """Whether the prices came from the statistics cache."""
+    search: "SmallestSearch | None" = None
+    """``output.size: smallest``: the predicted change planned for, and the attempts the gate measured."""
 
     def writer_options(self) -> dict:
         return {"size_plan": self.plan, "size_budget": self.budget_bytes, "preset": self.preset}
@@ -70,11 +73,58 @@ class Sizing:
     def to_json(self) -> dict:
         return {"size": self.size, "budget_bytes": self.budget_bytes, "non_tensor_bytes": self.overhead_bytes,
                 "prices_from_cache": self.cached,
+                **({"search": self.search.to_json()} if self.search is not None else {}),
                 "preset": None if self.preset is None else {k: v for k, v in self.preset.items() if k != "path"},
                 **self.plan.to_json(), "timings": self.timings}
 
     def cleanup(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def back_off(self, measured: dict) -> bool:
+        """``output.size: smallest`` after the gate failed on the written file (``measured``: the llama.cpp
+        check): plan again for half the predicted change (True), unless no back-off is left (False)."""
+        if self.search is None:
+            return False
+        self.search.attempts.append(_attempt(self.plan, measured, passed=False))
+        if self.search.backoffs_left <= 0:
+            return False
+        self.search.backoffs_left -= 1
+        self.search.target_nll /= 2
+        self.plan = smallest_within(self.units, self.priced, self.budget_bytes - self.overhead_bytes,
+                                    self.search.target_nll)
+        logger.warning("size plan: over the budget in llama.cpp; planned again for a predicted %+.2f %% "
+                       "(%.1f MB of tensor data)", 100 * math.expm1(self.search.target_nll),
+                       self.plan.tensor_bytes / 1e6)
+        return True
+
+    def passed(self, measured: dict) -> None:
+        if self.search is not None:
+            self.search.attempts.append(_attempt(self.plan, measured, passed=True))
+
+
+#: ``output.size: smallest`` first plans for this share of the gate's limit on the change (predicted, in
+#: nats), and halves it after each file the gate rejects: the gate measures the upper confidence bound of
+#: the change, so a plan predicted right at the limit fails about half the time.
+SMALLEST_START_SHARE = 0.6
+
+
+@dataclass
+class SmallestSearch:
+    target_nll: float
+    backoffs_left: int
+    attempts: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"mode": "smallest", "start_share": SMALLEST_START_SHARE,
+                "target_predicted_ppl_change": math.expm1(self.target_nll), "attempts": self.attempts}
+
+
+def _attempt(plan: SizePlan, measured: dict, passed: bool) -> dict:
+    return {"tensor_bytes": plan.tensor_bytes, "predicted_ppl_change": math.expm1(plan.predicted_nll_increase),
+            "file_bytes": measured.get("file_bytes"), "passed": passed,
+            "measured": {d["name"]: {"relative_change": d.get("relative_change"),
+                                     "upper_bound": d.get("relative_delta_upper")}
+                         for d in measured.get("domains", [])}}
 
 
 def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> CompressionResult:
@@ -130,6 +180,8 @@ def budget(size: str, request: WriteRequest, workdir: Path) -> tuple[int, int, d
         quantize_file(f16, path, PRESETS[value])
         preset = {"name": value, "path": str(path), "file_bytes": path.stat().st_size}
         limit = preset["file_bytes"]
+    elif kind == "smallest":
+        limit = total  # at most the F16 file; the plan itself is searched (:func:`plan_size`)
     elif kind == "bpw":
         weights = sum(p.numel() for p in {id(p): p for p in request.model.parameters()}.values())
         limit = int(value * weights / 8) + (total - planned - other)
@@ -141,18 +193,32 @@ def budget(size: str, request: WriteRequest, workdir: Path) -> tuple[int, int, d
     return limit, overhead, preset
 
 
-#: Bytes of input second moments one pass holds (float64 d_in² per distinct input): Qwen2.5-1.5B's 28
-#: layers need 19.6 GB at once, so they are measured and priced in groups of layers, one pass each.
-MOMENTS_BUDGET_BYTES = 6 << 30
+#: Bytes of input second moments one pass holds at least (float32 d_in² per input): Qwen2.5-1.5B's 28
+#: layers need 9.8 GB at once, so a smaller machine measures and prices them in groups of layers.
+MOMENTS_BUDGET_BYTES = 2 << 30
 
 
-def moment_groups(model, names: list[str], budget: int = MOMENTS_BUDGET_BYTES) -> list[list[str]]:
-    """``names`` (in module order) cut into consecutive groups whose moments fit ``budget``; modules of
-    one parent (q/k/v, gate/up, which share their input) stay in one group."""
+def moments_budget() -> int:
+    """Bytes of moments per pass: a third of the memory available now (the model is loaded; pricing a
+    group's tensors takes round trips and products beside them), at least :data:`MOMENTS_BUDGET_BYTES`.
+    Fewer groups, fewer passes."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return MOMENTS_BUDGET_BYTES
+    return max(MOMENTS_BUDGET_BYTES, avail // 3)
+
+
+def moment_groups(model, names: list[str], budget: int | None = None) -> list[list[str]]:
+    """``names`` (in module order) cut into consecutive groups whose moments fit ``budget`` (default:
+    :func:`moments_budget`); modules of one parent (q/k/v, gate/up, which share their input) stay in one
+    group."""
+    budget = moments_budget() if budget is None else budget
     groups: list[list[str]] = [[]]
     used, parent = 0, None
     for n in names:
-        size = 8 * model.get_submodule(n).in_features ** 2
+        size = 4 * model.get_submodule(n).in_features ** 2
         p = n.rsplit(".", 1)[0]
         if groups[-1] and used + size > budget and p != parent:
             groups.append([])
@@ -183,9 +249,12 @@ def gguf_namer(model) -> callable:
     return name
 
 
-def plan_size(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, out: Path) -> Sizing:
+def plan_size(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, out: Path,
+              ppl_ratio: float | None = None) -> Sizing:
     """Budget, measure and plan (see the module's docstring); the F16 and preset files live in a work
-    folder beside the output until :meth:`Sizing.cleanup`."""
+    folder beside the output until :meth:`Sizing.cleanup`. ``output.size: smallest`` plans the fewest bytes
+    whose predicted change is :data:`SMALLEST_START_SHARE` of the gate's limit (``ppl_ratio``: the limit
+    over the original's perplexity)."""
     size = recipe.output.size
     workdir = Path(tempfile.mkdtemp(prefix=".compressor-size-", dir=out.parent))
     try:
@@ -195,7 +264,15 @@ def plan_size(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, out:
         logger.info("output.size %s: %s bytes (%s%d bytes are not weights)", size, f"{limit:,}",
                     f"llama.cpp's {preset['name']} from the same F16; " if preset else "", overhead)
         units, priced, cached = measure_and_price(recipe, request.model, windows, timings)
-        chosen = plan(units, priced, limit - overhead)
+        search = None
+        if parse_size(size)[0] == "smallest":
+            if not ppl_ratio or ppl_ratio <= 1:
+                raise InputError("output.size: smallest needs a perplexity budget above the original's "
+                                 "(policy.ppl_budget > 0); give one, or a size")
+            search = SmallestSearch(SMALLEST_START_SHARE * math.log(ppl_ratio), recipe.policy.max_backoff)
+            chosen = smallest_within(units, priced, limit - overhead, search.target_nll)
+        else:
+            chosen = plan(units, priced, limit - overhead)
         if chosen.tensor_bytes > limit - overhead:
             floor = chosen.tensor_bytes + overhead
             raise InputError(f"output.size: {size} ({limit:,} bytes) cannot be met: the smallest types this model's "
@@ -204,14 +281,14 @@ def plan_size(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, out:
         logger.info("size plan: %s MB of tensor data, predicted perplexity %+.2f %%; types %s",
                     f"{chosen.tensor_bytes / 1e6:.1f}", 100 * chosen.to_json()["predicted_ppl_change"],
                     chosen.to_json()["types_used"])
-        return Sizing(chosen, limit, size, preset, workdir, overhead, timings, units, priced, cached)
+        return Sizing(chosen, limit, size, preset, workdir, overhead, timings, units, priced, cached, search)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
 
 
 #: Bump when what a priced option means changes: cached prices of another version are not read.
-PRICES_VERSION = 1
+PRICES_VERSION = 2
 
 
 def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dict):
@@ -244,7 +321,8 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
         these = sites(model, fisher, moments, namer, modules=set(group))
         del moments
         units.update(price_all(these))
-        priced += [Priced.of(s) for s in these]  # the statistics are freed with the sites
+        priced += [Priced.of(s) for s in these]
+        del these  # the statistics go with the sites, before the next group's moments are measured
         timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
     if key is not None:
         tensors, meta = to_tensors(units, priced)

@@ -532,7 +532,7 @@ def write(oc: OutputConfig, request: WriteRequest, checked: Checked, timings: di
             if timings is not None:
                 timings[f"write_{name}_s"] = time.perf_counter() - t0
     except BaseException:
-        _remove(tmp)
+        remove_tree(tmp)
         raise
     return tmp
 
@@ -549,15 +549,20 @@ def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> Non
             if name in ("hf", "hf-standard"):
                 rep["reload_check"] = check  # the field report.json readers know
     except BaseException:
-        _remove(tmp)
+        remove_tree(tmp)
         raise
 
 
-def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult) -> None:
+class SizeGateMissed(Exception):
+    """A planned GGUF over the gate while the size search may still step back (``output.size: smallest``);
+    its staging folder is already removed."""
+
+
+def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult, *, last: bool = True) -> None:
     """``output.size``: the planned GGUF in llama.cpp on every gate domain is the gate — the upper confidence
     bound of its change against the original (``result``'s baseline, transformers; paired by window) within
     ``policy.ppl_budget`` everywhere (:func:`~compressor.evaluation.evaluate.gate_check`); over it anywhere,
-    nothing is published (exit 3)."""
+    nothing is published (exit 3), or, unless ``last``, :class:`SizeGateMissed` (the caller plans again)."""
     from compressor.core.errors import GateFailed
     from compressor.evaluation.evaluate import gate_check
 
@@ -579,9 +584,14 @@ def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult) -
     rep["message"] = (f"GGUF of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); perplexity in "
                       f"llama.cpp against the original's: {changes}; budget {pol.ppl_budget:+.0%} ({pol.budget_mode})")
     if not check["gate_passed"]:
-        _remove(tmp)
+        remove_tree(tmp)
+        if not last:
+            raise SizeGateMissed(why)
         rep.update(status="rejected", exit_code=3)
-        rep["message"] += f". {why}: nothing was written; give a larger output.size or raise policy.ppl_budget"
+        fix = ("raise policy.ppl_budget, or policy.max_backoff for more attempts"
+               if str(recipe.output.size).strip().lower() == "smallest" else
+               "give a larger output.size or raise policy.ppl_budget")
+        rep["message"] += f". {why}: nothing was written; {fix}"
         rep["output"] = None
         raise GateFailed(rep["message"], report=rep)
 
@@ -613,7 +623,7 @@ def publish_output(tmp: Path, out: Path, rep: dict, t_start: float) -> Path:
         (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
         return publish(tmp, out)
     except BaseException:
-        _remove(tmp)
+        remove_tree(tmp)
         raise
 
 
@@ -650,7 +660,8 @@ def like_with_like(rep: dict) -> dict | None:
     return {"what": what, "source_bytes": src, "output_bytes": out, "ratio": out / src}
 
 
-def _remove(tmp: Path) -> None:
+def remove_tree(tmp: Path) -> None:
+    """Delete a staging folder (one this run created), whatever it holds."""
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)
@@ -658,4 +669,4 @@ def _remove(tmp: Path) -> None:
 
 __all__ = ["Calibrated", "Checked", "Loaded", "Reference", "VerificationError", "adopt", "calibrate", "check",
            "check_loaded", "compare", "compress", "compression_section", "from_object", "load", "publish_output",
-           "reference", "report", "verify", "write", "write_request"]
+           "reference", "remove_tree", "report", "SizeGateMissed", "size_gate", "verify", "write", "write_request"]

@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from compressor.core.ggml import BLOCKS, GGMLType, bits_per_weight, bytes_per_row, fits, roundtrip
+from compressor.core.ggml import BLOCKS, GGMLType, bits_per_weight, bytes_per_row, fits, requires_imatrix, roundtrip
 from compressor.core.progress import progress
 from compressor.engine.tensorstats import EMBEDDING, Fisher
 from compressor.policy.options import Option, allocate, smallest, total_cost, total_size
@@ -83,9 +83,17 @@ class Site:
         return self.weight if self.rows is None else self.weight[self.rows]
 
 
+class Choice(NamedTuple):
+    """What an option applies: a GGML type, quantized with the importance matrix or without it."""
+
+    type: GGMLType
+    weighted: bool
+
+
 @dataclass
 class SizePlan:
-    """What the size planner chose: a GGML type and an importance matrix per GGUF tensor."""
+    """What the size planner chose: a GGML type per GGUF tensor, and an importance matrix for those whose
+    chosen type is cheaper quantized with one."""
 
     types: dict[str, str]
     imatrix: dict[str, np.ndarray] = field(repr=False)
@@ -205,15 +213,26 @@ def offered(types: tuple[GGMLType, ...], n_per_row: int, every: bool = True) -> 
     return fit if every else [t for t in fit if SUPERSEDED.get(t) not in fit]
 
 
+def variants(site: Site, t: GGMLType) -> list[np.ndarray | None]:
+    """The column weights ``t`` is priced with: the importance matrix, and none (a k-quant's scales fitted
+    with an importance matrix can leave a source's own grid: Qwen2.5's and Gemma-3's Q4_K_M sources
+    re-quantize onto Q4_K with almost no loss unweighted). F16/F32 take none; IQ types need one."""
+    if BLOCKS[t][0] == 1:
+        return [None]
+    return [site.imatrix] if requires_imatrix(t) else [site.imatrix, None]
+
+
 def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES) -> list[Option]:
-    """One option per type whose blocks fit the rows: its bytes and predicted loss increase."""
+    """One option per type whose blocks fit the rows: its bytes and predicted loss increase, quantized with
+    or without the importance matrix, whichever is predicted cheaper (:func:`variants`)."""
     n_rows, n = site.weight.shape
     w = site.priced_weight().numpy()
     opts = []
     for t in offered(types, n, every=site.rows is None):
-        approx = torch.from_numpy(roundtrip(w, t, site.imatrix if BLOCKS[t][0] > 1 else None))
-        cost = site.cost(approx - site.priced_weight())
-        opts.append(Option(site.name, t.name, n_rows * bytes_per_row(t, n), max(cost, 0.0), payload=t))
+        cost, weights = min(((site.cost(torch.from_numpy(roundtrip(w, t, m)) - site.priced_weight()), m is not None)
+                             for m in variants(site, t)), key=lambda c: c[0])
+        opts.append(Option(site.name, t.name, n_rows * bytes_per_row(t, n), max(cost, 0.0),
+                           payload=Choice(t, weights)))
     return opts
 
 
@@ -249,7 +268,8 @@ def to_tensors(units: dict[str, list[Option]], priced: list[Priced]) -> tuple[di
         tensors[f"{i}.imatrix"] = torch.from_numpy(p.imatrix.astype(np.float32))
         tensors[f"{i}.size"] = torch.tensor([o.size for o in opts], dtype=torch.float64)
         tensors[f"{i}.cost"] = torch.tensor([o.cost for o in opts], dtype=torch.float64)
-        meta.append({"name": p.name, "module": p.module, "shape": list(p.shape), "types": [o.name for o in opts]})
+        meta.append({"name": p.name, "module": p.module, "shape": list(p.shape), "types": [o.name for o in opts],
+                     "weighted": [o.payload.weighted for o in opts]})
     return tensors, {"tensors": meta}
 
 
@@ -258,8 +278,8 @@ def from_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict[str
     units, priced = {}, []
     for i, m in enumerate(meta["tensors"]):
         sizes, costs = tensors[f"{i}.size"].tolist(), tensors[f"{i}.cost"].tolist()
-        units[m["name"]] = [Option(m["name"], t, sz, c, payload=GGMLType[t])
-                            for t, sz, c in zip(m["types"], sizes, costs)]
+        units[m["name"]] = [Option(m["name"], t, sz, c, payload=Choice(GGMLType[t], w))
+                            for t, sz, c, w in zip(m["types"], sizes, costs, m["weighted"])]
         priced.append(Priced(m["name"], m["module"], tuple(m["shape"]), tensors[f"{i}.imatrix"].numpy()))
     return units, priced
 
@@ -276,7 +296,28 @@ def plan(units: dict[str, list[Option]], priced: list[Priced], budget_bytes: int
     for name, o in choice.items():
         s = by_name[name]
         rows.append({"tensor": name, "module": s.module, "shape": list(s.shape), "type": o.name,
-                     "bits_per_weight": bits_per_weight(o.payload), "bytes": int(o.size),
+                     "bits_per_weight": bits_per_weight(o.payload.type), "bytes": int(o.size),
+                     "imatrix": o.payload.weighted,
                      "predicted_cost": o.cost, "offered": {x.name: x.cost for x in units[name]}})
-    return SizePlan({n: o.name for n, o in choice.items()}, {p.name: p.imatrix for p in priced},
+    return SizePlan({n: o.name for n, o in choice.items()},
+                    {p.name: p.imatrix for p in priced if choice[p.name].payload.weighted},
                     int(total_size(choice)), int(budget_bytes), total_cost(choice), rows)
+
+
+def smallest_within(units: dict[str, list[Option]], priced: list[Priced], max_bytes: int, target: float,
+                    tolerance: int | None = None) -> SizePlan:
+    """The plan with the fewest bytes of tensor data (to within ``tolerance``, default 0.1 % of the range)
+    whose predicted loss increase is at most ``target`` (nats per token), between every tensor's smallest
+    type and ``max_bytes``: a bisection on the budget, each step an allocation. ``max_bytes``'s plan when
+    even that predicts more."""
+    lo, hi = int(total_size(smallest(units))), int(max_bytes)
+    tolerance = max(256, (hi - lo) // 1000) if tolerance is None else tolerance
+    if total_cost(allocate(units, lo)) <= target:
+        return plan(units, priced, lo)
+    if total_cost(allocate(units, hi)) > target:
+        return plan(units, priced, hi)
+    while hi - lo > tolerance:  # cost(lo) > target >= cost(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if total_cost(allocate(units, mid)) <= target else (mid, hi)
+    return plan(units, priced, hi)
+

@@ -263,7 +263,8 @@ class OutputConfig(_Section):
         None, description="gguf format: the file's size, met from below with the least predicted loss by choosing "
         "every weight's GGML type (docs/size.md): bytes (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), or a "
         "llama.cpp preset's name (Q4_K_M, Q3_K_M, Q2_K, …: that preset's size for this model, made from the same "
-        "F16 and measured beside the output); null: the source's own types (gguf_quant)")
+        "F16 and measured beside the output), or smallest (the smallest file whose perplexity in llama.cpp stays "
+        "within policy.ppl_budget); null: the source's own types (gguf_quant)")
     gguf_unquantizable: Literal["error", "f16", "pad"] = Field(
         "error", description="gguf format: an FFN width the quantization block does not divide is an error, keeps "
         "its down projection in F16, or is padded with dead units"
@@ -310,14 +311,17 @@ _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB
 
 
 def parse_size(text: str) -> tuple[str, float | str]:
-    """``output.size`` → ("bytes", n) | ("bpw", bits) | ("preset", name); ValueError naming the forms.
+    """``output.size`` → ("bytes", n) | ("bpw", bits) | ("preset", name) | ("smallest", None); ValueError
+    naming the forms.
 
-    >>> parse_size("750MB"), parse_size("4.5bpw"), parse_size("q3_k_m")
-    (('bytes', 750000000), ('bpw', 4.5), ('preset', 'Q3_K_M'))
+    >>> parse_size("750MB"), parse_size("4.5bpw"), parse_size("q3_k_m"), parse_size("smallest")
+    (('bytes', 750000000), ('bpw', 4.5), ('preset', 'Q3_K_M'), ('smallest', None))
     """
     import re
 
     t = str(text).strip()
+    if t.lower() == "smallest":
+        return "smallest", None
     if t.upper() in SIZE_PRESETS:
         return "preset", t.upper()
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*bpw", t, flags=re.I)
@@ -333,7 +337,8 @@ def parse_size(text: str) -> tuple[str, float | str]:
             raise ValueError(f"output.size: {t} must be positive")
         return "bytes", n
     raise ValueError(f"output.size: {t!r} is not a size: give bytes (750MB, 1.2GB, 123456789), bits per weight "
-                     f"(4.5bpw) or a llama.cpp preset ({', '.join(SIZE_PRESETS)})")
+                     f"(4.5bpw), a llama.cpp preset ({', '.join(SIZE_PRESETS)}) or smallest (the smallest file "
+                     "within policy.ppl_budget)")
 
 
 #: Multiple of the one FFN width of ``output.architecture: standard``: serving kernels (vLLM, llama.cpp,
@@ -399,7 +404,9 @@ class Recipe(_Section):
         "prose (embedded) and code (embedded-code)")
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    replacement: ReplacementConfig = Field(default_factory=AffineReplacement)
+    replacement: ReplacementConfig = Field(
+        default_factory=PruneReplacement, description="how a replaced FFN is fitted; default: prune (what the "
+        "default recipe uses; with policy.strategy: auto it runs the allocate strategy)")
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
