@@ -404,9 +404,7 @@ class Recipe(_Section):
         "prose (embedded) and code (embedded-code)")
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    replacement: ReplacementConfig = Field(
-        default_factory=PruneReplacement, description="how a replaced FFN is fitted; default: prune (what the "
-        "default recipe uses; with policy.strategy: auto it runs the allocate strategy)")
+    replacement: ReplacementConfig = Field(default_factory=AffineReplacement)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
