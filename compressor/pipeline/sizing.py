@@ -11,8 +11,10 @@ check gates it:
    not tensor data (metadata, tokenizer, norms) is read off the F16 file.
 2. **measure**: one forward + backward and one forward pass over the calibration
    windows (:mod:`compressor.engine.tensorstats`).
-3. **plan**: every 2-D weight priced in each GGML type by ggml's quantizer with
-   the run's importance matrix, then allocated under the bytes
+3. **plan**: every 2-D weight priced in each GGML type by ggml's quantizer, with
+   the run's importance matrix or without (the cheaper), then allocated under the
+   bytes (``smallest``: the fewest bytes predicted within the gate, stepped back
+   while llama.cpp measures it over)
    (:mod:`compressor.policy.quantplan`).
 """
 

@@ -7,8 +7,9 @@ computed in closed form (:mod:`compressor.engine.tensorstats`):
     cost(type) = ½ Σ_o F_o · (ΔW Ĥ ΔWᵀ)_oo,   ΔW = dequant(quant(W, imatrix)) − W
 
 with ``quant`` ggml's own quantizer (:mod:`compressor.core.ggml`) given the
-importance matrix ``diag(Ĥ)`` — the same column weights llama.cpp's
-``llama-imatrix`` collects, here from the run's own calibration text. The token
+importance matrix ``diag(Ĥ)`` (the column weights llama.cpp's ``llama-imatrix``
+collects, here from the run's own calibration text), or none when that prices
+lower (:func:`variants`). The token
 embedding is priced for both of its roles: a lookup (its error enters the
 residual stream, weighted by each token's frequency and the loss gradient
 there) and, when tied, the output head. :func:`plan` then allocates
