@@ -132,6 +132,29 @@ def ratio_mean_se(sums: torch.Tensor, counts: torch.Tensor) -> tuple[float, floa
     return r, math.sqrt(var)
 
 
+def window_evaluation(sums, counts, *, name: str, seq_len: int, stride: int,
+                      teacher: tuple | None = None) -> Evaluation:
+    """An :class:`Evaluation` from per-window NLL sums and scored tokens measured elsewhere (llama.cpp), its
+    change's standard error paired by window with ``teacher`` (the original's ``(NLL sums, scored tokens)``
+    per window) when the windows line up.
+
+    >>> e = window_evaluation([20.0, 22.0], [10, 10], name="prose", seq_len=11, stride=11)
+    >>> round(e.nll, 2), e.windows
+    (2.1, 2)
+    """
+    sums = torch.as_tensor(sums, dtype=torch.float64)
+    counts = torch.as_tensor(counts, dtype=torch.float64)
+    nll, nll_se = ratio_mean_se(sums, counts)
+    delta_se = None
+    if teacher is not None:
+        t_sums, t_counts = (torch.as_tensor(x, dtype=torch.float64).cpu() for x in teacher)
+        if len(t_sums) == len(sums) and torch.equal(t_counts.long(), counts.long()):
+            _, delta_se = ratio_mean_se(sums - t_sums, counts)
+    return Evaluation(ppl=math.exp(nll), nll=nll, tokens=int(counts.sum()), seq_len=seq_len, stride=stride,
+                      windows=len(sums), nll_se=nll_se, ppl_se=None if nll_se is None else math.exp(nll) * nll_se,
+                      name=name, nll_delta_se=delta_se)
+
+
 def _check_stride(seq_len: int, stride: int) -> None:
     if stride < 1 or stride > seq_len:
         raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")

@@ -400,6 +400,21 @@ def _target_type(t: Tensor, plan: Plan, source_types: dict):
     return {"f32": Q.F32, "bf16": Q.BF16}.get(plan.quant, Q.F16)
 
 
+def _stored_bytes(t: Tensor, plan: Plan, source_types: dict, stored: dict):
+    """``(GGML type, bytes)`` of a fit snapped onto the file's grid (:mod:`compressor.fitting.snap`), when the
+    plan stores ``t`` in that type and the bytes hold ``t``'s shape; else None (quantized here)."""
+    if t.name not in stored:
+        return None
+    name, raw = stored[t.name]
+    qtype = _target_type(t, plan, source_types)
+    raw = raw.numpy() if hasattr(raw, "numpy") else np.asarray(raw)
+    from compressor.core import ggml
+
+    if qtype.name != name or raw.shape != (t.data.shape[0], ggml.bytes_per_row(ggml.GGMLType[name], t.data.shape[1])):
+        return None
+    return qtype, np.ascontiguousarray(raw, dtype=np.uint8)
+
+
 def encode(data: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> np.ndarray:
     """float32 ``data`` in GGML type ``qtype``: numpy for float types, ggml's own quantizer
     (from llama-cpp-python's libggml; ``imatrix``: column weights) for quantized ones."""
@@ -690,9 +705,12 @@ def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
                         and not _FFN_TENSOR.match(t.name) and t.raw_type == gguf.GGMLQuantizationType.F32]
         types = {}
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    stored = options.get("stored") or {}
     for t in sorted(tensors, key=lambda t: _sort_key(t.name)):
         if t.raw_type is not None:
             writer.add_tensor(t.name, t.data, raw_dtype=t.raw_type)
+        elif (raw := _stored_bytes(t, plan, types, stored)) is not None:
+            writer.add_tensor(t.name, raw[1], raw_dtype=raw[0])
         else:
             qtype = _target_type(t, plan, types)
             imatrix = plan.size_plan.imatrix.get(t.name) if plan.quant == "plan" else None
@@ -905,8 +923,9 @@ class GGUFWriter(Writer):
         if exact:
             check.update(compared_with="the in-memory model", passed=True)
         elif quant == "source" and request.ppl_limit_ratio is not None:
-            check.update(compared_with="the source GGUF at the same quantization, in llama.cpp",
-                         **same_quant_check(path, request, ppl))
+            check.update(compared_with="the source GGUF at the same quantization, in llama.cpp, on every gate domain "
+                         "(the gate's rule: upper confidence bound, paired by window)",
+                         **source_quant_check(path, request, options))
         else:
             # No original exists at this quantization to hold the file against: what is checked is that
             # llama.cpp runs it (finite perplexity); the change quantizing added is recorded, not judged.
@@ -924,9 +943,7 @@ def planned_check(path: Path, request: WriteRequest, options: dict) -> dict:
     import llama_cpp
 
     size_plan, budget = options["size_plan"], int(options.get("size_budget") or 0)
-    domains = options.get("gate_domains") or [
-        {"name": "probe", "tokens": request.probe_tokens, "seq_len": request.probe_seq_len,
-         "stride": request.probe_stride, "reference_ppl": request.expected_ppl}]
+    domains = [{"reference_ppl": request.expected_ppl, **d} for d in _gate_domains(request, options)]
     preset = options.get("preset")
     measured = []
     for d in domains:
@@ -958,22 +975,57 @@ def planned_check(path: Path, request: WriteRequest, options: dict) -> dict:
     return check
 
 
-def same_quant_check(path: Path, request: WriteRequest, ppl: float) -> dict:
-    """The output against the source GGUF, both in llama.cpp at the source's quantization on the probe
-    windows: the change may not exceed the gate's budget (:attr:`WriteRequest.ppl_limit_ratio`).
-    Raises :class:`VerificationError` when it does."""
+class GGUFGateMissed(VerificationError):
+    """A GGUF at its source's quantization is over the gate in llama.cpp: nothing is published (the pipeline
+    reports it as the gate's failure, exit 3; ``check`` is what was measured)."""
+
+    def __init__(self, message: str, check: dict) -> None:
+        super().__init__(message)
+        self.check = check
+
+
+def _gate_domains(request: WriteRequest, options: dict) -> list[dict]:
+    """Every gate domain to measure on (``options['gate_domains']``), else the verification probe."""
+    return options.get("gate_domains") or [
+        {"name": "probe", "tokens": request.probe_tokens, "seq_len": request.probe_seq_len,
+         "stride": request.probe_stride}]
+
+
+def source_quant_check(path: Path, request: WriteRequest, options: dict) -> dict:
+    """The output against the source GGUF, both in llama.cpp at the source's quantization, on every gate domain:
+    the gate's own rule (:func:`~compressor.evaluation.evaluate.gate_check`) — the upper confidence bound of the
+    change (``options['confidence']``, one-sided), paired by window, within the budget
+    (:attr:`WriteRequest.ppl_limit_ratio`) on every domain. Raises :class:`GGUFGateMissed` when it is not."""
+    from types import SimpleNamespace
+
+    from compressor.evaluation.evaluate import DEFAULT_CONFIDENCE, gate_check, window_evaluation
+
     source = Path(request.source.path) / request.source.gguf_file
-    ref, _ = llama_cpp_perplexity(source, request.probe_tokens, request.probe_seq_len, request.probe_stride)
-    limit = ref * request.ppl_limit_ratio
-    out = {"source_perplexity": ref, "source_relative_change": ppl / ref - 1.0, "same_quant_limit": limit,
-           "passed": ppl <= limit}
-    if not out["passed"]:
-        raise VerificationError(
-            f"llama.cpp check failed: {path.name} has perplexity {ppl:.4f} in llama.cpp, {100 * (ppl / ref - 1):+.2f} % "
-            f"against the source GGUF at the same quantization ({ref:.4f}); the gate allows "
-            f"{100 * (request.ppl_limit_ratio - 1):+.2f} % (its float model passed, quantizing the new FFNs cost the "
-            "rest). Nothing was published; lower policy.ppl_budget to leave room for quantization, or set "
-            "output.gguf_quant: q8_0 or f16")
+    base, cand, rows = {}, {}, []
+    for d in _gate_domains(request, options):
+        ref = llama_cpp_window_nll(source, d["tokens"], d["seq_len"], d["stride"])
+        out = llama_cpp_window_nll(path, d["tokens"], d["seq_len"], d["stride"])
+        kw = {"name": d["name"], "seq_len": d["seq_len"], "stride": d["stride"]}
+        base[d["name"]] = window_evaluation(*ref, **kw)
+        cand[d["name"]] = window_evaluation(*out, teacher=ref, **kw)
+        rows.append(d["name"])
+    rule = SimpleNamespace(metric="ppl", confidence=options.get("confidence", DEFAULT_CONFIDENCE),
+                           ppl_budget=request.ppl_limit_ratio - 1.0, budget_mode="relative")
+    ok, why, per = gate_check(base, cand, rule)
+    domains = [{"name": n, "perplexity": cand[n].ppl, "source_perplexity": base[n].ppl, "windows": cand[n].windows,
+                "scored_tokens": cand[n].tokens, **{k: per[n][k] for k in (
+                    "relative_delta", "relative_delta_upper", "limit", "passed", "paired", "confidence")}}
+               for n in rows]
+    first = domains[0]
+    out = {"source_perplexity": first["source_perplexity"], "source_relative_change": first["relative_delta"],
+           "domains": domains, "confidence": rule.confidence, "budget": rule.ppl_budget, "passed": ok}
+    if not ok:
+        changes = "; ".join(f"{d['name']} {100 * d['relative_delta']:+.2f} % ({d['confidence']:.0%} bound "
+                            f"{100 * d['relative_delta_upper']:+.2f} %)" for d in domains)
+        raise GGUFGateMissed(
+            f"llama.cpp check failed: {path.name} against the source GGUF at the same quantization: {changes}; "
+            f"{why}. Nothing was published; lower policy.ppl_budget to leave room for the runtime, or set "
+            "output.gguf_quant: q8_0 or f16", out)
     return out
 
 

@@ -287,11 +287,6 @@ def sized(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stage
     ratio = result.budget_ppl / result.baseline.ppl if result.baseline.ppl else None
     sizing = plan_size(recipe, request, torch.cat([cal.fit, cal.heldout]), checked.out, ppl_ratio=ratio)
     request.options.update(sizing.writer_options())
-    base = getattr(result.baseline, "domains", None) or {}
-    request.options["gate_domains"] = [
-        {"name": c.domain_name(), "tokens": checked.eval_streams[c.domain_name()], "seq_len": c.seq_len,
-         "stride": c.stride, "reference_ppl": base[c.domain_name()].ppl if c.domain_name() in base else None}
-        for c in recipe.evaluation_domains()]
     report["size_plan"] = sizing.to_json()
     report["timings"]["size_plan_s"] = time.perf_counter() - t0
     return sizing

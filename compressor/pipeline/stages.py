@@ -56,6 +56,8 @@ class Checked:
     """Held until the run ends: one run per output (rank 0 holds it under a process group)."""
     width_multiple: int = 1
     """The multiple the kept FFN widths come in (:func:`compressor.recipe.schema.width_multiple`)."""
+    grid: dict[int, str] = field(default_factory=dict)
+    """Block → the GGML type the GGUF output stores its down projection in (:func:`output_grid`)."""
     seconds: float = 0.0
     """Wall time of the checks."""
     keep_state: bool = False
@@ -146,7 +148,7 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
     _check_confirmation(recipe, streams)
     if not write:
         return Checked(None, streams, RunState(), [], width_multiple=_check_architecture(recipe, src, given),
-                       seconds=time.perf_counter() - t0)
+                       grid=output_grid(recipe, src), seconds=time.perf_counter() - t0)
     _check_writers(recipe, tokenizer, model_type, src)
     _check_size(recipe)
     if given is None:
@@ -163,7 +165,8 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
         if lock is not None:
             lock.release()
         raise InputError(str(err)) from None
-    return Checked(out, streams, state, reads, lock, width_multiple=multiple, seconds=time.perf_counter() - t0)
+    return Checked(out, streams, state, reads, lock, width_multiple=multiple, grid=output_grid(recipe, src),
+                   seconds=time.perf_counter() - t0)
 
 
 def _check_confirmation(recipe: Recipe, streams: dict[str, torch.Tensor]) -> None:
@@ -210,6 +213,31 @@ def _check_architecture(recipe: Recipe, src: ResolvedSource, given: Loaded | Non
     if "gguf" in oc.formats and getattr(oc, "gguf_quant", "source") == "source" and oc.width_multiple is None:
         block = _gguf_source_block(src)
     return width_multiple(oc, source_block=block)
+
+
+def output_grid(recipe: Recipe, src: ResolvedSource) -> dict[int, str]:
+    """Block → the quantized GGML type a GGUF written at its source's quantization stores that block's FFN
+    down projection in: a kind that snaps (``prune``) fits onto it, so the gate measures the file's
+    weights (:mod:`compressor.fitting.snap`). Empty for float types, another output, or a kind that
+    does not snap."""
+    from compressor.fitting.kinds import get_kind
+
+    oc = recipe.output
+    if (not src.gguf_file or oc.size is not None or "gguf" not in oc.formats
+            or getattr(oc, "gguf_quant", "source") != "source" or not get_kind(recipe.replacement.kind).snaps):
+        return {}
+    try:
+        from compressor.core.ggml import GGMLType
+        from compressor.output.gguf import source_tensor_types
+    except ImportError:  # no gguf-py: the gguf writer's own check names the missing package
+        return {}
+    grid = {}
+    for name, t in source_tensor_types(Path(src.path) / src.gguf_file).items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2:] == ["ffn_down", "weight"]:
+            if int(t) in GGMLType._value2member_map_ and GGMLType(int(t)).name not in ("F32", "F16", "BF16"):
+                grid[int(parts[1])] = GGMLType(int(t)).name
+    return grid
 
 
 def _gguf_source_block(src: ResolvedSource) -> int:
@@ -375,7 +403,7 @@ def compress(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Ch
         return result
     try:
         result = compress_model(loaded.model, recipe, calibrated.cal, checked.eval_streams, state=checked.state,
-                                width_multiple=checked.width_multiple)
+                                width_multiple=checked.width_multiple, grid=checked.grid)
     except ResumeError as err:  # a saved state out of step with this run
         raise InputError(str(err)) from None
     result.timings = {"calibration_s": calibrated.info.pop("calibration_s"), **result.timings}
@@ -501,13 +529,30 @@ def write_request(recipe: Recipe, loaded: Loaded, checked: Checked, result: Comp
         probe_tokens=checked.eval_streams[e.domain_name()], probe_seq_len=e.seq_len, probe_stride=e.stride,
         probe_batch_size=e.batch_size, expected_ppl=result.final.ppl, offload=mc.offload, device=mc.device,
         ppl_limit_ratio=result.budget_ppl / result.baseline.ppl if result.baseline.ppl else None,
-        options=writer_options(recipe.output),
+        options={**writer_options(recipe.output, result), "gate_domains": gate_domains(recipe, checked, result),
+                 "confidence": recipe.policy.confidence},
     )
 
 
-def writer_options(oc: OutputConfig) -> dict:
-    """The recipe's format-specific output fields, as the writers read them."""
-    return {"quant": oc.gguf_quant, "unquantizable": oc.gguf_unquantizable}
+def gate_domains(recipe: Recipe, checked: Checked, result: CompressionResult) -> list[dict]:
+    """Every evaluation domain's tokens and windows, with the original's perplexity there: what a GGUF is
+    checked on in llama.cpp (the gate's text, so the file is held to the gate's rule)."""
+    base = getattr(result.baseline, "domains", None) or {}
+    return [{"name": c.domain_name(), "tokens": checked.eval_streams[c.domain_name()], "seq_len": c.seq_len,
+             "stride": c.stride, "reference_ppl": base[c.domain_name()].ppl if c.domain_name() in base else None}
+            for c in recipe.evaluation_domains()]
+
+
+def writer_options(oc: OutputConfig, result: CompressionResult | None = None) -> dict:
+    """The recipe's format-specific output fields, as the writers read them; with ``result``, the bytes of
+    the fits snapped onto the GGUF's grid (``stored``: GGUF tensor name → (type name, bytes)), which the
+    gguf writer stores as they are."""
+    opts = {"quant": oc.gguf_quant, "unquantizable": oc.gguf_unquantizable}
+    stored = {f"blk.{i}.ffn_down.weight": f.stored["out.weight"]
+              for i, f in ((result.fitted or {}) if result is not None else {}).items() if "out.weight" in f.stored}
+    if stored:
+        opts["stored"] = stored
+    return opts
 
 
 def write(oc: OutputConfig, request: WriteRequest, checked: Checked, timings: dict | None = None) -> Path:
@@ -540,10 +585,16 @@ def write(oc: OutputConfig, request: WriteRequest, checked: Checked, timings: di
 def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> None:
     """Each writer reloads its own output and compares it with the in-memory model; a mismatch
     removes the staging folder and raises (nothing is published)."""
+    from compressor.output.gguf import GGUFGateMissed
+
     try:
         for name in oc.writers():
             t0 = time.perf_counter()
-            check = get_writer(name).verify(request, tmp)
+            try:
+                check = get_writer(name).verify(request, tmp)
+            except GGUFGateMissed as missed:
+                rep.setdefault("verification", {})[name] = missed.check
+                raise _gguf_gate_failed(rep, str(missed)) from None
             rep["timings"][f"verify_{name}_s"] = time.perf_counter() - t0
             rep.setdefault("verification", {})[name] = check
             if name in ("hf", "hf-standard"):
@@ -551,6 +602,14 @@ def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> Non
     except BaseException:
         remove_tree(tmp)
         raise
+
+
+def _gguf_gate_failed(rep: dict, message: str):
+    """The report and exception of a GGUF over the gate in llama.cpp (exit 3, nothing written)."""
+    from compressor.core.errors import GateFailed
+
+    rep.update(status="rejected", exit_code=3, message=message, output=None)
+    return GateFailed(message, report=rep)
 
 
 class SizeGateMissed(Exception):
@@ -564,11 +623,13 @@ def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult, *
     ``policy.ppl_budget`` everywhere (:func:`~compressor.evaluation.evaluate.gate_check`); over it anywhere,
     nothing is published (exit 3), or, unless ``last``, :class:`SizeGateMissed` (the caller plans again)."""
     from compressor.core.errors import GateFailed
-    from compressor.evaluation.evaluate import gate_check
+    from compressor.evaluation.evaluate import gate_check, window_evaluation
 
     check, pol = rep["verification"]["gguf"], recipe.policy
     base = getattr(result.baseline, "domains", None) or {}
-    candidates = {d["name"]: _llama_cpp_evaluation(d, base[d["name"]], result.teacher_windows.get(d["name"]))
+    candidates = {d["name"]: window_evaluation(d["window_nll"], d["window_tokens"], name=d["name"],
+                                               seq_len=base[d["name"]].seq_len, stride=base[d["name"]].stride,
+                                               teacher=result.teacher_windows.get(d["name"]))
                   for d in check["domains"]}
     ok, why, per = gate_check({n: base[n] for n in candidates}, candidates, pol)
     for d in check["domains"]:
@@ -594,24 +655,6 @@ def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult, *
         rep["message"] += f". {why}: nothing was written; {fix}"
         rep["output"] = None
         raise GateFailed(rep["message"], report=rep)
-
-
-def _llama_cpp_evaluation(d: dict, original, teacher: tuple | None):
-    """An :class:`~compressor.evaluation.evaluate.Evaluation` of llama.cpp's per-window NLL sums on one domain,
-    its change's standard error paired by window with ``teacher`` (the original's ``(NLL sums, scored
-    tokens)`` per window) when the windows line up."""
-    import math
-
-    from compressor.evaluation.evaluate import Evaluation, ratio_mean_se
-
-    sums, counts = torch.tensor(d["window_nll"]), torch.tensor(d["window_tokens"])
-    nll, nll_se = ratio_mean_se(sums, counts)
-    delta_se = None
-    if teacher is not None and len(teacher[0]) == len(sums) and torch.equal(teacher[1].long().cpu(), counts.long()):
-        _, delta_se = ratio_mean_se(sums.double() - teacher[0].double().cpu(), counts)
-    return Evaluation(ppl=math.exp(nll), nll=nll, tokens=int(counts.sum()), seq_len=original.seq_len,
-                      stride=original.stride, windows=len(sums), nll_se=nll_se,
-                      ppl_se=None if nll_se is None else math.exp(nll) * nll_se, name=d["name"], nll_delta_se=delta_se)
 
 
 def publish_output(tmp: Path, out: Path, rep: dict, t_start: float) -> Path:

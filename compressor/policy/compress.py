@@ -72,7 +72,7 @@ def keeps_intercept(model: nn.Module, spec) -> bool:
 
 def compress_model(
     model: nn.Module, recipe: Recipe, calibration: CalibrationSet, eval_tokens: torch.Tensor | dict[str, torch.Tensor],
-    *, state: RunState | None = None, width_multiple: int | None = None,
+    *, state: RunState | None = None, width_multiple: int | None = None, grid: dict[int, str] | None = None,
 ) -> CompressionResult:
     """Run measure → fit → select → replace → validate on ``model`` in place: plan (pass A), then
     the strategy (greedy swaps, or allocate → gate → apply).
@@ -83,7 +83,9 @@ def compress_model(
     interrupted run recorded (:mod:`compressor.engine.resume`).
     ``width_multiple``: the multiple the kept FFN widths of the prune/hybrid kinds come in
     (default: :func:`compressor.recipe.schema.width_multiple` of the recipe's output, which needs
-    the caller's help only for a GGUF source written at its own quantization)."""
+    the caller's help only for a GGUF source written at its own quantization). ``grid``: block → the
+    GGML type the output file stores its down projection in; a kind that snaps (``prune``) fits onto it,
+    so the gate measures what the file holds (:mod:`compressor.fitting.snap`)."""
     state = state or RunState()
     m, pol, strategy = recipe.measure, recipe.policy, recipe.strategy()
     timings: dict[str, float] = {}
@@ -91,6 +93,10 @@ def compress_model(
     walker = LayerWalker(model, {"fit": calibration.fit, "heldout": calibration.heldout},
                          batch_size=recipe.calibration.batch_size)
     blocks, multiple = _blocks(model, recipe, walker, width_multiple)
+    blocks.grid = dict(grid or {})
+    if blocks.grid and blocks.kind.snaps:
+        logger.info("fits snapped onto the output file's types (%s), so the gate measures what it holds",
+                    ", ".join(sorted(set(blocks.grid.values()))))
     # allocate re-solves blocks from their statistics: in RAM while they fit, else spilled to
     # disk (always when the model is onloaded: memory then stays flat in depth).
     kept = BlockStore(len(blocks.modules), spill=True if is_offloaded(model) else None,

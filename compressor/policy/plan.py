@@ -131,6 +131,9 @@ class Blocks:
     """``{"multiple": m}`` when the width rule restricts the kept widths (else empty: the default calls)."""
     intercept: bool = True
     grad_moments: dict[int, torch.Tensor] = field(default_factory=dict)
+    grid: dict[int, str] = field(default_factory=dict)
+    """Block index → the GGML type the output file stores its re-solved down projection in, for a kind
+    that snaps onto it (:mod:`compressor.fitting.snap`); empty: float fits."""
 
     def ffn(self, i: int) -> nn.Module:
         return self.model.get_submodule(self.modules[i])
@@ -140,7 +143,10 @@ class Blocks:
                          output_weight=self.grad_moments.get(i))
 
     def fit_at(self, data: BlockData, size: int) -> Fitted:
-        return self.kind.fit(data, self.rc, size, **self.widths, **({} if self.intercept else {"intercept": False}))
+        extra = {} if self.intercept else {"intercept": False}
+        if self.kind.snaps and data.index in self.grid:
+            extra["grid"] = self.grid[data.index]
+        return self.kind.fit(data, self.rc, size, **self.widths, **extra)
 
 
 @dataclass

@@ -99,6 +99,9 @@ class Fitted:
     params: int
     heldout_r2: float
     warnings: list[str] = field(default_factory=list)
+    stored: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    """Tensor name → ``(GGML type name, ggml's bytes [rows, row bytes])`` for a tensor snapped onto the
+    output file's grid (:mod:`compressor.fitting.snap`), uint8: the writer stores these bytes as they are."""
 
     def entry(self, module_path: str) -> dict:
         """The checkpoint's ``compression.blocks`` entry (versioned per kind)."""
@@ -166,6 +169,8 @@ class Kind:
     name: ClassVar[str]
     format: ClassVar[str]
     needs_hidden: ClassVar[bool] = False
+    snaps: ClassVar[bool] = False
+    """Whether :meth:`fit` takes ``grid`` (the output file's GGML type for the re-solved map)."""
 
     def levels(self, data: BlockData, cfg) -> list[Level]:
         """The ladder, from most to least parameters."""

@@ -154,9 +154,12 @@ class HiddenUnitKind(Kind):
         return k if multiple == 1 else min(self.grid(data, multiple), key=lambda g: (abs(g - k), -g))
 
     # -- the fit ----------------------------------------------------------
-    def fit(self, data: BlockData, cfg, size: int, multiple: int = 1, intercept: bool = True) -> Fitted:
+    def fit(self, data: BlockData, cfg, size: int, multiple: int = 1, intercept: bool = True,
+            grid: str | None = None) -> Fitted:
         """The replacement keeping ``size`` units (from the path of ``multiple``); ``intercept=False``
-        solves the output map through the origin (its bias is zero: for a class without an MLP bias)."""
+        solves the output map through the origin (its bias is zero: for a class without an MLP bias).
+        ``grid``: the GGML type the output file stores the down projection in (``prune`` only): the solved
+        map is snapped onto it (:func:`compressor.fitting.snap.snap`), its bytes kept in ``Fitted.stored``."""
         spec, ffn = data.spec, data.ffn
         if not spec.ffn_up or not spec.ffn_down:
             raise ValueError(f"kind {self.name} needs the FFN's hidden units; this architecture has no ffn_up/ffn_down row")
@@ -175,6 +178,9 @@ class HiddenUnitKind(Kind):
         else:  # no units, no bypass: the best constant is the mean output
             my = data.zfit.my.cpu()
             W, b, warnings = torch.zeros(0, data.d_out, dtype=torch.float64), my if intercept else torch.zeros_like(my), []
+        stored = {}
+        if grid is not None and size and not self.bypass:
+            W, b, stored = self._snap(data, cols, W, b, grid, intercept)
         r2 = score(subset(data.zheld, cols), W, b).r2 if data.zheld is not None else float("nan")
         ups = [linear_params(ffn.get_submodule(name)) for name in spec.ffn_up]
         up_w = torch.cat([w[kept] for w, _ in ups]).to(torch.float64)
@@ -189,4 +195,15 @@ class HiddenUnitKind(Kind):
             "gated": len(spec.ffn_up) == 2, "up_bias": up_bias, "bypass": self.bypass,
         }
         return Fitted(kind=self.name, index=data.index, config=config, tensors=tensors,
-                      params=self.params_at(data, size), heldout_r2=r2, warnings=warnings)
+                      params=self.params_at(data, size), heldout_r2=r2, warnings=warnings, stored=stored)
+
+    @staticmethod
+    def _snap(data: BlockData, cols: torch.Tensor, W: torch.Tensor, b: torch.Tensor, grid: str, intercept: bool):
+        """``(W, b, stored)`` of the map snapped onto ``grid`` ([k, d_out] in, as solved)."""
+        from compressor.core.ggml import GGMLType
+        from compressor.fitting.snap import snap
+
+        m = subset(data.zfit, cols)
+        qtype = GGMLType[grid]
+        Wq, bq, raw = snap(W.T, m.cxx.cpu() / m.n, m.mx.cpu(), m.my.cpu(), qtype, intercept=intercept)
+        return Wq.T.contiguous(), bq, {"out.weight": (qtype.name, torch.from_numpy(raw))}

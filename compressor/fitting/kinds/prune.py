@@ -11,3 +11,4 @@ class Prune(HiddenUnitKind):
     name = "prune"
     format = "compressor.kind.prune/v1"
     bypass = False
+    snaps = True
