@@ -78,3 +78,14 @@ def test_a_width_that_is_not_whole_blocks_is_refused():
     _, _, W, cov, mx, my = problem(k=48)
     with pytest.raises(ValueError, match="not a whole number of Q4_1 blocks of 32"):
         snap(W, cov, mx, my, ggml.GGMLType.Q4_1)
+
+
+def test_a_map_wider_than_the_compensation_limit_is_rounded_with_the_importance_matrix(monkeypatch):
+    from compressor.fitting import snap as snap_module
+
+    _, _, W, cov, mx, my = problem(k=128)
+    monkeypatch.setattr(snap_module, "MAX_COMPENSATED_UNITS", 64)
+    Wq, _, raw = snap(W, cov, mx, my, ggml.GGMLType.Q4_1)
+    rounded = ggml.roundtrip(W.float().numpy(), ggml.GGMLType.Q4_1, importance(cov))
+    assert np.array_equal(Wq.float().numpy(), rounded)
+    assert np.array_equal(ggml.dequantize(raw, ggml.GGMLType.Q4_1, 128), rounded)
