@@ -199,3 +199,17 @@ def test_the_default_recipe_gates_as_the_schema_does():
         assert (got.seq_len, got.stride, got.max_tokens) == (want.seq_len, want.stride, want.max_tokens)
     for name in ("metric", "ppl_budget", "confidence", "budget_mode"):
         assert getattr(r.policy, name) == getattr(d.policy, name), name
+
+
+def test_the_default_recipe_is_the_schema_defaults():
+    """recipes/smollm2-135m.yaml and an empty recipe run the same search (issue 34: the schema defaulted to
+    affine swaps and a greedy search while the default recipe pruned with allocate): every calibration,
+    evaluation, policy and replacement field the recipe sets is the schema's default."""
+    from compressor.recipe import Recipe, load_recipe
+
+    r, d = load_recipe(ROOT / "recipes" / "smollm2-135m.yaml"), Recipe()
+    assert r.strategy() == d.strategy() == "allocate"
+    assert r.replacement.model_dump() == d.replacement.model_dump()
+    for sec in ("calibration", "policy", "measure"):
+        assert getattr(r, sec).model_dump() == getattr(d, sec).model_dump(), sec
+    assert [e.model_dump() for e in r.evaluation_domains()] == [e.model_dump() for e in d.evaluation_domains()]

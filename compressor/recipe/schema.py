@@ -61,7 +61,8 @@ class CalibrationConfig(_Data):
     self_tokens: int | None = Field(None, ge=64, le=MAX_TOKENS, description="self-generated tokens in 'mix' (null = half of max_tokens); 'self' generates max_tokens")
     seq_len: int = Field(128, ge=4, le=1_000_000, description="tokens per calibration window (the paper uses 128)")
     max_tokens: int = Field(16384, ge=64, le=MAX_TOKENS, description="cap on calibration tokens (fit + held-out)")
-    heldout_fraction: float = Field(0.2, gt=0, lt=1, description="share of whole windows held out for scoring")
+    heldout_fraction: float = Field(0.125, gt=0, lt=1, description="share of whole windows held out for scoring")
+    batch_size: int = Field(16, ge=1, le=4096, description="windows per forward")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the fit/held-out split and of self-written text")
 
     @model_validator(mode="after")
@@ -158,7 +159,7 @@ class PolicyConfig(_Section):
     ffn_keep: float | None = Field(None, gt=0, le=1, description="allocate: fraction of the FFN parameters to keep (null: the largest cut within the budget, by bisection)")
     allocation: Literal["fisher", "residual", "uniform"] = Field(
         "fisher", description="allocate: weight each block's error curve by its sensitivity — fisher: loss-gradient second moment × output variance (one backward pass over the calibration data); residual: output energy relative to the residual stream — or uniform: the same keep fraction everywhere")
-    max_backoff: int = Field(6, ge=0, le=30, description="allocate: gate evaluations spent backing off (bisection) before giving up")
+    max_backoff: int = Field(5, ge=0, le=30, description="allocate: gate evaluations spent backing off (bisection) before giving up")
     skip_outlier_dominated: bool = Field(True, description="never try blocks flagged outlier-dominated")
     min_blocks: int = Field(1, ge=0, description="fewer accepted blocks than this fails the gate (exit 3)")
     patience: int | None = Field(None, ge=1, description="stop trying candidates after this many consecutive rejections")
@@ -404,7 +405,7 @@ class Recipe(_Section):
         "prose (embedded) and code (embedded-code)")
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    replacement: ReplacementConfig = Field(default_factory=AffineReplacement)
+    replacement: ReplacementConfig = Field(default_factory=PruneReplacement)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
@@ -429,8 +430,13 @@ class Recipe(_Section):
                 why = f"policy.strategy: {self.policy.strategy}" + (
                     f" (for kind {self.replacement.kind}: {strategy})" if self.policy.strategy == "auto" else "")
                 other = "greedy" if strategy == "allocate" else "allocate"
+                fix = f"set policy.strategy: {other} if that is the search you want"
+                if "replacement" not in self.model_fields_set and strategy == "allocate":
+                    # a recipe written when the default kind was affine (greedy through auto)
+                    fix = ("set replacement.kind: affine for whole-block swaps (the greedy search; the default "
+                           "kind is prune, which auto allocates)")
                 raise ValueError(f"{section}.{name}: {value!r} is not read by {why}: {_INSTEAD[strategy]}. Remove "
-                                 f"{section}.{name}, or set policy.strategy: {other} if that is the search you want")
+                                 f"{section}.{name}, or {fix}")
         return self
 
     @model_validator(mode="after")
