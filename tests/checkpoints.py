@@ -56,5 +56,6 @@ TINY_RECIPE = {
     "calibration": {"dataset": "embedded", "max_tokens": 2048, "seq_len": 32},
     "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 64},
     "policy": {"threshold": -100, "ppl_budget": 0.5},
+    "replacement": {"kind": "affine"},  # whole-block swaps, the greedy search (prune, the default, allocates)
     "measure": {"cache": False},
 }

@@ -273,6 +273,8 @@ NO_MODEL_NEEDED = [
      ["replacement.keep", "0.5", "allocate", "policy.strategy: greedy"]),
     ("threshold-under-allocate", _edit(lambda tmp, d: d.update(replacement={"kind": "prune"})),
      ["policy.threshold", "-100", "allocate"]),
+    ("greedy-fields-under-the-default-kind", _edit(lambda tmp, d: d.pop("replacement")),
+     ["policy.threshold", "the default kind is prune", "replacement.kind: affine"]),
     ("ffn-keep-1", _edit(lambda tmp, d: d.update(replacement={"kind": "prune"}, policy={"ffn_keep": 1})),
      ["policy.ffn_keep", "nothing would be compressed"]),
 ]

@@ -55,6 +55,7 @@ def recipe_dict(source: Path, out: Path) -> dict:
         "calibration": {"max_tokens": 2048, "seq_len": 32},
         "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 32},
         "policy": {"threshold": -100, "ppl_budget": 0.5},
+        "replacement": {"kind": "affine"},  # whole-block swaps, the greedy search (prune, the default, allocates)
         "measure": {"cache": False},
         "output": {"path": str(out)},
     }
@@ -187,7 +188,7 @@ def test_dry_run_prints_resolved_recipe(tmp_path, capsys, no_run):
     path = write_recipe(tmp_path / "recipe.yaml", recipe_dict(src, tmp_path / "out"))
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "heldout_fraction: 0.2" in out  # a default, not in the recipe file
+    assert "heldout_fraction: 0.125" in out  # a default, not in the recipe file
     resolved = yaml.safe_load(out)
     assert resolved["policy"]["threshold"] == -100
     assert resolved["replacement"]["kind"] == "affine"  # default section filled in

@@ -70,6 +70,7 @@ def _pipeline_recipe(source: Path, out: Path) -> dict:
         "calibration": {"dataset": "mix", "max_tokens": 1024, "seq_len": 32, "self_tokens": 256},  # rank 0 samples
         "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 32},
         "policy": {"threshold": -100, "ppl_budget": 0.5},
+        "replacement": {"kind": "affine"},
         "output": {"path": str(out)},
         "measure": {"cache": False},
     }

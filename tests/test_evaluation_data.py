@@ -125,6 +125,7 @@ def test_run_reports_every_domain_and_gates_on_kl(tmp_path, monkeypatch):
         "calibration": {"dataset": "mix", "max_tokens": 2048, "seq_len": 32},
         "evaluation": [{"dataset": "embedded", **ev}, {"dataset": str(words), "name": "words", **ev}],
         "policy": {"threshold": -100, "metric": "kl", "kl_budget": 10.0, "order": "index"},
+        "replacement": {"kind": "affine"},
         "measure": {"cache": False},
         "output": {"path": str(tmp_path / "out")},
     })

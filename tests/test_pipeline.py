@@ -44,6 +44,7 @@ def make_recipe(source: Path, out: Path, **sections) -> compressor.Recipe:
         "calibration": {"max_tokens": 2048, "seq_len": 32},
         "evaluation": {"max_tokens": 1024, "seq_len": 64, "stride": 32},
         "policy": {"threshold": -100, "ppl_budget": 0.5},
+        "replacement": {"kind": "affine"},  # whole-block swaps, the greedy search (prune, the default, allocates)
         "output": {"path": str(out)},
         "measure": {"cache": False},
     }

@@ -89,6 +89,7 @@ def test_gated_compress_saves_loadable_checkpoint(tmp_path, monkeypatch):
         "calibration": {"dataset": _text("valid.txt"), "max_tokens": 4096, "batch_size": 16},
         "evaluation": {"dataset": _text("test.txt"), "max_tokens": 2048, "seq_len": 256, "stride": 256},
         "policy": {"threshold": 1.0, "include": [27], "ppl_budget": 0.25},
+        "replacement": {"kind": "affine"},
         "output": {"path": str(tmp_path / "out")},
     })
     res = compressor.run(recipe)

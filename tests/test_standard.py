@@ -118,7 +118,7 @@ def test_gguf_source_block_is_read_from_the_file(tmp_path):
      "must be a multiple of 64"),
     ({"output": {"width_multiple": 16, "formats": ["hf", "gguf"], "gguf_quant": "q8_0"},
       "replacement": {"kind": "prune"}}, "quantization block"),
-    ({"output": {"width_multiple": 16}}, "applies to the hidden-unit kinds"),
+    ({"output": {"width_multiple": 16}, "replacement": {"kind": "affine"}}, "applies to the hidden-unit kinds"),
     ({"output": {"width_multiple": 64}, "replacement": {"kind": "prune", "step_units": 12}},
      "does not divide the width multiple 64"),
     ({"output": {"formats": ["hf-standard"]}}, "output.architecture: standard"),
