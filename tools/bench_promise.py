@@ -79,6 +79,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", required=True)
     ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue an interrupted run of the same command from its kept steps (compressor run "
+                         "--resume); the JSON's seconds then count only this part")
     args = ap.parse_args()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -89,7 +92,8 @@ def main() -> None:
             raise SystemExit(f"{out} has no report.json: not a compressor output")
         sets = [f"model.source={args.model}", f"output.path={out}", "output.overwrite=true", *args.overrides]
         seconds["compressor_run"] = sh([Path(PY).parent / "compressor", "run", args.recipe,
-                                        *[x for s in sets for x in ("--set", s)]], log)
+                                        *[x for s in sets for x in ("--set", s)],
+                                        *(["--resume"] if args.resume else [])], log)
     report = json.loads((out / "report.json").read_text())
     budget = float(report["perplexity"]["ppl_budget"])
 
@@ -131,6 +135,7 @@ def main() -> None:
               "overrides": args.overrides, "budget": budget, "status": report.get("status"),
               "params": params, "gate": gate_rows(report), "independent": rows,
               "target_met": all(r["within_budget"] for r in rows), "ran_alone": bool(args.alone),
+              "resumed": bool(args.resume),
               "seconds": seconds,
               "commands": [line[2:] for line in log.read_text().splitlines() if line.startswith("$ ")]}
     write_json(args.output, result)
