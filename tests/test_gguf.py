@@ -420,6 +420,7 @@ def test_a_run_from_a_gguf_source_writes_a_smaller_gguf_checked_against_its_sour
     # the fits were snapped onto the file's grid: the file holds exactly the weights the gate measured
     reader = {t.name: t for t in gguf.GGUFReader(res.output / "model.gguf").tensors}
     assert res.result.fitted and all(f.stored["out.weight"][0] == "Q8_0" for f in res.result.fitted.values())
+    assert res.report["snapped"] == {str(i): "Q8_0" for i in sorted(res.result.fitted)}
     for i, f in res.result.fitted.items():
         raw = reader[f"blk.{i}.ffn_down.weight"]
         assert bytes(raw.data) == f.stored["out.weight"][1].numpy().tobytes()

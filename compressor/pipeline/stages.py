@@ -420,6 +420,9 @@ def report(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Chec
 
     rep["model"].update(source_metadata(loaded.source))
     rep["resumed"] = checked.state.resumed
+    # which fits the gate measured on the output file's grid (compressor.fitting.snap)
+    rep["snapped"] = {str(i): f.stored["out.weight"][0] for i, f in sorted((result.fitted or {}).items())
+                      if "out.weight" in f.stored}
     rep["evaluation"] = evaluation_report(recipe, result, checked.eval_streams, calibrated.overlap)
     for w in rep["evaluation"]["warnings"]:
         logger.warning("%s", w)
