@@ -907,7 +907,14 @@ class GGUFWriter(Writer):
         quant = "plan" if options.get("size_plan") is not None else resolve_quant(options.get("quant", "source"), request)
         if quant == "plan":
             return planned_check(path, request, options)
-        ppl, n = llama_cpp_perplexity(path, request.probe_tokens, request.probe_seq_len, request.probe_stride)
+        same_quant = None
+        if quant == "source" and request.ppl_limit_ratio is not None:
+            # measured once: the gate domains' first is the probe (write_request), so it gives the probe's too
+            same_quant = source_quant_check(path, request, options)
+            first = same_quant["domains"][0]
+            ppl, n = first["perplexity"], first["scored_tokens"]
+        else:
+            ppl, n = llama_cpp_perplexity(path, request.probe_tokens, request.probe_seq_len, request.probe_stride)
         expected = request.expected_ppl
         rel = abs(ppl - expected) / expected if expected else None
         exact = quant in ("f32", "f16", "bf16")
@@ -922,10 +929,9 @@ class GGUFWriter(Writer):
                  "file_bytes": path.stat().st_size}
         if exact:
             check.update(compared_with="the in-memory model", passed=True)
-        elif quant == "source" and request.ppl_limit_ratio is not None:
+        elif same_quant is not None:
             check.update(compared_with="the source GGUF at the same quantization, in llama.cpp, on every gate domain "
-                         "(the gate's rule: upper confidence bound, paired by window)",
-                         **source_quant_check(path, request, options))
+                         "(the gate's rule: upper confidence bound, paired by window)", **same_quant)
         else:
             # No original exists at this quantization to hold the file against: what is checked is that
             # llama.cpp runs it (finite perplexity); the change quantizing added is recorded, not judged.
