@@ -215,3 +215,82 @@ def test_scarce_calibration_rows_are_named_with_the_tokens_needed():
     assert "underdetermined" in scarce_rows_message(4000, 8960, 4096, 0.125)
     # the default ridge keeps the re-solve from fitting the rows' noise: no warning then
     assert scarce_rows_message(14336, 8960, 16384, 0.125, ridge=1.0) is None
+
+
+from types import SimpleNamespace  # noqa: E402
+
+
+class _Installed:
+    """A stand-in for the model: the choice installed last, as the gate's evaluation reads it."""
+
+    def __init__(self):
+        self.choice = {}
+        self.installs = []
+
+    def install(self, choice, target, desc):
+        self.choice = {i: lv for i, lv in choice.items() if lv is not None}
+        self.installs.append(desc)
+        return {i: SimpleNamespace(params=lv.params, heldout_r2=0.9) for i, lv in self.choice.items()}
+
+    def restore(self):
+        self.choice = {}
+
+
+def _drop_run(drop: int, bad: set[int]):
+    """run_allocate over four blocks whose block 3 is the allocation's cheapest step, with a gate that
+    fails every cut narrowing a block of ``bad`` (as Qwen2.5-Coder-1.5B's block 27 did)."""
+    from compressor.fitting.kinds import Level
+    from compressor.policy.allocate import BlockCurve
+    from compressor.policy.gate import run_allocate
+    from compressor.policy.result import BlockDecision
+    from compressor.recipe.schema import PolicyConfig
+
+    curves = [BlockCurve(i, 100, [Level(s, s, (1 - s / 100) * (0.1 if i == 3 else 1 + i)) for s in (25, 50, 75)])
+              for i in range(4)]
+    decisions = [BlockDecision(i, f"b{i}", 0.9, 0.9, 0.0, False, ffn_params=100) for i in range(4)]
+    installed = _Installed()
+    pol = PolicyConfig(drop_failing_blocks=drop, max_backoff=4)
+
+    def evaluate(desc):
+        return SimpleNamespace(ppl=1.0, kl=0.0, domains={}, choice=dict(installed.choice))
+
+    def check(r):
+        hit = sorted(bad & set(r.choice))
+        return (not hit), (f"over budget (block {hit})" if hit else "within budget")
+
+    final, fits, log = run_allocate(installed, curves, decisions, pol, evaluate("baseline"), evaluate, check, {})
+    return fits, log, decisions, installed
+
+
+def test_a_block_whose_smallest_step_fails_alone_is_left_out_and_the_search_runs_again():
+    """Qwen2.5-Coder-1.5B, default recipe: every cut narrowed block 27 first, whose one step alone was
+    +9.5 % on code; the run exited 3 with nothing written. The search now leaves that block out and
+    searches the others, and says so."""
+    fits, log, decisions, installed = _drop_run(drop=1, bad={3})
+    assert fits and 3 not in fits
+    first = [r for r in log if "left_out" not in r]
+    again = [r for r in log if r.get("left_out") == [3]]
+    assert first and not any(r["passed"] for r in first) and list(first[-1]["blocks"]) == ["3"]
+    assert again and any(r["passed"] for r in again) and all("3" not in r["blocks"] for r in again)
+    d3 = decisions[3]
+    assert d3.decision == "not a candidate" and "policy.drop_failing_blocks" in d3.reason and f"{first[-1]['blocks']['3']} units" in d3.reason
+    # the second search's descriptions name what it left out, so its records are never another's
+    assert any("block 3 left out" in desc for desc in installed.installs)
+
+
+def test_no_block_is_left_out_when_the_setting_is_zero_or_several_blocks_fail():
+    fits, log, decisions, _ = _drop_run(drop=0, bad={3})
+    assert not fits and not any("left_out" in r for r in log)
+    assert decisions[3].decision == "rejected"
+    # a block left out once, and the next search's one-block cut fails too: at most drop_failing_blocks
+    fits, log, decisions, _ = _drop_run(drop=1, bad={0, 1, 2, 3})
+    assert not fits and {tuple(r.get("left_out", [])) for r in log} == {(), (3,)}
+
+
+def test_the_no_cut_message_names_the_blocks_already_left_out():
+    from compressor.policy.compress import no_cut_message
+
+    attempts = [{"ffn_params_kept": 999, "ffn_params_total": 1000, "ppl": 110.0, "passed": False,
+                 "blocks": {"5": 64}, "left_out": [27]}]
+    msg = no_cut_message(attempts, 100.0, 0.05, "relative", left_out=[27])
+    assert "left out block 27" in msg and "policy.exclude: [5, 27]" in msg

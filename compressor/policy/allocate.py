@@ -104,11 +104,14 @@ class Allocation:
     """The choice at a kept fraction of the FFN parameters of ``curves`` (the blocks that may change):
     per block by :func:`allocate`, or with ``standard`` one width for every block, the largest on the
     grid (:func:`uniform_widths`) within the target. What the gate's search
-    (:class:`compressor.policy.search.TargetSearch`) searches over."""
+    (:class:`compressor.policy.search.TargetSearch`) searches over. ``left_out``: blocks a search before
+    this one left out (``policy.drop_failing_blocks``), named in every description so that its
+    measurements (and a resume's records) are never taken for another allocation's."""
 
     def __init__(self, curves: list[BlockCurve], mode: str = "fisher", *, standard: bool = False,
-                 multiple: int = 1) -> None:
+                 multiple: int = 1, left_out: tuple[int, ...] = ()) -> None:
         self.curves, self.mode, self.standard, self.multiple = curves, mode, standard, multiple
+        self.left_out = tuple(left_out)
         self.total = sum(c.ffn_params for c in curves)
         self.grid = uniform_widths(curves) if standard else []
         if standard and not self.grid:
@@ -136,8 +139,12 @@ class Allocation:
     def describe(self, keep: float) -> str:
         if self.standard:
             return f"FFN width {next(iter(self.choose(keep).values())).size} in every block"
+        left = ""
+        if self.left_out:
+            blocks = ", ".join(str(i) for i in self.left_out)
+            left = f", block{'s' if len(self.left_out) > 1 else ''} {blocks} left out"
         return f"keep {keep:.1%} of FFN parameters" + (
-            f" (widths in multiples of {self.multiple})" if self.multiple > 1 else "")
+            f" (widths in multiples of {self.multiple})" if self.multiple > 1 else "") + left
 
     def kept_params(self, choice: dict[int, Level | None]) -> int:
         return _total(self.curves, choice)

@@ -278,8 +278,9 @@ def _verdict(recipe: Recipe, baseline: DomainEvaluations, final: DomainEvaluatio
     if not accepted and confirming and confirmation.failures:
         return False, confirmation.failed_message()
     searched = [a for a in attempts if not a.get("confirmation")]
+    left_out = searched[-1].get("left_out", []) if searched else []
     if not accepted and searched:
-        return False, no_cut_message(searched, baseline.ppl, pol.ppl_budget, pol.budget_mode,
+        return False, no_cut_message(searched, baseline.ppl, pol.ppl_budget, pol.budget_mode, left_out=left_out,
                                      self_written=recipe.calibration.dataset == "self",
                                      kl_budget=pol.kl_budget if pol.metric == "kl" else None,
                                      baselines={n: ev.ppl for n, ev in getattr(baseline, "domains", {}).items()})
@@ -292,4 +293,6 @@ def _verdict(recipe: Recipe, baseline: DomainEvaluations, final: DomainEvaluatio
             "" if pol.gate else " (gate off)")
     confirmed = f"; confirmed on the held-out windows: {confirmation.why}" if confirming and accepted else ""
     stepped = f" ({'; '.join(confirmation.notes)})" if confirming and confirmation.notes else ""
-    return True, f"{len(accepted)} block(s) replaced; {why}{confirmed}{stepped}"
+    left = (f"; left out because its smallest step alone failed the gate (policy.drop_failing_blocks): "
+            f"block{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))}" if left_out else "")
+    return True, f"{len(accepted)} block(s) replaced; {why}{confirmed}{stepped}{left}"

@@ -36,17 +36,21 @@ class AllocationAttempts:
     order measured, with the confirmations (``"confirmation": true``) among them."""
 
     def __init__(self, allocation: Allocation, installer: Installer, evaluate: Callable[[str], DomainEvaluations],
-                 check: Callable[[DomainEvaluations], tuple[bool, str]], timings: dict[str, float]) -> None:
+                 check: Callable[[DomainEvaluations], tuple[bool, str]], timings: dict[str, float],
+                 log: list[dict] | None = None) -> None:
         self.allocation, self.installer, self.evaluate, self.check, self.timings = (
             allocation, installer, evaluate, check, timings)
-        self.log: list[dict] = []
+        self.log: list[dict] = [] if log is None else log
+        self.first = len(self.log)
+        """Where this search's rows begin in :attr:`log` (one log across the searches of a run)."""
         self.installed: tuple[float, str] | None = None
         """(kept fraction, target) of what the model holds now."""
 
     def install(self, keep: float, target: str) -> tuple[Choice, dict[int, Fitted]]:
         a = self.allocation
         choice = a.choose(keep)
-        desc = f"fit ({target}) at ffn_keep {keep!r}" + (f", {a.describe(keep)}" if a.standard or a.multiple > 1 else "")
+        desc = f"fit ({target}) at ffn_keep {keep!r}" + (
+            f", {a.describe(keep)}" if a.standard or a.multiple > 1 or a.left_out else "")
         fits = self.installer.install(choice, target, desc)
         self.installed = (keep, target)
         return choice, fits
@@ -72,6 +76,16 @@ class AllocationAttempts:
         self._row(best.target, target, best.outcome[1], confirmation.final, ok, why, confirmation=True)
         return ok
 
+    def failing_alone(self) -> dict | None:
+        """The row of this search's one-block cut, when that cut failed and no cut of the search passed:
+        every cut the allocation makes narrows that block, so none can pass while it is in. None
+        otherwise (a cut passed, or every failing cut narrowed several blocks)."""
+        rows = [r for r in self.log[self.first:] if not r["confirmation"]]
+        if any(r["passed"] for r in rows):
+            return None
+        alone = [r for r in rows if len(r["blocks"]) == 1]
+        return alone[-1] if alone else None
+
     def _row(self, keep: float, target: str, choice: Choice, r: DomainEvaluations, ok: bool, why: str, *,
              confirmation: bool) -> dict:
         a = self.allocation
@@ -81,6 +95,8 @@ class AllocationAttempts:
                     "blocks": {str(i): lv.size for i, lv in sorted(choice.items()) if lv is not None},
                     "ppl": r.ppl, "passed": ok, "gate": why, "confirmation": confirmation,
                     "domains": {n: {"ppl": ev.ppl, "kl": ev.kl} for n, ev in r.domains.items()}})
+        if a.left_out:
+            row["left_out"] = list(a.left_out)
         self.log.append(row)
         return row
 
@@ -150,12 +166,32 @@ def run_allocate(installer: Installer, curves, decisions: list[BlockDecision], p
                  standard: bool = False, multiple: int = 1, confirmation: Confirmation | None = None,
                  ) -> tuple[DomainEvaluations, dict[int, Fitted], list[dict]]:
     """The allocate strategy on pass A's ``curves``: (final evaluation on the search windows, installed
-    fits, attempts as report rows, confirmations among them)."""
+    fits, attempts as report rows, confirmations among them).
+
+    When no cut passes and the search's one-block cut failed, that block is left out and the search
+    runs again over the others (``policy.drop_failing_blocks`` times at most; never under
+    ``standard``, whose one width is every block's): its smallest step alone is over the budget, so
+    every cut of the allocation, which narrows it first, fails with it. Its decision says so, and
+    every row of a later search lists the blocks left out (``left_out``)."""
     excluded = allocation_excluded(decisions, pol, standard=standard)
-    allocation = Allocation([c for c in curves if c.index not in excluded], pol.allocation, standard=standard,
-                            multiple=multiple)
-    attempts = AllocationAttempts(allocation, installer, evaluate, check, timings)
-    search = TargetSearch(attempts, allocation.key, allocation.between, floor=MIN_FFN_KEEP,
-                          describe=allocation.describe)
-    final, fits = allocate_gate(attempts, search, decisions, excluded, pol, baseline, target, confirmation)
-    return final, fits, attempts.log
+    log: list[dict] = []
+    left_out: list[int] = []
+    while True:
+        allocation = Allocation([c for c in curves if c.index not in excluded], pol.allocation, standard=standard,
+                                multiple=multiple, left_out=tuple(left_out))
+        attempts = AllocationAttempts(allocation, installer, evaluate, check, timings, log=log)
+        search = TargetSearch(attempts, allocation.key, allocation.between, floor=MIN_FFN_KEEP,
+                              describe=allocation.describe)
+        final, fits = allocate_gate(attempts, search, decisions, excluded, pol, baseline, target, confirmation)
+        row = None if fits or standard or not pol.gate else attempts.failing_alone()
+        if row is None or len(left_out) >= pol.drop_failing_blocks or len(allocation.curves) < 2:
+            return final, fits, log
+        (culprit, width), = ((int(i), w) for i, w in row["blocks"].items())
+        left_out.append(culprit)
+        excluded.add(culprit)
+        why = f"its smallest step alone (to {width:,} units) failed the gate: {row['gate']}"
+        d = next(d for d in decisions if d.index == culprit)
+        d.decision, d.reason = "not a candidate", f"left out by the search (policy.drop_failing_blocks): {why}"
+        logger.warning("no cut passed the gate, and block %d's smallest step alone failed it (%s): searching again "
+                       "without block %d (%d of policy.drop_failing_blocks: %d)", culprit, row["gate"], culprit,
+                       len(left_out), pol.drop_failing_blocks)

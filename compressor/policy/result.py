@@ -100,14 +100,15 @@ class CompressionResult:
 
 def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mode: str, *,
                    self_written: bool = False, kl_budget: float | None = None,
-                   baselines: dict[str, float] | None = None) -> str:
+                   baselines: dict[str, float] | None = None, left_out: list[int] | None = None) -> str:
     """Why nothing was written when every allocated cut failed: the smallest cut tried and what it
     cost, every attempt, and what would let a cut through. ``self_written``: the calibration is the
     model's own writing, which need not be the domain the gate measures (on Qwen2.5-Coder-1.5B it was
     mathematics, and the cost of a cut on the gate's Python text was up to 153x its cost on that text:
     docs/checkpoints.md). ``baselines``: each evaluation domain's baseline perplexity; with more than
     one, an attempt's cost is that of the domain it did worst on, named (``baseline_ppl`` is the first
-    domain's). When one block narrowed alone failed, the message names it and how to leave it out."""
+    domain's). When one block narrowed alone failed, the message names it and how to leave it out;
+    ``left_out``: the blocks the search already left out for that (``policy.drop_failing_blocks``)."""
     several = baselines is not None and len(baselines) > 1
 
     def worst(a: dict) -> tuple[str, float]:
@@ -138,20 +139,29 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
         first = "This model gives up little of its FFN at this budget: calibrate on more text of the gate's domain"
     return (f"no cut passed the gate: even the smallest tried ({cost(smallest)}{on}) is over "
             f"the budget of {allowed} at the gate's confidence (the upper bound of the change decides, "
-            f"policy.confidence){tried}.{_one_block_fails(attempts, cost)} {first}, or raise policy.{field} above "
+            f"policy.confidence){tried}.{_left_out(left_out)}{_one_block_fails(attempts, cost, left_out)} {first}, or raise policy.{field} above "
             "a cost listed above by its margin (report.json: evaluation) (a run with --keep-state lets later runs "
             "at other budgets take its measurements: --measurements-from)")
 
 
-def _one_block_fails(attempts: list[dict], cost) -> str:
+def _left_out(left_out: list[int] | None) -> str:
+    if not left_out:
+        return ""
+    return (f" The search left out block{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))} "
+            "(its smallest step alone failed) and searched again (policy.drop_failing_blocks).")
+
+
+def _one_block_fails(attempts: list[dict], cost, left_out: list[int] | None = None) -> str:
     """A sentence naming the block when an attempt that narrowed one block alone failed (every
-    smaller cut the search could try narrows it too: it is the allocation's first step), else ''."""
+    smaller cut the search could try narrows it too: it is the allocation's first step), else ''.
+    ``left_out``: blocks already left out, added to the ``policy.exclude`` it suggests."""
     alone = [a for a in attempts if len(a.get("blocks") or {}) == 1 and not a.get("passed")]
     if not alone:
         return ""
     a = alone[-1]
     (index, width), = a["blocks"].items()
-    in_all = all(index in (b.get("blocks") or {}) for b in attempts)
+    in_all = all(index in (b.get("blocks") or {}) for b in attempts if b.get("left_out") == a.get("left_out"))
+    exclude = ", ".join(map(str, sorted({int(index), *(left_out or [])})))
     return (f" Block {index} narrowed alone (to {width:,} units) fails: {cost(a)}"
-            f"{'; every cut tried narrowed it' if in_all else ''}. Leave it out (policy.exclude: [{index}]) and "
+            f"{'; every cut tried narrowed it' if in_all else ''}. Leave it out (policy.exclude: [{exclude}]) and "
             "run again — with this run's --keep-state, --measurements-from reuses its measurements.")

@@ -160,6 +160,10 @@ class PolicyConfig(_Section):
     allocation: Literal["fisher", "residual", "uniform"] = Field(
         "fisher", description="allocate: weight each block's error curve by its sensitivity — fisher: loss-gradient second moment × output variance (one backward pass over the calibration data); residual: output energy relative to the residual stream — or uniform: the same keep fraction everywhere")
     max_backoff: int = Field(5, ge=0, le=30, description="allocate: gate evaluations spent backing off (bisection) before giving up")
+    drop_failing_blocks: int = Field(
+        1, ge=0, le=8, description="allocate: when no cut passes and the search's one-block cut fails (that block's "
+        "smallest step alone is over the budget), leave that block out and search again, at most this many times "
+        "(each costs one more search); 0: exit 3 at once, naming the block")
     skip_outlier_dominated: bool = Field(True, description="never try blocks flagged outlier-dominated")
     min_blocks: int = Field(1, ge=0, description="fewer accepted blocks than this fails the gate (exit 3)")
     patience: int | None = Field(None, ge=1, description="stop trying candidates after this many consecutive rejections")
@@ -387,10 +391,11 @@ IGNORED_BY = {
     "allocate": (("policy", "threshold"), ("policy", "include"), ("policy", "order"), ("policy", "max_blocks"),
                  ("policy", "target_ratio"), ("policy", "patience"), ("measure", "swap_sweep"),
                  ("replacement", "keep")),
-    "greedy": (("policy", "ffn_keep"),),
+    "greedy": (("policy", "ffn_keep"), ("policy", "drop_failing_blocks")),
 }
 _INSTEAD = {"allocate": "the allocate strategy splits one global cut across blocks by their error curves "
-                        "(policy.ffn_keep, policy.allocation, policy.max_backoff, policy.exclude)",
+                        "(policy.ffn_keep, policy.allocation, policy.max_backoff, policy.drop_failing_blocks, "
+                        "policy.exclude)",
             "greedy": "the greedy strategy swaps whole blocks one at a time (policy.threshold, include, order, "
                       "max_blocks, target_ratio, patience)"}
 
