@@ -419,6 +419,27 @@ def test_summary_of_a_gguf_only_output_names_no_hugging_face_folder(capsys):
     assert "gate [embedded]: +3.00%, 90% bound +4.10% vs +5.00% over 32 windows — within budget" in out
 
 
+def test_summary_of_a_rejected_run_does_not_call_the_original_within_budget(capsys):
+    """Qwen2.5-Coder-1.5B, every cut refused: the summary went on with "gate [embedded]: search +0.00%
+    … — within budget" and "greedy agreement 100.0 %", the original model's numbers."""
+    from compressor.cli.run import _print_summary
+
+    report = {
+        "status": "rejected", "message": "no cut passed the gate: …", "model": {"resolved": "m.gguf"},
+        "perplexity": {"baseline": {"ppl": 8.2182}, "final": {"ppl": 8.2182, "tokens": 8160, "seq_len": 256,
+                                                             "stride": 256}, "budget": 8.6292},
+        "params": {"before": 100, "after": 100}, "blocks": [{"index": 27, "decision": "rejected"}],
+        "agreement": {"next_token": 1.0, "continuations": {"identical": 1.0, "prompts": 4, "tokens": 32}},
+        "evaluation": {"confidence": 0.9, "domains": [
+            {"name": "embedded", "metric": "ppl", "relative_delta": 0.0, "relative_delta_upper": 0.0,
+             "limit": 8.6292, "baseline_ppl": 8.2182, "windows": 32, "passed": True}]},
+    }
+    _print_summary(report, None)
+    out = capsys.readouterr().out
+    assert out.startswith("status: rejected — no cut passed the gate")
+    assert "within budget" not in out and "greedy agreement" not in out and "no model written" in out
+
+
 def test_profile_seq_len_past_the_context_is_exit_2(tmp_path, capsys):
     src = save_tiny_checkpoint(tmp_path / "in", "llama")
     assert main(["profile", str(src), "--seq-len", "128", "--max-tokens", "1024"]) == 2

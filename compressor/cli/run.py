@@ -164,6 +164,12 @@ def _print_summary(r: dict, output) -> None:
             print(f"model:  {output / 'model.gguf'}")
             print(f"report: {output / 'report.json'}")
         return
+    if r["status"] == "rejected" and not kept:
+        # nothing is replaced: the gate's lines would describe the original model ("+0.00 % — within
+        # budget"); what was tried and what it cost is in the message above
+        print(f"perplexity: {ppl['baseline']['ppl']:.4f}, the original's: nothing replaced, no model written "
+              f"({ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']})")
+        return
     print(f"perplexity: {ppl['baseline']['ppl']:.4f} → {ppl['final']['ppl']:.4f} (budget {ppl['budget']:.4f}, "
           f"{ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']}, stride {ppl['final']['stride']})")
     ev = r.get("evaluation") or {}
