@@ -45,6 +45,19 @@ class GGMLType(IntEnum):
     IQ4_XS = 23
     BF16 = 30
 
+    @classmethod
+    def known(cls, value: int) -> "GGMLType | None":
+        """The type of ggml's enum value ``value``, or None for one the planner does not consider."""
+        try:
+            return cls(int(value))
+        except ValueError:
+            return None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the type stores blocks of scaled integers (not a float type)."""
+        return self not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+
 
 #: (elements per block, bytes per block), as ggml defines them (gguf-py's GGML_QUANT_SIZES).
 BLOCKS: dict[GGMLType, tuple[int, int]] = {

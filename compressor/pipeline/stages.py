@@ -235,8 +235,9 @@ def output_grid(recipe: Recipe, src: ResolvedSource) -> dict[int, str]:
     for name, t in source_tensor_types(Path(src.path) / src.gguf_file).items():
         parts = name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2:] == ["ffn_down", "weight"]:
-            if int(t) in GGMLType._value2member_map_ and GGMLType(int(t)).name not in ("F32", "F16", "BF16"):
-                grid[int(parts[1])] = GGMLType(int(t)).name
+            known = GGMLType.known(t)
+            if known is not None and known.quantized:
+                grid[int(parts[1])] = known.name
     return grid
 
 
