@@ -74,6 +74,56 @@ def _crossfeed_plan(cfg: AnalysisConfig, model_type: str, spec, n_blocks: int, c
             "fit_windows": min(n_w - held_w, cal.fit.shape[0]), "heldout_windows": min(held_w, cal.heldout.shape[0])}
 
 
+def _loaded(model: str | nn.Module, tokenizer, dtype: str, device: str,
+            trust_remote_code: bool) -> tuple[str, nn.Module, object]:
+    """(its name, the model, its tokenizer): loaded here (weights checked finite) when ``model`` is a
+    source string, else as the caller gave them."""
+    if not isinstance(model, str):
+        return getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__, model, tokenizer
+    from compressor.core.finite import check_weights_finite
+    from compressor.inputs.load import load_model
+
+    loaded, tokenizer, _ = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    check_weights_finite(loaded)
+    return model, loaded, tokenizer
+
+
+def _main_result(mp, cfg: AnalysisConfig, cal: CalibrationSet, name: str, model_type: str, data_name: str,
+                 dtype: str, device: str, timings: dict[str, float], warnings: list[str]) -> dict:
+    """``analysis.json`` as far as the main pass gives it: settings, profile, probe and trained-baseline
+    summaries (a probe rank over the input width is a warning)."""
+    result: dict = {
+        "schema": SCHEMA, "tool_version": __version__, "model": str(name), "model_type": model_type,
+        "settings": {**cfg.to_json(), "data": data_name, "seq_len": cal.seq_len, "fit_rows": int(cal.fit.numel()),
+                     "heldout_rows": int(cal.heldout.numel()), "fit_windows": int(cal.fit.shape[0]),
+                     "heldout_windows": int(cal.heldout.shape[0]), "dtype": dtype, "device": device},
+        "profile": [p.to_json() for p in mp.profiles], "regimes": {},
+        "probe": None, "trained": None, "corpora": None, "crossfeed": mp.crossfeed, "control": None,
+    }
+    reps = {"reps": cfg.bootstrap, "seed": cfg.seed}
+    if mp.probe:
+        result["probe"] = probe.summary(mp.probe, [p.r2_lin for p in mp.profiles], **reps)
+        if result["probe"]["rank"] < cfg.probe_rank:
+            warnings.append(f"probe rank {cfg.probe_rank} exceeds the input width: used {result['probe']['rank']}")
+    if mp.trained:
+        result["trained"] = trained.summary(mp.trained, steps=cfg.trained_steps, adam_lr=cfg.adam_lr,
+                                            seconds=timings["trained_s"], **reps)
+    return result
+
+
+def _corpora(model: nn.Module, tokenizer, cfg: AnalysisConfig, mp, data_name: str, data_domain: dict,
+             windows: tuple[int, int], seq_len: int, compute_dtype: torch.dtype, use_cache: bool,
+             timings: dict[str, float], warnings: list[str]) -> dict:
+    """R²_lin on every corpus domain (``windows``: fit and held-out windows each), with the summary."""
+    t0 = time.perf_counter()
+    domains, timings["self_text_s"] = corpora.run_domains(
+        model, tokenizer, cfg.domains, data_name=data_name, data_profile=data_domain, n_fit=windows[0],
+        n_held=windows[1], seq_len=seq_len, seed=cfg.seed, batch_size=cfg.batch_size,
+        compute_dtype=compute_dtype, use_cache=use_cache, warnings=warnings)
+    timings["corpora_s"] = time.perf_counter() - t0 - timings["self_text_s"]
+    return {"blocks": [p.index for p in mp.profiles], "domains": domains, **corpora.summarize(domains)}
+
+
 def analyze(
     model: str | nn.Module,
     data: str | TextSource | CalibrationSet = "embedded",
@@ -108,15 +158,7 @@ def analyze(
     warnings: list[str] = []
     skipped: dict[str, str] = {}
     loaded_here = isinstance(model, str)
-    if loaded_here:
-        from compressor.core.finite import check_weights_finite
-        from compressor.inputs.load import load_model
-
-        name = model
-        model, tokenizer, _ = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        check_weights_finite(model)
-    else:
-        name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    name, model, tokenizer = _loaded(model, tokenizer, dtype, device, trust_remote_code)
     timings["load_s"] = time.perf_counter() - t_start
     model_type, spec = arch_for(model)
     _, layers = find_blocks(model, spec)
@@ -137,35 +179,14 @@ def analyze(
     for key in ("probe", "crossfeed", "trained"):
         timings[f"{key}_s"] = mp.seconds[f"{key}_in_main_pass"]
     timings["main_pass_s"] = mp.seconds["main_pass"]
-    r2_lin = [p.r2_lin for p in mp.profiles]
-    result: dict = {
-        "schema": SCHEMA, "tool_version": __version__, "model": str(name), "model_type": model_type,
-        "settings": {**cfg.to_json(), "data": data_name, "seq_len": cal.seq_len, "fit_rows": int(cal.fit.numel()),
-                     "heldout_rows": int(cal.heldout.numel()), "fit_windows": int(cal.fit.shape[0]),
-                     "heldout_windows": int(cal.heldout.shape[0]), "dtype": dtype, "device": device},
-        "profile": [p.to_json() for p in mp.profiles], "regimes": {},
-        "probe": None, "trained": None, "corpora": None, "crossfeed": mp.crossfeed, "control": None,
-    }
-    reps = {"reps": cfg.bootstrap, "seed": cfg.seed}
-    if mp.probe:
-        result["probe"] = probe.summary(mp.probe, r2_lin, **reps)
-        if result["probe"]["rank"] < cfg.probe_rank:
-            warnings.append(f"probe rank {cfg.probe_rank} exceeds the input width: used {result['probe']['rank']}")
-    if mp.trained:
-        result["trained"] = trained.summary(mp.trained, steps=cfg.trained_steps, adam_lr=cfg.adam_lr,
-                                            seconds=timings["trained_s"], **reps)
+    result = _main_result(mp, cfg, cal, name, model_type, data_name, dtype, device, timings, warnings)
     data_domain = {"source": f"the --data text ({data_name}), first fit windows of the main pass",
                    "fit_rows": mp.subset_fit_rows, "heldout_rows": int(cal.heldout.numel()), "r2_lin": list(mp.subset_r2)}
 
     # -- 3. corpus domains -----------------------------------------------------------------
     if cfg.wants("corpora"):
-        t0 = time.perf_counter()
-        domains, timings["self_text_s"] = corpora.run_domains(
-            model, tokenizer, cfg.domains, data_name=data_name, data_profile=data_domain, n_fit=domain_fit,
-            n_held=domain_held, seq_len=cal.seq_len, seed=cfg.seed, batch_size=cfg.batch_size,
-            compute_dtype=compute_dtype, use_cache=use_cache, warnings=warnings)
-        result["corpora"] = {"blocks": [p.index for p in mp.profiles], "domains": domains, **corpora.summarize(domains)}
-        timings["corpora_s"] = time.perf_counter() - t0 - timings["self_text_s"]
+        result["corpora"] = _corpora(model, tokenizer, cfg, mp, data_name, data_domain, (domain_fit, domain_held),
+                                     cal.seq_len, compute_dtype, use_cache, timings, warnings)
 
     # -- 4. untrained control ----------------------------------------------------------------
     if cfg.wants("control"):
