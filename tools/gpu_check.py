@@ -1,0 +1,165 @@
+"""compressor on a CUDA device, checked against the same run on the CPU.
+
+The recipes say "use model.device: cuda on a GPU"; this is the check that it holds. For tiny models
+built from configs (no downloads), each search is run twice with ``compressor run`` — once with
+``model.device: cuda`` (and once more with ``model.offload: cpu``, layers waiting in host RAM), once
+on the CPU — and the outputs are compared:
+
+* the run's outcome: exit code, blocks kept and their widths, the gate's change on every domain;
+* the saved weights, tensor by tensor (``allclose``);
+* the outputs loaded in plain transformers (compressor not importable), logits on the same ids.
+
+Float32 on both sides; the matrix products on the GPU run without TF32 (PyTorch's default for
+float32 matmuls), so the differences are summation order. Choices are discrete (the search picks
+widths from measured changes), so a choice may flip where two candidates are within that noise:
+the JSON lists any such difference instead of failing on it.
+
+    python tools/gpu_check.py --work /tmp/gpu-check --output tools/results/gpu_check.json
+
+Needs a CUDA device; exits 2 without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+
+SEARCHES = {
+    # the default: prune, allocate (bisection on one global cut), gated on prose and code
+    "allocate-prune": {"replacement": {"kind": "prune"}},
+    # whole-block affine swaps, the greedy search
+    "greedy-affine": {"replacement": {"kind": "affine"}, "policy": {"threshold": -100}},
+}
+DEVICES = {"cpu": {"device": "cpu"}, "cuda": {"device": "cuda"}, "cuda-offload-cpu": {"device": "cuda", "offload": "cpu"}}
+
+LOGITS = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+torch.manual_seed(0)
+ids = torch.randint(3, 256, (2, 48))
+out = {}
+for name in sys.argv[1:]:
+    m = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out[name] = m(ids).logits.double().tolist()
+print(json.dumps(out))
+"""
+
+
+def recipe(source: Path, out: Path, search: dict, device: dict) -> dict:
+    r = {
+        "model": {"source": str(source), **device},
+        "calibration": {"dataset": "embedded", "max_tokens": 4096, "seq_len": 64},
+        "evaluation": [{"dataset": d, "max_tokens": 2048, "seq_len": 64, "stride": 64}
+                       for d in ("embedded", "embedded-code")],
+        "policy": {"ppl_budget": 0.5, **search.get("policy", {})},
+        "replacement": search["replacement"],
+        "measure": {"cache": False},
+        "output": {"path": str(out), "formats": ["hf"], "dtype": "float32"},
+    }
+    return r
+
+
+def run(source: Path, work: Path, name: str, search: dict, device: dict) -> dict:
+    import yaml
+
+    out = work / f"out-{name}"
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe(source, out, search, device)))
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "compressor", "run", str(path), "--set", "output.overwrite=true",
+                        "--quiet"], cwd=REPO_ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])))
+    seconds = time.perf_counter() - t0
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    domains = {d["name"]: d.get("relative_delta") for d in (report.get("evaluation") or {}).get("domains", [])}
+    return {"exit_code": p.returncode, "seconds": seconds, "out": str(out), "stderr_tail": p.stderr[-1500:],
+            "kept": {str(b["index"]): b.get("size") for b in report.get("blocks", []) if b["decision"] == "kept"},
+            "gate": domains, "ppl_final": (report.get("perplexity") or {}).get("final", {}).get("ppl")}
+
+
+def weights_diff(a: Path, b: Path) -> dict:
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    ta, tb = tensors(a), tensors(b)
+    if ta.keys() != tb.keys() or any(ta[k].shape != tb[k].shape for k in ta):
+        return {"same_tensors": False}
+    worst = max(((ta[k] - tb[k]).abs().max().item() / max(ta[k].abs().max().item(), 1e-12), k) for k in ta)
+    return {"same_tensors": True, "worst_relative": worst[0], "worst_tensor": worst[1],
+            "allclose": all(__import__("torch").allclose(ta[k], tb[k], rtol=1e-3, atol=1e-4) for k in ta)}
+
+
+def logits_diff(folders: list[str]) -> dict:
+    from checkpoints import BLOCK_COMPRESSOR
+
+    p = subprocess.run([sys.executable, "-c", BLOCK_COMPRESSOR + LOGITS, *folders], capture_output=True, text=True,
+                       check=True)
+    import torch
+
+    got = {k: torch.tensor(v) for k, v in json.loads(p.stdout).items()}
+    ref = got[folders[0]]
+    return {f: {"max_abs": (got[f] - ref).abs().max().item(), "scale": ref.abs().max().item()} for f in folders[1:]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--output", type=Path, required=True)
+    ap.add_argument("--models", default="llama,qwen2")
+    ap.add_argument("--cpu-only", action="store_true", help="run the CPU side alone (to try the script)")
+    args = ap.parse_args()
+    import torch
+
+    if not args.cpu_only and not torch.cuda.is_available():
+        print("no CUDA device: this check needs one", file=sys.stderr)
+        return 2
+    from checkpoints import save_tiny_checkpoint
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    devices = {"cpu": DEVICES["cpu"]} if args.cpu_only else DEVICES
+    rows = []
+    for model_type in args.models.split(","):
+        source = save_tiny_checkpoint(args.work / f"src-{model_type}", model_type)
+        for sname, search in SEARCHES.items():
+            runs = {d: run(source, args.work, f"{model_type}-{sname}-{d}", search, dev) for d, dev in devices.items()}
+            row = {"model": model_type, "search": sname, "runs": runs}
+            ref = runs["cpu"]
+            row["compared_with_cpu"] = {
+                d: {"same_exit": r["exit_code"] == ref["exit_code"], "same_kept": r["kept"] == ref["kept"],
+                    "gate_difference": {k: (r["gate"].get(k) or 0) - (v or 0) for k, v in ref["gate"].items()},
+                    **(weights_diff(Path(ref["out"]), Path(r["out"])) if r["exit_code"] == 0 == ref["exit_code"]
+                       else {})}
+                for d, r in runs.items() if d != "cpu"}
+            ok = [r["out"] for r in runs.values() if r["exit_code"] == 0]
+            if len(ok) > 1 and ok[0] == ref["out"]:
+                row["logits_vs_cpu_in_plain_transformers"] = logits_diff(ok)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "runs"}, indent=1), flush=True)
+    result = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "rows": rows}
+    import transformers
+
+    result["transformers"] = transformers.__version__
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
