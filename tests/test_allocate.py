@@ -147,13 +147,15 @@ def _prune_run(tmp_path, name: str, policy: dict):
 
 
 def test_when_the_smallest_cut_fails_the_search_goes_below_it(tmp_path):
-    """A budget nothing can meet: the smallest cut of the bisection first, then smaller cuts (one
-    attempt per allocation, none at a target that replaces nothing), exit 3, and a message that says so."""
+    """A budget nothing can meet: the smallest cut of the bisection first, then the smallest cut there
+    is (one step of one block), which fails too, so nothing above it is tried; exit 3, and a message
+    that says so (no block left out: policy.drop_failing_blocks 0)."""
     # two steps: the smallest cut removes 17.5 % of the FFN parameters (a few units of a tiny FFN at least)
-    res = _prune_run(tmp_path, "out", {"metric": "kl", "kl_budget": 1e-12, "max_backoff": 2})
+    res = _prune_run(tmp_path, "out", {"metric": "kl", "kl_budget": 1e-12, "max_backoff": 2, "drop_failing_blocks": 0})
     attempts = res.report["allocation_attempts"]
     keeps = [a["ffn_keep_target"] for a in attempts]
-    assert res.exit_code == 3 and 1 < len(attempts) <= 3 and not any(a["passed"] for a in attempts)
+    assert res.exit_code == 3 and len(attempts) == 2 and not any(a["passed"] for a in attempts)
+    assert attempts[-1]["blocks_replaced"] == 1
     assert keeps[0] == pytest.approx(1 - 0.7 / 4) and keeps == sorted(keeps)  # then halving the cut
     assert all(a["blocks_replaced"] > 0 for a in attempts)
     allocations = [tuple(sorted(a["blocks"].items())) for a in attempts]
@@ -163,6 +165,24 @@ def test_when_the_smallest_cut_fails_the_search_goes_below_it(tmp_path):
     msg = res.report["message"]
     assert f"keep {100 * kept[-1] / attempts[0]['ffn_params_total']:.1f} %" in msg.split("tried:")[0]
     assert "KL 1e-12 nats/token" in msg and "policy.kl_budget" in msg and "+5.0 %" not in msg
+
+
+def test_end_to_end_the_block_that_fails_alone_is_left_out_and_named(tmp_path):
+    """The same budget with policy.drop_failing_blocks at its default (1): the one-step cut's block is
+    left out, a second search runs over the others and fails too; exit 3, nothing written, and the
+    message and the block's decision say what was left out."""
+    res = _prune_run(tmp_path, "out", {"metric": "kl", "kl_budget": 1e-12, "max_backoff": 2})
+    rows = res.report["allocation_attempts"]
+    first = [r for r in rows if not r.get("left_out")]
+    (dropped,) = {int(b) for b in first[-1]["blocks"]}
+    again = [r for r in rows if r.get("left_out") == [dropped]]
+    assert res.exit_code == 3 and again and all(str(dropped) not in r["blocks"] for r in again)
+    msg = res.report["message"]
+    assert f"left out block {dropped}" in msg and "policy.drop_failing_blocks" in msg
+    (second,) = {int(b) for b in again[-1]["blocks"]}
+    assert f"policy.exclude: [{', '.join(map(str, sorted({dropped, second})))}]" in msg
+    d = next(b for b in res.report["blocks"] if b["index"] == dropped)
+    assert d["decision"] == "not a candidate" and "left out by the search" in d["reason"]
 
 
 def test_a_cut_below_the_smallest_of_the_bisection_passes_when_it_is_within_budget(tmp_path):
@@ -294,3 +314,39 @@ def test_the_no_cut_message_names_the_blocks_already_left_out():
                  "blocks": {"5": 64}, "left_out": [27]}]
     msg = no_cut_message(attempts, 100.0, 0.05, "relative", left_out=[27])
     assert "left out block 27" in msg and "policy.exclude: [5, 27]" in msg
+
+
+def test_after_a_failing_smallest_cut_the_one_step_cut_is_measured_next():
+    """Qwen2.5-Coder-1.5B: the smallest cut of the bisection failed, and the bisection went up step by
+    step to the one-block cut (six evaluations, four minutes each) before it was clear that no cut could
+    pass. The one-step cut is now measured second: failing, the search ends there; passing, the
+    bisection runs between the two."""
+    from compressor.policy.search import Attempt, TargetSearch
+
+    def search(passes):
+        measured = []
+
+        def measure(t, variant):
+            measured.append(round(t, 4))
+            return Attempt(t, passes(t), "")
+
+        s = TargetSearch(measure, key=lambda t: round(t, 2) if t < 0.995 else (), between=lambda f, p: (f + p) / 2,
+                         floor=0.3, first_step=lambda failed: 0.99)
+        return s.run(steps=5), measured
+
+    best, measured = search(lambda t: False)  # even one step fails: two evaluations, nothing passes
+    assert best is None and measured == [0.9781, 0.99]
+    best, measured = search(lambda t: t >= 0.985)  # the one step passes: the bisection runs below it
+    assert measured[:2] == [0.9781, 0.99] and best.target >= 0.985 and all(0.9781 < t < 0.99 for t in measured[2:])
+    best, measured = search(lambda t: t >= 0.5)  # the smallest cut passes: as before, no extra evaluation
+    assert 0.99 not in measured
+
+
+def test_the_first_step_is_the_largest_kept_fraction_that_narrows_a_block():
+    from compressor.fitting.kinds import Level
+    from compressor.policy.allocate import Allocation, BlockCurve
+
+    curves = [BlockCurve(i, 100, [Level(s, s, (1 - s / 100) * (1 + i)) for s in (25, 50, 75)]) for i in range(3)]
+    a = Allocation(curves)
+    top = a.first_step(0.3)
+    assert len(a.key(top)) == 1 and a.key(top)[0][0] == 0 and not a.key(top + 1e-6)

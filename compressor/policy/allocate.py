@@ -136,6 +136,21 @@ class Allocation:
         inside = [k for k in (widths_params(self.curves, w) / self.total for w in self.grid) if failed < k < passed]
         return inside[len(inside) // 2] if inside else None
 
+    def first_step(self, failed: float) -> float | None:
+        """The largest kept fraction above ``failed`` that narrows anything: the allocation's first step
+        (under ``standard``, the widest width on the grid), found on the choices alone, no evaluation.
+        None when nothing above ``failed`` narrows a block."""
+        lo, hi = failed, 1.0
+        if not self.key(lo):
+            return None
+        for _ in range(40):  # key(lo) narrows something, key(hi) nothing (or hi is the original)
+            mid = (lo + hi) / 2
+            if self.key(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     def describe(self, keep: float) -> str:
         if self.standard:
             return f"FFN width {next(iter(self.choose(keep).values())).size} in every block"

@@ -181,7 +181,7 @@ def run_allocate(installer: Installer, curves, decisions: list[BlockDecision], p
                                 multiple=multiple, left_out=tuple(left_out))
         attempts = AllocationAttempts(allocation, installer, evaluate, check, timings, log=log)
         search = TargetSearch(attempts, allocation.key, allocation.between, floor=MIN_FFN_KEEP,
-                              describe=allocation.describe)
+                              describe=allocation.describe, first_step=allocation.first_step)
         final, fits = allocate_gate(attempts, search, decisions, excluded, pol, baseline, target, confirmation)
         row = None if fits or standard or not pol.gate else attempts.failing_alone()
         if row is None or len(left_out) >= pol.drop_failing_blocks or len(allocation.curves) < 2:

@@ -62,8 +62,12 @@ class TargetSearch:
 
     def __init__(self, measure: Callable[[float, str], Attempt], key: Callable[[float], Hashable],
                  between: Callable[[float, float], float | None], *, floor: float, ceiling: float = 1.0,
-                 describe: Callable[[float], str] = "{:g}".format) -> None:
+                 describe: Callable[[float], str] = "{:g}".format,
+                 first_step: Callable[[float], float | None] | None = None) -> None:
         self.measure, self.key, self.between, self.describe = measure, key, between, describe
+        self.first_step = first_step
+        """``first_step(failed)``: the largest target above ``failed`` that chooses anything (the smallest
+        cut there is), or None; tried right after a failing smallest cut of the bisection."""
         self.failed, self.passed, self.ceiling = floor, ceiling, ceiling
         self.best: Attempt | None = None
         self._tried: dict[tuple, Attempt] = {}
@@ -107,7 +111,21 @@ class TargetSearch:
                 logger.warning("the smallest cut of the bisection (%s) is over the gate's budget (%s); searching "
                                "smaller cuts (at most %d attempts)", self.describe(floor), at_floor.why, steps)
                 self.failed = floor
+                self._try_first_step()
         return self.bisect(steps)
+
+    def _try_first_step(self) -> None:
+        """The smallest cut there is, measured before the bisection goes up to it step by step: when it
+        fails, no cut passes (the bisection then ends at once); when it passes, the bisection runs
+        between it and the failing cut below."""
+        top = self.first_step(self.failed) if self.first_step is not None else None
+        if top is None or not self.key(top) or not self.failed < top < self.passed:
+            return
+        a = self.measured(top)
+        if a.passed and self.key(top) not in self._rejected:
+            self.best, self.passed = a, top
+        else:
+            self.failed = top
 
     def bisect(self, steps: int) -> Attempt | None:
         """Up to ``steps`` more steps from where the search stands; the best passing attempt so far."""
