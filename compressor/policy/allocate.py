@@ -28,6 +28,7 @@ from compressor.fitting.kinds import Level
 from compressor.engine.resume import register_record
 from compressor.policy import options
 from compressor.policy.options import Option
+from compressor.policy.result import blocks_phrase
 
 
 @dataclass
@@ -154,10 +155,7 @@ class Allocation:
     def describe(self, keep: float) -> str:
         if self.standard:
             return f"FFN width {next(iter(self.choose(keep).values())).size} in every block"
-        left = ""
-        if self.left_out:
-            blocks = ", ".join(str(i) for i in self.left_out)
-            left = f", block{'s' if len(self.left_out) > 1 else ''} {blocks} left out"
+        left = f", {blocks_phrase(self.left_out)} left out" if self.left_out else ""
         return f"keep {keep:.1%} of FFN parameters" + (
             f" (widths in multiples of {self.multiple})" if self.multiple > 1 else "") + left
 

@@ -43,7 +43,7 @@ from compressor.policy.gate import run_allocate
 from compressor.policy.greedy import greedy_gate
 from compressor.policy.plan import Blocks, Plan, activation, checkpointed_walk, measure
 from compressor.policy.plan import scarce_rows_message  # noqa: F401  (its home before the split)
-from compressor.policy.result import BlockDecision, CompressionResult, GateSplits, no_cut_message
+from compressor.policy.result import BlockDecision, CompressionResult, GateSplits, blocks_phrase, no_cut_message
 from compressor.policy.search import smallest_cut  # noqa: F401  (its home before the split)
 from compressor.recipe.schema import Recipe, width_multiple as output_width_multiple
 
@@ -294,5 +294,5 @@ def _verdict(recipe: Recipe, baseline: DomainEvaluations, final: DomainEvaluatio
     confirmed = f"; confirmed on the held-out windows: {confirmation.why}" if confirming and accepted else ""
     stepped = f" ({'; '.join(confirmation.notes)})" if confirming and confirmation.notes else ""
     left = (f"; left out because its smallest step alone failed the gate (policy.drop_failing_blocks): "
-            f"block{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))}" if left_out else "")
+            f"{blocks_phrase(left_out)}" if left_out else "")
     return True, f"{len(accepted)} block(s) replaced; {why}{confirmed}{stepped}{left}"

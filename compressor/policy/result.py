@@ -144,10 +144,16 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
             "at other budgets take its measurements: --measurements-from)")
 
 
+def blocks_phrase(indices) -> str:
+    """"block 27" or "blocks 5, 27"."""
+    indices = list(indices)
+    return f"block{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
+
+
 def _left_out(left_out: list[int] | None) -> str:
     if not left_out:
         return ""
-    return (f" The search left out block{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))} "
+    return (f" The search left out {blocks_phrase(left_out)} "
             "(its smallest step alone failed) and searched again (policy.drop_failing_blocks).")
 
 
