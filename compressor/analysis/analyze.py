@@ -74,6 +74,13 @@ def _crossfeed_plan(cfg: AnalysisConfig, model_type: str, spec, n_blocks: int, c
             "fit_windows": min(n_w - held_w, cal.fit.shape[0]), "heldout_windows": min(held_w, cal.heldout.shape[0])}
 
 
+def _domain_windows(cal: CalibrationSet, cfg: AnalysisConfig) -> tuple[int, int]:
+    """(fit, held-out) windows every corpus domain, and the control, gets: the same number each, so the
+    same finite-sample bias."""
+    fit = max(1, min(cal.fit.shape[0], int(cfg.domain_tokens * (1 - cfg.heldout_fraction)) // cal.seq_len))
+    return fit, max(1, round(fit * cfg.heldout_fraction / (1 - cfg.heldout_fraction)))
+
+
 def _loaded(model: str | nn.Module, tokenizer, dtype: str, device: str,
             trust_remote_code: bool) -> tuple[str, nn.Module, object]:
     """(its name, the model, its tokenizer): loaded here (weights checked finite) when ``model`` is a
@@ -91,7 +98,10 @@ def _loaded(model: str | nn.Module, tokenizer, dtype: str, device: str,
 def _main_result(mp, cfg: AnalysisConfig, cal: CalibrationSet, name: str, model_type: str, data_name: str,
                  dtype: str, device: str, timings: dict[str, float], warnings: list[str]) -> dict:
     """``analysis.json`` as far as the main pass gives it: settings, profile, probe and trained-baseline
-    summaries (a probe rank over the input width is a warning)."""
+    summaries (a probe rank over the input width is a warning); the main pass's timings into ``timings``."""
+    for key in ("probe", "crossfeed", "trained"):
+        timings[f"{key}_s"] = mp.seconds[f"{key}_in_main_pass"]
+    timings["main_pass_s"] = mp.seconds["main_pass"]
     result: dict = {
         "schema": SCHEMA, "tool_version": __version__, "model": str(name), "model_type": model_type,
         "settings": {**cfg.to_json(), "data": data_name, "seq_len": cal.seq_len, "fit_rows": int(cal.fit.numel()),
@@ -164,9 +174,7 @@ def analyze(
     _, layers = find_blocks(model, spec)
     cal, data_name = _main_text(data, tokenizer, cfg)
     compute_dtype = {"float32": torch.float32, "float64": torch.float64}[cfg.precision]
-    # every corpus domain, and the control, gets this many fit windows (the same finite-sample bias)
-    domain_fit = max(1, min(cal.fit.shape[0], int(cfg.domain_tokens * (1 - cfg.heldout_fraction)) // cal.seq_len))
-    domain_held = max(1, round(domain_fit * cfg.heldout_fraction / (1 - cfg.heldout_fraction)))
+    domain_fit, domain_held = _domain_windows(cal, cfg)
 
     # -- 2. the main pass ----------------------------------------------------------------
     plan = _crossfeed_plan(cfg, model_type, spec, len(layers), cal, skipped) if cfg.wants("crossfeed") else None
@@ -176,9 +184,6 @@ def analyze(
                    probe=probe.ProbePart(cfg.probe_rank, cfg.probe_pca_rows, compute_dtype) if cfg.wants("probe") else None,
                    crossfeed=plan, subset=subset,
                    trained={"steps": cfg.trained_steps, "adam_lr": cfg.adam_lr} if cfg.wants("trained") else None)
-    for key in ("probe", "crossfeed", "trained"):
-        timings[f"{key}_s"] = mp.seconds[f"{key}_in_main_pass"]
-    timings["main_pass_s"] = mp.seconds["main_pass"]
     result = _main_result(mp, cfg, cal, name, model_type, data_name, dtype, device, timings, warnings)
     data_domain = {"source": f"the --data text ({data_name}), first fit windows of the main pass",
                    "fit_rows": mp.subset_fit_rows, "heldout_rows": int(cal.heldout.numel()), "r2_lin": list(mp.subset_r2)}
