@@ -256,3 +256,13 @@ def test_profile_plot_marks_clipped_values_threshold_and_share_panel(tmp_path):
         plt.close(fig)
     path = profile_plot(_synthetic_profile(), tmp_path / "p.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_reload_check_allows_a_gpu_its_float32_noise_and_nothing_more():
+    """Float32 on a GPU: the in-memory model and its reload differ by kernel and summation order
+    (8.3e-5 on Gemma-3-270M on an H200), so 1e-3 there; the CPU keeps 1e-5; 16-bit compute 1e-2."""
+    from compressor.output.hf import logit_tolerance
+
+    assert logit_tolerance(torch.float32, on_gpu=False) == 1e-5
+    assert logit_tolerance(torch.float32, on_gpu=True) == 1e-3
+    assert logit_tolerance(torch.bfloat16, on_gpu=True) == logit_tolerance(torch.bfloat16, on_gpu=False) == 1e-2

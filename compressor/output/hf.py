@@ -80,6 +80,11 @@ def modeling_source(model_type: str) -> str:
 # perplexity moved by 5.0e-4 (bfloat16 weights) and 2.0e-5 (float16); on the
 # tiny test models by < 5e-5. The tolerances leave a 10× / 50× margin.
 LOGIT_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# On a GPU the in-memory model's logits and its reload's are not bit-identical in float32 (kernels,
+# summation order, the reload possibly on the CPU): Gemma-3-270M on an H200 differed by 8.3e-5 in
+# logits, with perplexity within 4e-4. So float32 on a GPU is held to 1e-3 (12× margin);
+# the perplexity check is unchanged.
+GPU_LOGIT_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-3}
 PPL_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 5e-3, torch.float16: 1e-3}
 # Shard size of an onloaded model's save: transformers materialises one shard at a time.
 OFFLOAD_SHARD_SIZE = "512MB"
@@ -208,6 +213,12 @@ class HFWriter(Writer):
         return compare_reloaded(request, reloaded.eval(), "reload check", reference)
 
 
+def logit_tolerance(dtype: torch.dtype, on_gpu: bool) -> float:
+    """The largest |Δlogit| the reload check allows for compute in ``dtype`` (:data:`LOGIT_TOLERANCE`,
+    :data:`GPU_LOGIT_TOLERANCE` when either model ran on a GPU)."""
+    return (GPU_LOGIT_TOLERANCE.get(dtype) if on_gpu else None) or LOGIT_TOLERANCE.get(dtype, 1e-2)
+
+
 @torch.no_grad()
 def reference_logits(request: WriteRequest) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe windows (at most 2) and the in-memory model's logits on them, its weights rounded the
@@ -239,7 +250,8 @@ def compare_reloaded(request: WriteRequest, reloaded: nn.Module, what: str,
     again = perplexity(reloaded, tokens, seq_len=seq_len, stride=request.probe_stride,
                        batch_size=request.probe_batch_size, desc=what, shard=False)  # rank 0 alone
     rel = abs(again.ppl - request.expected_ppl) / request.expected_ppl
-    tol = LOGIT_TOLERANCE.get(model.dtype, 1e-2)
+    on_gpu = any(m.get_input_embeddings().weight.device.type == "cuda" for m in (model, reloaded))
+    tol = logit_tolerance(model.dtype, on_gpu)
     ppl_tol = PPL_TOLERANCE[out_dtype]
     check = {**extra, "saved_dtype": str(out_dtype).removeprefix("torch."),
              "max_abs_logit_diff": diff, "perplexity": again.ppl, "relative_ppl_diff": rel,
