@@ -165,6 +165,9 @@ def test_when_the_smallest_cut_fails_the_search_goes_below_it(tmp_path):
     msg = res.report["message"]
     assert f"keep {100 * kept[-1] / attempts[0]['ffn_params_total']:.1f} %" in msg.split("tried:")[0]
     assert "KL 1e-12 nats/token" in msg and "policy.kl_budget" in msg and "+5.0 %" not in msg
+    # the limit the gate held the bound to: the budget less policy.headroom (0.2 by default)
+    assert "the gate's limit of KL 8e-13 nats/token (the budget of KL 1e-12 nats/token less policy.headroom 20%" in msg
+    assert "divided by 1 − headroom" in msg
 
 
 def test_end_to_end_the_block_that_fails_alone_is_left_out_and_named(tmp_path):

@@ -417,6 +417,13 @@ def test_summary_of_a_gguf_only_output_names_no_hugging_face_folder(capsys):
     out = capsys.readouterr().out
     assert "Hugging Face folder" not in out and "unknown" not in out
     assert "gate [embedded]: +3.00%, 90% bound +4.10% vs +5.00% over 32 windows — within budget" in out
+    # with policy.headroom, the limit is the budget less it, and the line says so
+    report["evaluation"]["headroom"] = 0.2
+    report["evaluation"]["domains"][0]["limit"] = 10.4
+    _print_summary(report, Path("out"))
+    out = capsys.readouterr().out
+    assert "vs +4.00% (the budget less policy.headroom 20%) over 32 windows — within budget" in out
+    assert "gate limit 10.5000" in out
 
 
 def test_summary_of_a_rejected_run_does_not_call_the_original_within_budget(capsys):

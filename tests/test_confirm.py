@@ -151,6 +151,12 @@ def test_both_numbers_are_in_the_report_the_summary_and_the_card(tmp_path, capsy
     assert f"{d['confirmation']['relative_delta_upper']:+.2%}" in line and "within budget" in line
     card = (res.output / "README.md").read_text()
     assert "held-out windows" in card and f"{d['confirmation']['relative_delta']:+.2%}" in card
+    # the limit both splits were held to is the budget less the default headroom, and every place says so
+    assert ev["headroom"] == 0.2 and "(the budget less policy.headroom 20%)" in line
+    base, budget = res.report["perplexity"]["baseline"]["ppl"], ev["ppl_budget"]
+    assert res.report["perplexity"]["budget"] == pytest.approx(base * (1 + budget * 0.8))
+    assert d["search"]["limit"] / d["search"]["baseline_ppl"] == pytest.approx(1 + budget * 0.8)
+    assert "held to 80% of the budget (policy.headroom 0.2)" in card
 
 
 def test_confirm_fraction_zero_is_the_old_gate(tmp_path, monkeypatch):

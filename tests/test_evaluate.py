@@ -150,6 +150,34 @@ def test_gate_decides_on_the_upper_confidence_bound_of_the_change():
     assert gate_check(base, kl_cand, policy(metric="kl", kl_budget=0.06, confidence=0.9))[0]
 
 
+def test_gate_holds_the_bound_to_the_budget_less_the_headroom():
+    """policy.headroom: the bound must be within (1 − headroom) × the budget, for ppl (relative and
+    absolute) and kl; the recipe default is 0.2 (a +5 % budget is held at +4 %)."""
+    from compressor.evaluation.evaluate import gate_budget, gate_ppl_limit, upper_quantile
+    from compressor.recipe.schema import PolicyConfig
+
+    assert PolicyConfig().headroom == 0.2 and gate_budget(PolicyConfig()) == pytest.approx(0.04)
+    base = _ev(10.0, delta_se=0.0)
+    # +4.2 %, exactly measured: within +5 %, over +4 % (headroom 0.2), within +4.5 % (headroom 0.1)
+    cand = _ev(10.42, delta_se=0.0)
+    assert gate_check(base, cand, policy(confidence=0.9))[0]
+    ok, msg, per = gate_check(base, cand, policy(confidence=0.9, headroom=0.2))
+    assert not ok and per["d"]["limit"] == pytest.approx(10.4) and "limit 10.4000" in msg
+    assert gate_check(base, cand, policy(confidence=0.9, headroom=0.1))[0]
+    # absolute mode: ppl ≤ base + budget·(1 − headroom)
+    pol = policy(budget_mode="absolute", ppl_budget=0.5, headroom=0.2)
+    assert gate_ppl_limit(10.0, pol) == pytest.approx(10.4)
+    assert not gate_check(base, cand, pol)[0] and gate_check(base, _ev(10.39, delta_se=0.0), pol)[0]
+    # kl: kl + t·se ≤ kl_budget·(1 − headroom)
+    kl_cand = _ev(10.0, delta_se=0.0, kl=0.03, kl_se=0.005)
+    upper = 0.03 + upper_quantile(0.9, 32) * 0.005
+    assert gate_check(base, kl_cand, policy(metric="kl", kl_budget=0.05, confidence=0.9))[0]
+    ok, _, per = gate_check(base, kl_cand, policy(metric="kl", kl_budget=upper / 0.85, confidence=0.9, headroom=0.2))
+    assert not ok and per["d"]["limit"] == pytest.approx(upper / 0.85 * 0.8)
+    with pytest.raises(ValueError):
+        PolicyConfig(headroom=1.0)
+
+
 def test_gate_without_paired_errors_uses_both_errors_conservatively():
     from compressor.evaluation.evaluate import Perplexity
 

@@ -170,13 +170,13 @@ def _print_summary(r: dict, output) -> None:
         print(f"perplexity: {ppl['baseline']['ppl']:.4f}, the original's: nothing replaced, no model written "
               f"({ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']})")
         return
-    print(f"perplexity: {ppl['baseline']['ppl']:.4f} → {ppl['final']['ppl']:.4f} (budget {ppl['budget']:.4f}, "
+    print(f"perplexity: {ppl['baseline']['ppl']:.4f} → {ppl['final']['ppl']:.4f} (gate limit {ppl['budget']:.4f}, "
           f"{ppl['final']['tokens']} tokens, window {ppl['final']['seq_len']}, stride {ppl['final']['stride']})")
     ev = r.get("evaluation") or {}
     for d in ev.get("domains", []):
         if d.get("relative_delta_upper") is None:
             continue
-        print(_gate_line(d, ev["confidence"]))
+        print(_gate_line(d, ev["confidence"], ev.get("headroom") or 0.0))
     print(f"parameters: {r['params']['before']:,} → {r['params']['after']:,} (blocks replaced: {kept})")
     size = r.get("size") or {}
     agree = r.get("agreement") or {}
@@ -215,9 +215,10 @@ def _print_summary(r: dict, output) -> None:
         print(f"report: {output / 'report.json'}")
 
 
-def _gate_line(d: dict, confidence: float) -> str:
+def _gate_line(d: dict, confidence: float, headroom: float = 0.0) -> str:
     """One domain's gate: its change and bound, on the search's windows and on the held-out
-    confirmation windows when the run kept some (``policy.confirm_fraction``)."""
+    confirmation windows when the run kept some (``policy.confirm_fraction``), against the limit the
+    bound is held to (the budget less ``headroom``)."""
     kl = d.get("metric") == "kl"
 
     def bound(row: dict) -> str:
@@ -226,6 +227,8 @@ def _gate_line(d: dict, confidence: float) -> str:
         return f"{row['relative_delta']:+.2%}, {confidence:.0%} bound {row['relative_delta_upper']:+.2%}"
 
     limit = f"{d['limit']:.4f}" if kl else f"{d['limit'] / d['baseline_ppl'] - 1:+.2%}"
+    if headroom:
+        limit += f" (the budget less policy.headroom {headroom:.0%})"
     verdict = "within" if d["passed"] else "over"
     if d.get("confirmation") is None:
         return f"gate [{d['name']}]: {bound(d)} vs {limit} over {d['windows']} windows — {verdict} budget"

@@ -587,6 +587,20 @@ def _change_se(b, c) -> tuple[float | None, bool]:
     return math.sqrt(c.nll_se**2 + (getattr(b, "nll_se", None) or 0.0) ** 2), False
 
 
+def gate_budget(policy, metric: str | None = None) -> float:
+    """The budget the gate's bound is held to: the policy's ``kl_budget`` (``metric`` kl; default: the
+    policy's metric) or ``ppl_budget``, less its ``headroom`` (the share kept for text unlike the gate's;
+    0 where the policy has none)."""
+    metric = metric or getattr(policy, "metric", "ppl")
+    budget = policy.kl_budget if metric == "kl" else policy.ppl_budget
+    return budget * (1.0 - getattr(policy, "headroom", 0.0))
+
+
+def gate_ppl_limit(base: float, policy) -> float:
+    """The perplexity the gate's bound must stay under: :func:`ppl_limit` at :func:`gate_budget`."""
+    return ppl_limit(base, gate_budget(policy, "ppl"), policy.budget_mode)
+
+
 def gate_check(baseline, candidate, policy) -> tuple[bool, str, dict[str, dict]]:
     """Does ``candidate`` stay within ``policy``'s budget on *every* domain, with confidence?
 
@@ -598,9 +612,12 @@ def gate_check(baseline, candidate, policy) -> tuple[bool, str, dict[str, dict]]
     :func:`upper_quantile` for the domain's window count).
 
     * ``ppl``: the bound of the perplexity, ``ppl · exp(t · se_ΔNLL)``, must be ≤
-      ``limit(baseline ppl, policy.ppl_budget, policy.budget_mode)``;
+      ``limit(baseline ppl, gate_budget(policy), policy.budget_mode)``;
     * ``kl``: the bound of the mean KL from the original model, ``kl + t · se_KL``, must be ≤
-      ``policy.kl_budget`` nats/token.
+      ``gate_budget(policy)`` nats/token.
+
+    :func:`gate_budget` is the budget less ``policy.headroom`` (default 0.2: a +5 % budget is held at +4 %),
+    the share kept for text unlike the gate's.
 
     ``policy.confidence: 0.5`` is the bare point test. Returns ``(passed, message, per_domain)``;
     each row holds the measured change, its standard error, the bound and the limit, and the
@@ -613,6 +630,7 @@ def gate_check(baseline, candidate, policy) -> tuple[bool, str, dict[str, dict]]
         raise ValueError(f"baseline domains {sorted(base)} differ from candidate domains {sorted(cand)}")
     per, failed = {}, []
     level = f"{confidence:.0%} bound"
+    budget = gate_budget(policy)
     for name, b in base.items():
         c = cand[name]
         q = upper_quantile(confidence, getattr(c, "windows", None))
@@ -626,16 +644,16 @@ def gate_check(baseline, candidate, policy) -> tuple[bool, str, dict[str, dict]]
         if metric == "kl":
             if row["kl"] is None:
                 raise ValueError("policy.metric=kl needs evaluations with a teacher (Evaluator / evaluate)")
-            row["limit"] = policy.kl_budget
+            row["limit"] = budget
             row["kl_upper"] = row["kl"] + q * (row["kl_se"] or 0.0)
-            row["passed"] = row["kl_upper"] <= policy.kl_budget
+            row["passed"] = row["kl_upper"] <= budget
             shown = (f"KL {row['kl']:.4f} ({level} {row['kl_upper']:.4f}) {'≤' if row['passed'] else '>'} "
-                     f"{policy.kl_budget:.4f} nats/token")
+                     f"{budget:.4f} nats/token")
         else:
-            row["limit"] = ppl_limit(b.ppl, policy.ppl_budget, policy.budget_mode)
+            row["limit"] = gate_ppl_limit(b.ppl, policy)
             row["passed"] = row["ppl_upper"] <= row["limit"]
             shown = (f"perplexity {c.ppl:.4f} ({row['relative_delta']:+.2%}; {level} "
-                     f"{row['relative_delta_upper']:+.2%}) {'≤' if row['passed'] else '>'} budget {row['limit']:.4f}")
+                     f"{row['relative_delta_upper']:+.2%}) {'≤' if row['passed'] else '>'} limit {row['limit']:.4f}")
         row["summary"] = shown
         per[name] = row
         if not row["passed"]:

@@ -35,7 +35,7 @@ import torch
 from compressor.core.errors import InputError
 from compressor.core.params import count_params
 from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
-from compressor.evaluation.evaluate import Evaluator, ppl_limit
+from compressor.evaluation.evaluate import Evaluator, gate_ppl_limit
 from compressor.output.base import WriteRequest
 from compressor.policy.compress import CompressionResult
 from compressor.policy.quantplan import (DEFAULT_TYPES, MAX_PRICED_ELEMENTS, Priced, SizePlan, from_tensors, plan,
@@ -143,7 +143,7 @@ def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> Co
     params = count_params(model)
     return CompressionResult(
         model=model, profiles=[], decisions=[], baseline=base, final=base,
-        budget_ppl=ppl_limit(base.ppl, pol.ppl_budget, pol.budget_mode), params_before=params, params_after=params,
+        budget_ppl=gate_ppl_limit(base.ppl, pol), params_before=params, params_after=params,
         gate_passed=True, gate_message="no structural change (output.size plans the tensor types)",
         strategy="size", timings={"baseline_s": time.perf_counter() - t0},
         teacher_windows={t.name: (t.window_nll, t.window_counts) for t in ev.teachers})

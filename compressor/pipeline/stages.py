@@ -34,7 +34,6 @@ from compressor.inputs.safety import OutputLock
 from compressor.inputs.validate import check_context, check_inputs, run_reads
 from compressor.output import VerificationError, WriteRequest, get_writer, publish, staging_folder
 from compressor.output.hf import output_dtype, source_weight_bytes
-from compressor.evaluation.evaluate import ppl_limit
 from compressor.policy.compress import CompressionResult, compress_model
 from compressor.recipe.schema import ModelConfig, OutputConfig, Recipe, width_multiple
 from compressor.reports.render import model_card
@@ -624,7 +623,7 @@ class SizeGateMissed(Exception):
 def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult, *, last: bool = True) -> None:
     """``output.size``: the planned GGUF in llama.cpp on every gate domain is the gate — the upper confidence
     bound of its change against the original (``result``'s baseline, transformers; paired by window) within
-    ``policy.ppl_budget`` everywhere (:func:`~compressor.evaluation.evaluate.gate_check`); over it anywhere,
+    ``policy.ppl_budget`` less ``policy.headroom`` everywhere (:func:`~compressor.evaluation.evaluate.gate_check`); over it anywhere,
     nothing is published (exit 3), or, unless ``last``, :class:`SizeGateMissed` (the caller plans again)."""
     from compressor.core.errors import GateFailed
     from compressor.evaluation.evaluate import gate_check, window_evaluation
@@ -647,7 +646,8 @@ def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult, *
             f"; llama.cpp's {check['preset']['name']}: {100 * d['preset_relative_change']:+.2f} %)"
             if check.get("preset") else ")") for d in check["domains"])
     rep["message"] = (f"GGUF of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); perplexity in "
-                      f"llama.cpp against the original's: {changes}; budget {pol.ppl_budget:+.0%} ({pol.budget_mode})")
+                      f"llama.cpp against the original's: {changes}; budget {pol.ppl_budget:+.0%} ({pol.budget_mode}"
+                      f"{f', the bound held to {1 - pol.headroom:.0%} of it' if pol.headroom else ''})")
     if not check["gate_passed"]:
         remove_tree(tmp)
         if not last:

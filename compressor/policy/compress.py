@@ -33,7 +33,7 @@ from compressor.engine.resume import RunState
 from compressor.engine.sensitivity import output_grad_moments
 from compressor.engine.spill import BlockStore
 from compressor.engine.walker import LayerWalker
-from compressor.evaluation.evaluate import DomainEvaluations, Evaluator, gate_check, ppl_limit
+from compressor.evaluation.evaluate import DomainEvaluations, Evaluator, gate_check, gate_ppl_limit
 from compressor.fitting.kinds import get_kind
 from compressor.fitting.replace import count_params, ffn_path
 from compressor.inputs.data import CalibrationSet
@@ -238,8 +238,9 @@ def _gate_evaluations(model: nn.Module, recipe: Recipe, eval_tokens, state: RunS
     search, held = evaluator.split(pol.confirm_fraction)
     baseline = evaluator.baseline
     state.begin_gate()  # what follows depends on the budget too
-    limit = ppl_limit(baseline.ppl, pol.ppl_budget, pol.budget_mode)
-    logger.info("baseline perplexity %.4f over %d tokens; budget ≤ %.4f", baseline.ppl, baseline.tokens, limit)
+    limit = gate_ppl_limit(baseline.ppl, pol)
+    logger.info("baseline perplexity %.4f over %d tokens; the gate holds the bound ≤ %.4f%s", baseline.ppl,
+                baseline.tokens, limit, f" (the budget less policy.headroom {pol.headroom:.0%})" if pol.headroom else "")
     if held is not None:
         logger.info("gate windows: the search measures %s; %s held out to confirm its choice",
                     ", ".join(f"{len(t.windows)} of {t.name}" for t in search.teachers),
@@ -282,7 +283,7 @@ def _verdict(recipe: Recipe, baseline: DomainEvaluations, final: DomainEvaluatio
     if not accepted and searched:
         return False, no_cut_message(searched, baseline.ppl, pol.ppl_budget, pol.budget_mode, left_out=left_out,
                                      self_written=recipe.calibration.dataset == "self",
-                                     kl_budget=pol.kl_budget if pol.metric == "kl" else None,
+                                     kl_budget=pol.kl_budget if pol.metric == "kl" else None, headroom=pol.headroom,
                                      baselines={n: ev.ppl for n, ev in getattr(baseline, "domains", {}).items()})
     if len(accepted) < pol.min_blocks:
         return False, f"only {len(accepted)} block(s) passed the gate; policy.min_blocks={pol.min_blocks}"

@@ -100,7 +100,8 @@ class CompressionResult:
 
 def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mode: str, *,
                    self_written: bool = False, kl_budget: float | None = None,
-                   baselines: dict[str, float] | None = None, left_out: list[int] | None = None) -> str:
+                   baselines: dict[str, float] | None = None, left_out: list[int] | None = None,
+                   headroom: float = 0.0) -> str:
     """Why nothing was written when every allocated cut failed: the smallest cut tried and what it
     cost, every attempt, and what would let a cut through. ``self_written``: the calibration is the
     model's own writing, which need not be the domain the gate measures (on Qwen2.5-Coder-1.5B it was
@@ -108,7 +109,8 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
     docs/checkpoints.md). ``baselines``: each evaluation domain's baseline perplexity; with more than
     one, an attempt's cost is that of the domain it did worst on, named (``baseline_ppl`` is the first
     domain's). When one block narrowed alone failed, the message names it and how to leave it out;
-    ``left_out``: the blocks the search already left out for that (``policy.drop_failing_blocks``)."""
+    ``left_out``: the blocks the search already left out for that (``policy.drop_failing_blocks``).
+    ``budget`` / ``kl_budget``: the recipe's; the gate holds the bound to them less ``headroom``."""
     several = baselines is not None and len(baselines) > 1
 
     def worst(a: dict) -> tuple[str, float]:
@@ -126,8 +128,14 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
         return kept + f"{100 * change:+.1f} %{where}"
 
     smallest = max(attempts, key=lambda a: a["ffn_params_kept"])
-    allowed = (f"KL {kl_budget:g} nats/token" if kl_budget is not None else
-               f"+{100 * budget:.1f} %" if mode == "relative" else f"+{budget:g} perplexity")
+    def amount(share: float) -> str:
+        return (f"KL {kl_budget * share:g} nats/token" if kl_budget is not None else
+                f"+{100 * budget * share:.1f} %" if mode == "relative" else f"+{budget * share:g} perplexity")
+
+    allowed = f"the budget of {amount(1.0)}"
+    if headroom:
+        allowed = (f"the gate's limit of {amount(1.0 - headroom)} ({allowed} less policy.headroom {headroom:.0%}, "
+                   "kept for text unlike the gate's)")
     tried = (f"; tried: {'; '.join(cost(a) for a in attempts)}" if len(attempts) > 1 else
              " (the only cut the search tried)")
     on = "" if kl_budget is not None or several else " perplexity on the gate's text"
@@ -138,9 +146,9 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
     else:
         first = "This model gives up little of its FFN at this budget: calibrate on more text of the gate's domain"
     return (f"no cut passed the gate: even the smallest tried ({cost(smallest)}{on}) is over "
-            f"the budget of {allowed} at the gate's confidence (the upper bound of the change decides, "
+            f"{allowed} at the gate's confidence (the upper bound of the change decides, "
             f"policy.confidence){tried}.{_left_out(left_out)}{_one_block_fails(attempts, cost, left_out)} {first}, or raise policy.{field} above "
-            "a cost listed above by its margin (report.json: evaluation) (a run with --keep-state lets later runs "
+            f"a cost listed above{' divided by 1 − headroom' if headroom else ''} by its margin (report.json: evaluation) (a run with --keep-state lets later runs "
             "at other budgets take its measurements: --measurements-from)")
 
 

@@ -158,10 +158,13 @@ def evaluation_section(ev: dict | None, cal: dict | None) -> str:
     else:
         kind = "×(1 + budget)" if ev["budget_mode"] == "relative" else "+ budget"
         rule = f"perplexity ≤ baseline {kind}, budget {ev['ppl_budget']}, on every domain"
-    conf = ev.get("confidence")
+    conf, headroom = ev.get("confidence"), ev.get("headroom") or 0.0
     if conf is not None:
         rule += (f", decided on the {conf:.0%} upper confidence bound of the change (paired by window): the "
                  "change is within budget with that confidence, on the gate's text")
+    if headroom:
+        rule += (f"; the bound is held to {1 - headroom:.0%} of the budget (policy.headroom {headroom:g}), the rest "
+                 "kept for text unlike the gate's")
     rows = "\n".join(
         f"| {d['name']} | `{public_name(d['dataset'])}` | {d['scored_tokens']:,} / {d['windows']} | "
         f"{_pm(d['baseline']['ppl'], d['baseline'].get('ppl_se'))} | {_pm(d['final']['ppl'], d['final'].get('ppl_se'))} | "

@@ -111,7 +111,7 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
     return {
         "confirm_fraction": pol.confirm_fraction, "confirmation": confirmation,
         "metric": pol.metric, "confidence": pol.confidence, "ppl_budget": pol.ppl_budget, "budget_mode": pol.budget_mode, "kl_budget": pol.kl_budget,
-        "passed": passed, "message": message, "domains": domains, "one_domain": one_domain, "warnings": warnings,
+        "headroom": pol.headroom, "passed": passed, "message": message, "domains": domains, "one_domain": one_domain, "warnings": warnings,
     }
 
 
