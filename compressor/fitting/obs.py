@@ -84,6 +84,70 @@ def _standardize(m: Moments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return s, live, r
 
 
+def _check_path_args(zfit: Moments, step: int, ridge: float, prior: torch.Tensor | None) -> None:
+    if zfit.n == 0:
+        raise ValueError("no calibration rows for the hidden-unit path")
+    if step < 1:
+        raise ValueError(f"step must be ≥ 1, got {step}")
+    if ridge < 0:
+        raise ValueError(f"ridge must be ≥ 0, got {ridge}")
+    if prior is not None and tuple(prior.shape) != (zfit.d_in, zfit.d_out):
+        raise ValueError(f"prior must be [{zfit.d_in}, {zfit.d_out}], got {list(prior.shape)}")
+
+
+def _damped_inverse(r: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """``(R + damping I)⁻¹`` by Cholesky, the damping the smallest of the ladder that factorises.
+
+    Float32 chunk products leave rounding of ~1e-7 × the largest eigenvalue; when the rows barely
+    outnumber the regressors (or do not), that can exceed the default damping."""
+    p = r.shape[0]
+    eye = torch.eye(p, dtype=_F64, device=r.device)
+    ladder = (PATH_DAMPING, *(x for x in PATH_RETRY_DAMPING if x > PATH_DAMPING))
+    for damping in ladder:
+        chol, info = torch.linalg.cholesky_ex(r + damping * eye)
+        if int(info) == 0:
+            break
+    else:
+        raise FloatingPointError(
+            f"hidden-unit covariance ({p} regressors, {n_rows} calibration rows) is not positive definite even "
+            f"with damping {ladder[-1]:g}: give more calibration tokens (calibration.max_tokens)")
+    if damping > ladder[0] or n_rows < p:
+        logger.warning("hidden-unit path: %d calibration rows for %d regressors; damping %g used. The fit is "
+                       "under-determined: give more calibration tokens (≥ %d)", n_rows, p, damping, 10 * p)
+    del eye
+    return torch.cholesky_inverse(chol)
+
+
+class _HeldOut:
+    """The held-out relative error of the path's current coefficients, kept exact under removals:
+    ``S_held B`` (weighted by the output weight ``w``) is updated by the same rank-|J| corrections as ``B``."""
+
+    def __init__(self, zfit: Moments, zheld: Moments, s: torch.Tensor, b: torch.Tensor, w: torch.Tensor):
+        dev = b.device
+        self.ch = zheld.cxx.to(dev) / zheld.n / s[:, None] / s[None, :]
+        self.cyh_w = zheld.cxy.to(dev) / zheld.n / s[:, None] * w  # the output weight folded in once
+        self.gw = (self.ch @ b) * w  # (S_held B) W
+        self.dmu = (zheld.mx.to(dev) - zfit.mx.to(dev)) / s
+        self.dmy = zheld.my.to(dev) - zfit.my.to(dev)
+        self.sst = float((zheld.cyy_diag.to(dev) * w).sum()) / zheld.n
+        self.w = w
+
+    def rel_error(self, b: torch.Tensor) -> float:
+        mean_res = self.dmy - b.T @ self.dmu
+        bf = b.reshape(-1)
+        sse = (self.sst - 2 * float(bf @ self.cyh_w.reshape(-1)) + float(bf @ self.gw.reshape(-1))
+               + float((mean_res**2 * self.w).sum()))
+        return max(sse, 0.0) / self.sst if self.sst > 0 else float("nan")
+
+    def remove(self, u: torch.Tensor, v: torch.Tensor) -> None:
+        """The update of removing a set: ``B −= u v`` (``u`` the inverse's columns, ``v`` the solve)."""
+        self.gw.addmm_(self.ch @ u, v * self.w, alpha=-1)
+
+    def compact(self, idx: torch.Tensor) -> None:
+        self.gw, self.cyh_w, self.dmu = self.gw[idx], self.cyh_w[idx], self.dmu[idx]
+        self.ch = self.ch[idx[:, None], idx]
+
+
 @torch.no_grad()
 def obs_path(
     zfit: Moments,
@@ -111,37 +175,15 @@ def obs_path(
     >>> path = obs_path(zfit, zheld, n_fixed=d, step=16)      # doctest: +SKIP
     >>> path.kept(512)                                         # doctest: +SKIP
     """
-    if zfit.n == 0:
-        raise ValueError("no calibration rows for the hidden-unit path")
-    if step < 1:
-        raise ValueError(f"step must be ≥ 1, got {step}")
-    if ridge < 0:
-        raise ValueError(f"ridge must be ≥ 0, got {ridge}")
-    if prior is not None and tuple(prior.shape) != (zfit.d_in, zfit.d_out):
-        raise ValueError(f"prior must be [{zfit.d_in}, {zfit.d_out}], got {list(prior.shape)}")
+    _check_path_args(zfit, step, ridge, prior)
     dev = torch.device(device) if device is not None else zfit.cxx.device
     p = zfit.d_in
     n_rem = p - n_fixed
     s, live, r = (t.to(dev) for t in _standardize(zfit))
-    # Float32 chunk products leave rounding of ~1e-7 × the largest eigenvalue; when the rows
-    # barely outnumber the regressors (or do not), that can exceed the default damping.
-    eye = torch.eye(p, dtype=_F64, device=dev)
-    ladder = (PATH_DAMPING, *(x for x in PATH_RETRY_DAMPING if x > PATH_DAMPING))
     diag_live = torch.nonzero(live).flatten()
     r[diag_live, diag_live] += ridge  # dead regressors keep their 1
-    for damping in ladder:
-        chol, info = torch.linalg.cholesky_ex(r + damping * eye)
-        if int(info) == 0:
-            break
-    else:
-        raise FloatingPointError(
-            f"hidden-unit covariance ({p} regressors, {zfit.n} calibration rows) is not positive definite even "
-            f"with damping {ladder[-1]:g}: give more calibration tokens (calibration.max_tokens)")
-    if damping > ladder[0] or zfit.n < p:
-        logger.warning("hidden-unit path: %d calibration rows for %d regressors; damping %g used. The fit is "
-                       "under-determined: give more calibration tokens (≥ %d)", zfit.n, p, damping, 10 * p)
-    rinv = torch.cholesky_inverse(chol)
-    del r, chol, eye
+    rinv = _damped_inverse(r, zfit.n)
+    del r
     cy = zfit.cxy.to(dev) / zfit.n / s[:, None]
     b0 = None
     if ridge and prior is not None:
@@ -155,25 +197,7 @@ def obs_path(
     prior_ss = ridge * float((b0 * b0 * w).sum()) if b0 is not None else 0.0
     sse_fit = max(sst_fit + prior_ss - float((b * cy * w).sum()), 0.0)
     del b0
-
-    held = zheld is not None and zheld.n > 0
-    if held:
-        ch = zheld.cxx.to(dev) / zheld.n / s[:, None] / s[None, :]
-        cyh = zheld.cxy.to(dev) / zheld.n / s[:, None]
-        cyh_w = cyh * w  # the output weight folded in once: the error terms below are dot products
-        gw = (ch @ b) * w  # (S_held B) W, kept up to date by each removal
-        dmu = (zheld.mx.to(dev) - zfit.mx.to(dev)) / s
-        dmy = zheld.my.to(dev) - zfit.my.to(dev)
-        sst_h = float((zheld.cyy_diag.to(dev) * w).sum()) / zheld.n
-
-    def held_rel() -> float:
-        if not held:
-            return float("nan")
-        mean_res = dmy - b.T @ dmu
-        bf = b.reshape(-1)
-        sse = (sst_h - 2 * float(bf @ cyh_w.reshape(-1)) + float(bf @ gw.reshape(-1))
-               + float((mean_res**2 * w).sum()))
-        return max(sse, 0.0) / sst_h if sst_h > 0 else float("nan")
+    held = _HeldOut(zfit, zheld, s, b, w) if zheld is not None and zheld.n > 0 else None
 
     # `ids[k]` is the original index of row k of the matrices, `alive[k]` whether it is still in the
     # fit. A removed regressor's row and column of the updated inverse are exactly zero (its
@@ -185,26 +209,24 @@ def obs_path(
     order: list[int] = []
     sizes = [n_rem]
     fit_err = [sse_fit / sst_fit if sst_fit > 0 else float("nan")]
-    held_err = [held_rel()]
+    held_err = [held.rel_error(b) if held else float("nan")]
 
     def drop(local: torch.Tensor) -> None:
-        nonlocal rinv, b, cy, ids, alive, gw, ch, cyh_w, dmu
+        nonlocal rinv, b, cy, ids, alive
         order.extend(int(j) for j in ids[local])
         alive[local] = False
         rinv[local] = 0
         rinv[:, local] = 0
         b[local] = 0
-        n_alive = int(alive.sum())
-        if n_alive < COMPACT_BELOW * alive.numel():
+        if int(alive.sum()) < COMPACT_BELOW * alive.numel():
             idx = torch.nonzero(alive).flatten()
             rinv = rinv[idx[:, None], idx]
             b, cy, ids, alive = b[idx], cy[idx], ids[idx], alive[idx]
             if held:
-                gw, cyh_w, dmu = gw[idx], cyh_w[idx], dmu[idx]
-                ch = ch[idx[:, None], idx]
+                held.compact(idx)
         sizes.append(n_rem - len(order))
         fit_err.append(sse_fit / sst_fit if sst_fit > 0 else float("nan"))
-        held_err.append(held_rel())
+        held_err.append(held.rel_error(b) if held else float("nan"))
 
     # Dead regressors go first, at no cost (their coefficients are zero).
     dead = torch.nonzero(~live[ids] & (ids >= n_fixed)).flatten()
@@ -222,7 +244,7 @@ def obs_path(
         sse_fit += float((b[take] * v * w).sum())
         b.addmm_(u, v, alpha=-1)
         if held:
-            gw.addmm_(ch @ u, v * w, alpha=-1)
+            held.remove(u, v)
         rinv.addmm_(u, rjj_inv @ u.T, alpha=-1)  # in place: no p × p temporary
         drop(take)
     order_t = torch.tensor(order, dtype=torch.long) - n_fixed
