@@ -226,9 +226,9 @@ def _gate_line(d: dict, confidence: float, headroom: float = 0.0) -> str:
             return f"KL {row['kl']:.4f}, {confidence:.0%} bound {row['kl_upper']:.4f}"
         return f"{row['relative_delta']:+.2%}, {confidence:.0%} bound {row['relative_delta_upper']:+.2%}"
 
-    limit = f"{d['limit']:.4f}" if kl else f"{d['limit'] / d['baseline_ppl'] - 1:+.2%}"
-    if headroom:
-        limit += f" (the budget less policy.headroom {headroom:.0%})"
+    from compressor.evaluation.evaluate import headroom_note
+
+    limit = (f"{d['limit']:.4f}" if kl else f"{d['limit'] / d['baseline_ppl'] - 1:+.2%}") + headroom_note(headroom)
     verdict = "within" if d["passed"] else "over"
     if d.get("confirmation") is None:
         return f"gate [{d['name']}]: {bound(d)} vs {limit} over {d['windows']} windows — {verdict} budget"

@@ -596,6 +596,11 @@ def gate_budget(policy, metric: str | None = None) -> float:
     return budget * (1.0 - getattr(policy, "headroom", 0.0))
 
 
+def headroom_note(headroom: float) -> str:
+    """What the limit is, in words, when ``policy.headroom`` lowers it ('' without headroom)."""
+    return f" (the budget less policy.headroom {headroom:.0%})" if headroom else ""
+
+
 def gate_ppl_limit(base: float, policy) -> float:
     """The perplexity the gate's bound must stay under: :func:`ppl_limit` at :func:`gate_budget`."""
     return ppl_limit(base, gate_budget(policy, "ppl"), policy.budget_mode)

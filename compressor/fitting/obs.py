@@ -118,6 +118,24 @@ def _damped_inverse(r: torch.Tensor, n_rows: int) -> torch.Tensor:
     return torch.cholesky_inverse(chol)
 
 
+def _full_fit(zfit: Moments, s: torch.Tensor, live: torch.Tensor, rinv: torch.Tensor, w: torch.Tensor,
+              ridge: float, prior: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """The path's start, every regressor in: ``(B, S_y, weighted SST, weighted SSE)`` on the standardized
+    regressors, shrunk toward ``prior`` by ``ridge`` (``S_y`` then includes ``λ B₀``)."""
+    dev = rinv.device
+    cy = zfit.cxy.to(dev) / zfit.n / s[:, None]
+    b0 = None
+    if ridge and prior is not None:
+        b0 = s[:, None] * prior.to(dev, _F64) * live[:, None]  # B₀ in standardized units
+        cy = cy + ridge * b0
+    b = rinv @ cy
+    b[~live] = 0
+    sst = float((zfit.cyy_diag.to(dev) * w).sum()) / zfit.n
+    # SSE of the augmented rows: the prior's rows add λ‖B₀‖² to the total they are fitted against.
+    prior_ss = ridge * float((b0 * b0 * w).sum()) if b0 is not None else 0.0
+    return b, cy, sst, max(sst + prior_ss - float((b * cy * w).sum()), 0.0)
+
+
 class _HeldOut:
     """The held-out relative error of the path's current coefficients, kept exact under removals:
     ``S_held B`` (weighted by the output weight ``w``) is updated by the same rank-|J| corrections as ``B``."""
@@ -184,19 +202,8 @@ def obs_path(
     r[diag_live, diag_live] += ridge  # dead regressors keep their 1
     rinv = _damped_inverse(r, zfit.n)
     del r
-    cy = zfit.cxy.to(dev) / zfit.n / s[:, None]
-    b0 = None
-    if ridge and prior is not None:
-        b0 = s[:, None] * prior.to(dev, _F64) * live[:, None]  # B₀ in standardized units
-        cy = cy + ridge * b0
-    b = rinv @ cy
-    b[~live] = 0
     w = torch.ones(zfit.d_out, dtype=_F64, device=dev) if output_weight is None else output_weight.to(dev, _F64)
-    sst_fit = float((zfit.cyy_diag.to(dev) * w).sum()) / zfit.n
-    # SSE of the augmented rows: the prior's rows add λ‖B₀‖² to the total they are fitted against.
-    prior_ss = ridge * float((b0 * b0 * w).sum()) if b0 is not None else 0.0
-    sse_fit = max(sst_fit + prior_ss - float((b * cy * w).sum()), 0.0)
-    del b0
+    b, cy, sst_fit, sse_fit = _full_fit(zfit, s, live, rinv, w, ridge, prior)
     held = _HeldOut(zfit, zheld, s, b, w) if zheld is not None and zheld.n > 0 else None
 
     # `ids[k]` is the original index of row k of the matrices, `alive[k]` whether it is still in the

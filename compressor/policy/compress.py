@@ -33,7 +33,7 @@ from compressor.engine.resume import RunState
 from compressor.engine.sensitivity import output_grad_moments
 from compressor.engine.spill import BlockStore
 from compressor.engine.walker import LayerWalker
-from compressor.evaluation.evaluate import DomainEvaluations, Evaluator, gate_check, gate_ppl_limit
+from compressor.evaluation.evaluate import DomainEvaluations, Evaluator, gate_check, gate_ppl_limit, headroom_note
 from compressor.fitting.kinds import get_kind
 from compressor.fitting.replace import count_params, ffn_path
 from compressor.inputs.data import CalibrationSet
@@ -240,7 +240,7 @@ def _gate_evaluations(model: nn.Module, recipe: Recipe, eval_tokens, state: RunS
     state.begin_gate()  # what follows depends on the budget too
     limit = gate_ppl_limit(baseline.ppl, pol)
     logger.info("baseline perplexity %.4f over %d tokens; the gate holds the bound ≤ %.4f%s", baseline.ppl,
-                baseline.tokens, limit, f" (the budget less policy.headroom {pol.headroom:.0%})" if pol.headroom else "")
+                baseline.tokens, limit, headroom_note(pol.headroom))
     if held is not None:
         logger.info("gate windows: the search measures %s; %s held out to confirm its choice",
                     ", ".join(f"{len(t.windows)} of {t.name}" for t in search.teachers),
