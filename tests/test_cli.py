@@ -308,12 +308,12 @@ def test_shipped_recipe_is_valid(path):
     assert recipe.to_dict()  # round-trips through the schema
 
 
-def test_compress_gates_on_the_default_prose_and_code_domains_unless_eval_data_is_given():
+def test_compress_gates_on_the_default_prose_code_and_self_domains_unless_eval_data_is_given():
     from compressor.cli import build_parser
     from compressor.cli.run import _recipe_from_args
 
     parser = build_parser()
     r = _recipe_from_args(parser.parse_args(["compress", "some/model", "-o", "out/x"]))
-    assert [e.domain_name() for e in r.evaluation_domains()] == ["embedded", "embedded-code"]
+    assert [e.domain_name() for e in r.evaluation_domains()] == ["embedded", "embedded-code", "self"]
     r = _recipe_from_args(parser.parse_args(["compress", "some/model", "-o", "out/x", "--eval-data", "embedded"]))
     assert [e.domain_name() for e in r.evaluation_domains()] == ["embedded"]

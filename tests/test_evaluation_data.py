@@ -189,12 +189,13 @@ def test_calibration_and_gate_windows_start_with_bos_for_such_a_tokenizer(tmp_pa
     assert (evaluation_streams(overlapping, tok)[f.stem] != bos).all() and "stride 32 < seq_len 64" in caplog.text
 
 
-def test_default_evaluation_is_prose_and_code_disjoint_from_calibration_and_from_the_public_stdlib():
+def test_default_evaluation_is_prose_code_and_self_disjoint_from_calibration_and_from_the_public_stdlib():
     from compressor.inputs.data import EMBEDDED_CODE_FILES, embedded_code_files, load_documents
     from compressor.recipe.schema import EvaluationConfig, Recipe
 
     r = Recipe()
-    assert [e.domain_name() for e in r.evaluation_domains()] == ["embedded", "embedded-code"]
+    assert [e.domain_name() for e in r.evaluation_domains()] == ["embedded", "embedded-code", "self"]
+    assert r.self_seed(r.evaluation_domains()[2]) == r.calibration.seed + 1  # never the calibration's text
     assert all(e.stride == e.seq_len == 256 and e.max_tokens == 8192 for e in r.evaluation_domains())
     assert EvaluationConfig(seq_len=128).stride == 128  # stride follows seq_len unless given
     # the gate's code: only underscore-named stdlib files, which the public-stdlib check leaves out

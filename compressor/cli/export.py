@@ -151,7 +151,10 @@ def _probe(args, folder: Path, tokenizer):
         streams = evaluation_streams(recipe, tokenizer)
     except Exception as e:  # noqa: BLE001 - any failure to get the text is the same advice
         _fail(f"the evaluation text of {recipe_path} is not available here ({e}); pass --text FILE")
-    e = recipe.evaluation_domains()[0]
+    e = next((e for e in recipe.evaluation_domains() if e.domain_name() in streams), None)
+    if e is None:  # only text the original model wrote, which is not here to write it again
+        _fail(f"{recipe_path} evaluates only on text the original model writes (evaluation.dataset: self); "
+              "pass --text FILE")
     return streams[e.domain_name()], e.seq_len, e.stride
 
 

@@ -20,8 +20,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--output", "-o", required=True, help="output folder for the compressed model")
     recipe_option(p, "--data", CalibrationConfig, "dataset")
     p.add_argument("--eval-data", default=None,
-                   help="evaluation text the gate holds on: 'embedded', 'embedded-code', a file, a save_to_disk "
-                   "folder or a hub dataset (default: both embedded domains, prose and code; see docs/gate.md)")
+                   help="evaluation text the gate holds on: 'embedded', 'embedded-code', 'self' (the model's own "
+                   "writing), a file, a save_to_disk folder or a hub dataset (default: prose, code and the model's own "
+                   "writing; see docs/gate.md)")
     # None = not given: the recipe default applies (shown in the help).
     recipe_option(p, "--threshold", PolicyConfig, "threshold", type=float, default=None)
     recipe_option(p, "--ppl-budget", PolicyConfig, "ppl_budget", type=float, default=None)

@@ -1,8 +1,10 @@
 """The calibrate stage's inputs: calibration windows and evaluation token streams from a recipe.
 
-* :func:`evaluation_streams` — token ids per evaluation domain, disjoint from
-  calibration text; needs only the tokenizer, so a too-small evaluation set
-  fails before the model loads;
+* :func:`evaluation_streams` — token ids per evaluation domain read from text,
+  disjoint from calibration text; needs only the tokenizer, so a too-small
+  evaluation set fails before the model loads;
+* :func:`self_evaluation_streams` — the ``self`` domains: text the original
+  model writes under its own seed, once the model is loaded;
 * :func:`build_calibration` — the calibration windows (``mix`` and ``self``
   have the model write text, :mod:`compressor.inputs.selfcal`).
 """
@@ -57,12 +59,20 @@ def calibration_text(recipe: Recipe) -> TextSource:
 
 
 def evaluation_streams(recipe: Recipe, tokenizer) -> dict[str, torch.Tensor]:
-    """Token ids per evaluation domain, disjoint from calibration text; raises :class:`InputError`
-    when a domain is below ``evaluation.min_tokens`` (needs only the tokenizer)."""
+    """Token ids per evaluation domain read from text (not the ``self`` domains, which the model writes:
+    :func:`self_evaluation_streams`), disjoint from calibration text; raises :class:`InputError` when a
+    domain is below ``evaluation.min_tokens`` (needs only the tokenizer)."""
     cal_src = calibration_text(recipe) if recipe.calibration.dataset != "self" else None
     start = window_start(tokenizer)
     out = {}
     for e in recipe.evaluation_domains():
+        if e.self_written():
+            if self_evaluation_tokens(e) < e.min_tokens:
+                raise InputError(
+                    f"evaluation domain {e.domain_name()!r} (self) writes whole rows of seq_len {e.seq_len}: "
+                    f"{self_evaluation_tokens(e)} tokens of max_tokens {e.max_tokens}, fewer than "
+                    f"evaluation.min_tokens={e.min_tokens}; raise max_tokens")
+            continue
         ids = evaluation_tokens(tokenizer, source_text(e), cal_src, max_tokens=e.max_tokens)
         if start is not None and e.stride == e.seq_len:  # every window starts as the model's input does
             ids = start_windows(ids, e.seq_len, start)[: e.max_tokens]
@@ -77,6 +87,42 @@ def evaluation_streams(recipe: Recipe, tokenizer) -> dict[str, torch.Tensor]:
                 "evaluation text (or lower min_tokens knowingly)."
             )
         out[e.domain_name()] = ids
+    return out
+
+
+def self_evaluation_settings(recipe: Recipe, e, tokenizer, vocab: int):
+    """The :class:`~compressor.inputs.selfcal.SelfCalSettings` of a ``self`` evaluation domain: rows of exactly
+    ``e.seq_len`` ids (the prompt, then sampled tokens), so each row is one window, under the domain's seed."""
+    from compressor.inputs.selfcal import SelfCalSettings, prompt_length
+
+    return SelfCalSettings(n_tokens=e.max_tokens, seq_len=e.seq_len - prompt_length(tokenizer, vocab),
+                           seed=recipe.self_seed(e))
+
+
+def self_evaluation_tokens(e) -> int:
+    """The tokens a ``self`` evaluation domain will hold: whole rows of ``seq_len`` within ``max_tokens``."""
+    return e.max_tokens // e.seq_len * e.seq_len
+
+
+def self_evaluation_domains(recipe: Recipe) -> list:
+    """The evaluation sections the model writes (``dataset: self``)."""
+    return [e for e in recipe.evaluation_domains() if e.self_written()]
+
+
+def self_evaluation_streams(recipe: Recipe, model, tokenizer, use_cache: bool,
+                            model_fp: str | None = None) -> dict[str, torch.Tensor]:
+    """Token ids of each ``self`` evaluation domain: the original model's own writing, sampled as the
+    calibration's is (:mod:`compressor.inputs.selfcal`, cached the same way) under the domain's seed, which is
+    never the calibration's. Whole rows only: ``max_tokens // seq_len`` windows."""
+    from compressor.inputs.selfcal import self_calibration_tokens
+
+    vocab = model.get_input_embeddings().weight.shape[0]
+    out = {}
+    for e in self_evaluation_domains(recipe):
+        ids = self_calibration_tokens(model, tokenizer, self_evaluation_settings(recipe, e, tokenizer, vocab),
+                                      use_cache=use_cache, model_fp=model_fp,
+                                      desc=f"evaluation text {e.domain_name()!r} (the model's own writing)")
+        out[e.domain_name()] = ids[: ids.numel() // e.seq_len * e.seq_len]
     return out
 
 
@@ -104,7 +150,7 @@ def build_calibration(recipe: Recipe, model, tokenizer, use_cache: bool,
         t0 = time.perf_counter()
         extra = self_calibration_tokens(model, tokenizer, settings, use_cache=use_cache, model_fp=model_fp)
         info.update(self_tokens=int(extra.numel()), self_s=time.perf_counter() - t0)
-    evaluation = [source_text(e) for e in recipe.evaluation_domains()]
+    evaluation = [source_text(e) for e in recipe.evaluation_domains() if not e.self_written()]
     cal = calibration_set(tokenizer, calibration_text(recipe), seq_len=c.seq_len, max_tokens=text_tokens,
                           heldout_fraction=c.heldout_fraction, seed=c.seed, evaluation=evaluation, extra=extra)
     info["text_tokens"] = int(cal.fit.numel() + cal.heldout.numel()) - info["self_tokens"]

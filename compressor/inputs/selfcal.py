@@ -61,6 +61,16 @@ class SelfCalSettings:
     seed: int = 0
 
 
+def _bos(tokenizer, vocab: int) -> int | None:
+    bos = tokenizer.bos_token_id
+    return None if bos is None or bos >= vocab else bos
+
+
+def prompt_length(tokenizer, vocab: int) -> int:
+    """Ids in each row's prompt: BOS (when the tokenizer has one in the vocabulary) and one opening word."""
+    return 1 + (_bos(tokenizer, vocab) is not None)
+
+
 def _prompts(tokenizer, n: int, vocab: int) -> torch.Tensor:
     """``[n, L]`` prompt ids: BOS (if the tokenizer has one) + the first token of a generic word."""
     firsts = []
@@ -70,9 +80,7 @@ def _prompts(tokenizer, n: int, vocab: int) -> torch.Tensor:
             firsts.append(ids[0])
     if not firsts:
         raise ValueError("the tokenizer produced no ids for the generic opening words")
-    bos = tokenizer.bos_token_id
-    if bos is not None and bos >= vocab:
-        bos = None
+    bos = _bos(tokenizer, vocab)
     rows = [([bos] if bos is not None else []) + [firsts[i % len(firsts)]] for i in range(n)]
     return torch.tensor(rows, dtype=torch.long)
 
@@ -137,7 +145,8 @@ class _StepTicker:
 
 
 @torch.no_grad()
-def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = SelfCalSettings()) -> torch.Tensor:
+def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = SelfCalSettings(),
+                    desc: str = "self-calibration text") -> torch.Tensor:
     """Sample ``settings.n_tokens`` ids from ``model`` (1-D stream; no cache).
 
     Each sequence is the prompt plus ``seq_len`` sampled tokens. The global RNG
@@ -162,7 +171,7 @@ def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = Sel
     # boundary and the model writes on, as after any document end. Every step of every
     # row is kept, so no batch slot idles waiting for the longest row.
     no_stop = dict(eos_token_id=None, pad_token_id=0, forced_eos_token_id=None)
-    with torch.random.fork_rng(devices=devices), progress(total=s.n_tokens, desc="self-calibration text", unit="tok") as bar:
+    with torch.random.fork_rng(devices=devices), progress(total=s.n_tokens, desc=desc, unit="tok") as bar:
         torch.manual_seed(s.seed)
         try:
             while have < s.n_tokens:
@@ -190,14 +199,14 @@ def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = Sel
             model.train(was)
             torch.set_num_threads(threads)
     dt = time.perf_counter() - t0
-    logger.info("self-calibration: %d tokens in %.1f s (%.0f tokens/s, batch %d)", have, dt, have / max(dt, 1e-9),
+    logger.info("%s: %d tokens in %.1f s (%.0f tokens/s, batch %d)", desc, have, dt, have / max(dt, 1e-9),
                 s.batch_size)
     return torch.cat(chunks)[: s.n_tokens].to(torch.long)
 
 
 def self_calibration_tokens(
     model: nn.Module, tokenizer, settings: SelfCalSettings = SelfCalSettings(), *, use_cache: bool = True,
-    model_fp: str | None = None,
+    model_fp: str | None = None, desc: str = "self-calibration text",
 ) -> torch.Tensor:
     """Self-generated calibration ids (1-D), from the cache when the same model and settings ran before.
 
@@ -205,7 +214,7 @@ def self_calibration_tokens(
     the caller has it already; hashing the weights costs about a second per 500 MB.
     Under a process group rank 0 samples (or reads the cache) and every rank gets its ids.
     """
-    return from_main(lambda: _tokens(model, tokenizer, settings, use_cache, model_fp))
+    return from_main(lambda: _tokens(model, tokenizer, settings, use_cache, model_fp, desc))
 
 
 def is_cached(model_fp: str, tokenizer, settings: SelfCalSettings) -> bool:
@@ -213,16 +222,17 @@ def is_cached(model_fp: str, tokenizer, settings: SelfCalSettings) -> bool:
     return _cache_path(_key(model_fp, settings, tokenizer)).is_file()
 
 
-def _tokens(model, tokenizer, settings: SelfCalSettings, use_cache: bool, model_fp: str | None) -> torch.Tensor:
+def _tokens(model, tokenizer, settings: SelfCalSettings, use_cache: bool, model_fp: str | None,
+            desc: str = "self-calibration text") -> torch.Tensor:
     if not use_cache:
-        return generate_tokens(model, tokenizer, settings)
+        return generate_tokens(model, tokenizer, settings, desc)
     key = _key(model_fp or model_fingerprint(model), settings, tokenizer)
     path = _cache_path(key)
     ids = _load(path)
     if ids is not None and ids.numel() == settings.n_tokens:
-        logger.info("self-calibration text loaded from cache %s", path)
+        logger.info("%s loaded from cache %s", desc, path)
         return ids
-    ids = generate_tokens(model, tokenizer, settings)
+    ids = generate_tokens(model, tokenizer, settings, desc)
     try:
         _save(path, ids, {"format": SELFCAL_FORMAT, **asdict(settings)})
     except OSError as e:  # generated text is never thrown away because the cache cannot take it

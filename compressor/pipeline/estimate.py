@@ -130,10 +130,11 @@ def _size_stages(model: nn.Module, cal: int, evals: int, fwd: float, params: int
 
 
 def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool,
-                 recorded: dict | None = None) -> Estimate:
+                 recorded: dict | None = None, self_eval_tokens: int = 0) -> Estimate:
     """Expected seconds per stage of ``recipe`` on ``model`` (already loaded) on this machine.
     ``recorded``: what a saved run state already holds (:meth:`~compressor.engine.resume.RunState.recorded`),
-    which a resumed run does not measure again."""
+    which a resumed run does not measure again. ``self_eval_tokens``: tokens of ``self`` evaluation text the
+    model is still to write (not in the cache)."""
     recorded = recorded or {}
     c, pol, rc = recipe.calibration, recipe.policy, recipe.replacement
     fwd = forward_seconds_per_token(model, c.seq_len)
@@ -149,6 +150,8 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
     if c.dataset in ("self", "mix") and not self_text_cached:
         n_self = c.max_tokens if c.dataset == "self" else (c.self_tokens or c.max_tokens // 2)
         out["self-calibration"] = n_self * decode_seconds_per_token(model, 32)
+    if self_eval_tokens:
+        out["self-written evaluation"] = self_eval_tokens * decode_seconds_per_token(model, 32)
     if recipe.output.size is not None:
         return Estimate({**out, **_size_stages(model, cal, evals, fwd, params)}, fwd)
     strategy = pol.strategy
@@ -177,10 +180,11 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
 
 
 def say_estimate(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool,
-                 recorded: dict | None = None) -> Estimate | None:
+                 recorded: dict | None = None, self_eval_tokens: int = 0) -> Estimate | None:
     """Log the estimate (never fails a run: a model that cannot be timed is simply not estimated)."""
     try:
-        est = estimate_run(recipe, model, self_text_cached=self_text_cached, hidden=hidden, recorded=recorded)
+        est = estimate_run(recipe, model, self_text_cached=self_text_cached, hidden=hidden, recorded=recorded,
+                           self_eval_tokens=self_eval_tokens)
     except Exception as err:  # noqa: BLE001 - an estimate is a courtesy, the run goes on without it
         logger.debug("no time estimate: %s", err)
         return None

@@ -27,7 +27,8 @@ from compressor.core.finite import check_weights_finite
 from compressor.core.modeling import COMPRESSION_FORMAT
 from compressor.core.version import __version__
 from compressor.engine.resume import ResumeError, RunState, run_key
-from compressor.inputs.calibration import DataInput, build_calibration, evaluation_streams, load_tokenizer
+from compressor.inputs.calibration import (DataInput, build_calibration, evaluation_streams, load_tokenizer,
+                                          self_evaluation_streams)
 from compressor.inputs.data import CalibrationSet, OverlapError, check_disjoint
 from compressor.inputs.load import ResolvedSource, load_model, model_config, object_source, resolve_source
 from compressor.inputs.safety import OutputLock
@@ -172,12 +173,14 @@ def _check_confirmation(recipe: Recipe, streams: dict[str, torch.Tensor]) -> Non
     """``policy.confirm_fraction`` leaves at least two windows (a standard error) on each side of every
     domain's split; said before the model loads."""
     from compressor.evaluation.evaluate import confirmation_windows, window_count
+    from compressor.inputs.calibration import self_evaluation_tokens
 
     f = recipe.policy.confirm_fraction
     if not f or recipe.output.size is not None:  # a size plan measures one file once: no search to confirm
         return
     for e in recipe.evaluation_domains():
-        windows = window_count(streams[e.domain_name()].numel(), e.seq_len, e.stride)
+        tokens = self_evaluation_tokens(e) if e.self_written() else streams[e.domain_name()].numel()
+        windows = window_count(tokens, e.seq_len, e.stride)
         held = len(confirmation_windows(windows, f))
         if min(held, windows - held) < 2:
             raise InputError(
@@ -363,18 +366,37 @@ def expect(recipe: Recipe, loaded: Loaded, *, use_cache: bool, checked: Checked 
     fingerprint when it was needed to look up cached calibration text (the calibration reuses it)."""
     from compressor.engine.cache import model_fingerprint
     from compressor.fitting.kinds import get_kind
-    from compressor.inputs.calibration import self_settings
+    from compressor.inputs.calibration import self_evaluation_domains, self_evaluation_settings, self_settings
     from compressor.inputs.selfcal import is_cached
     from compressor.pipeline.estimate import say_estimate
 
-    fp, cached = None, False
-    if recipe.calibration.dataset in ("self", "mix") and use_cache and dist.is_main():
+    fp, cached, uncached = None, False, 0
+    written = self_evaluation_domains(recipe)
+    if use_cache and dist.is_main() and (recipe.calibration.dataset in ("self", "mix") or written):
         fp = model_fingerprint(loaded.model)
-        cached = is_cached(fp, loaded.tokenizer, self_settings(recipe))
+        cached = recipe.calibration.dataset not in ("self", "mix") or is_cached(fp, loaded.tokenizer,
+                                                                              self_settings(recipe))
+        vocab = loaded.model.get_input_embeddings().weight.shape[0]
+        uncached = sum(e.max_tokens for e in written
+                       if not is_cached(fp, loaded.tokenizer, self_evaluation_settings(recipe, e, loaded.tokenizer, vocab)))
+    elif not use_cache:
+        uncached = sum(e.max_tokens for e in written)
     if dist.is_main():
         say_estimate(recipe, loaded.model, self_text_cached=cached, hidden=get_kind(recipe.replacement.kind).needs_hidden,
-                     recorded=checked.state.recorded() if checked is not None else None)
+                     recorded=checked.state.recorded() if checked is not None else None, self_eval_tokens=uncached)
     return fp
+
+
+def self_evaluation(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bool,
+                    model_fp: str | None = None) -> None:
+    """Write the ``self`` evaluation domains' text with the original model (before anything is replaced) into
+    ``checked.eval_streams``, in the recipe's domain order."""
+    written = self_evaluation_streams(recipe, loaded.model, loaded.tokenizer, use_cache, model_fp)
+    if written:
+        streams = dict(checked.eval_streams)
+        checked.eval_streams.clear()
+        checked.eval_streams.update({e.domain_name(): written.get(e.domain_name(), streams.get(e.domain_name()))
+                                     for e in recipe.evaluation_domains()})
 
 
 def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bool,
@@ -386,10 +408,19 @@ def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bo
     info["calibration_s"] = time.perf_counter() - t0
     try:
         overlap = check_disjoint(cal, checked.eval_streams)
-        checked.state.bind_calibration(cal.fingerprint())
+        checked.state.bind_calibration(calibration_key(recipe, cal, checked.eval_streams))
     except (OverlapError, ResumeError) as err:
         raise InputError(str(err)) from None
     return Calibrated(cal, info, overlap)
+
+
+def calibration_key(recipe: Recipe, cal: CalibrationSet, streams: dict[str, torch.Tensor]) -> str:
+    """What a resumed run must find unchanged once the model has written text: the calibration windows, and
+    the ``self`` evaluation domains' ids (the text read from sources is in the key already, :func:`check`)."""
+    from compressor.engine.resume import tokens_fingerprint
+
+    written = {e.domain_name(): streams[e.domain_name()] for e in recipe.evaluation_domains() if e.self_written()}
+    return cal.fingerprint() if not written else f"{cal.fingerprint()}+{tokens_fingerprint(written)}"
 
 
 def compress(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Checked) -> CompressionResult:

@@ -92,11 +92,14 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
                 )
                 break
     cal = recipe.calibration
-    cal_ids = {source_id(calibration_text(recipe))} if cal.dataset != "self" else set()
-    ev_ids = {source_id(source_text(c)) for c in recipe.evaluation_domains()}
+    # the model's own writing is one domain whatever its seed: a self calibration and a self evaluation share it
+    cal_ids = ({source_id(calibration_text(recipe))} if cal.dataset != "self" else set()) | (
+        {"self"} if cal.dataset in ("self", "mix") else set())
+    ev_ids = {"self" if c.self_written() else source_id(source_text(c)) for c in recipe.evaluation_domains()}
     one_domain = bool(ev_ids) and ev_ids <= cal_ids
     if one_domain:
-        what = "the embedded Python reference text" if cal_ids == {"embedded"} else sorted(cal_ids)[0]
+        what = ("the model's own writing" if ev_ids == {"self"} else "the embedded Python reference text"
+                if ev_ids == {"embedded"} else sorted(ev_ids - {"self"})[0])
         also = " (which calibration also used)" if cal.dataset == "mix" else ""
         warnings.append(
             f"calibration and evaluation come from one domain: the gate was measured only on {what}{also}; its "
