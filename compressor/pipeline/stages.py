@@ -391,12 +391,9 @@ def self_evaluation(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cac
                     model_fp: str | None = None) -> None:
     """Write the ``self`` evaluation domains' text with the original model (before anything is replaced) into
     ``checked.eval_streams``, in the recipe's domain order."""
-    written = self_evaluation_streams(recipe, loaded.model, loaded.tokenizer, use_cache, model_fp)
-    if written:
-        streams = dict(checked.eval_streams)
-        checked.eval_streams.clear()
-        checked.eval_streams.update({e.domain_name(): written.get(e.domain_name(), streams.get(e.domain_name()))
-                                     for e in recipe.evaluation_domains()})
+    streams = {**checked.eval_streams,
+               **self_evaluation_streams(recipe, loaded.model, loaded.tokenizer, use_cache, model_fp)}
+    checked.eval_streams = {e.domain_name(): streams[e.domain_name()] for e in recipe.evaluation_domains()}
 
 
 def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bool,
