@@ -84,6 +84,7 @@ def test_a_run_gates_on_the_models_own_writing_and_reports_it(tmp_path, isolated
     assert rows["self"]["search"]["windows"] + rows["self"]["confirmation"]["windows"] == 16
     assert rows["self"]["overlap"]["leaked_windows"] == 0
     assert not rep["evaluation"]["one_domain"]
+    assert rep["timings"]["self_evaluation_s"] >= 0 and "self_evaluation_s" not in rep["calibration"]
     assert "self" in (tmp_path / "out" / "README.md").read_text()
 
 

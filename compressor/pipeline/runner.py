@@ -230,7 +230,6 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
     load_s = time.perf_counter() - t
     stages.check_loaded(recipe, loaded)
     fp = stages.expect(recipe, loaded, use_cache=use_cache, checked=checked)
-    stages.self_evaluation(recipe, loaded, checked, use_cache=use_cache, model_fp=fp)
     calibrated = stages.calibrate(recipe, loaded, checked, use_cache=use_cache, model_fp=fp)
     reference = stages.reference(recipe, loaded, checked)
     result = stages.compress(recipe, loaded, calibrated, checked)

@@ -28,7 +28,7 @@ from compressor.core.modeling import COMPRESSION_FORMAT
 from compressor.core.version import __version__
 from compressor.engine.resume import ResumeError, RunState, run_key
 from compressor.inputs.calibration import (DataInput, build_calibration, evaluation_streams, load_tokenizer,
-                                          self_evaluation_streams)
+                                          self_evaluation_domains, self_evaluation_streams)
 from compressor.inputs.data import CalibrationSet, OverlapError, check_disjoint
 from compressor.inputs.load import ResolvedSource, load_model, model_config, object_source, resolve_source
 from compressor.inputs.safety import OutputLock
@@ -366,7 +366,7 @@ def expect(recipe: Recipe, loaded: Loaded, *, use_cache: bool, checked: Checked 
     fingerprint when it was needed to look up cached calibration text (the calibration reuses it)."""
     from compressor.engine.cache import model_fingerprint
     from compressor.fitting.kinds import get_kind
-    from compressor.inputs.calibration import self_evaluation_domains, self_evaluation_settings, self_settings
+    from compressor.inputs.calibration import self_evaluation_settings, self_settings
     from compressor.inputs.selfcal import is_cached
     from compressor.pipeline.estimate import say_estimate
 
@@ -388,21 +388,27 @@ def expect(recipe: Recipe, loaded: Loaded, *, use_cache: bool, checked: Checked 
 
 
 def self_evaluation(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bool,
-                    model_fp: str | None = None) -> None:
+                    model_fp: str | None = None) -> float:
     """Write the ``self`` evaluation domains' text with the original model (before anything is replaced) into
-    ``checked.eval_streams``, in the recipe's domain order."""
+    ``checked.eval_streams``, in the recipe's domain order; returns the seconds it took."""
+    t0 = time.perf_counter()
     streams = {**checked.eval_streams,
                **self_evaluation_streams(recipe, loaded.model, loaded.tokenizer, use_cache, model_fp)}
     checked.eval_streams = {e.domain_name(): streams[e.domain_name()] for e in recipe.evaluation_domains()}
+    return time.perf_counter() - t0
 
 
 def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bool,
               model_fp: str | None = None) -> Calibrated:
-    """Calibration windows (self-written text where the recipe asks), checked disjoint from the evaluation text."""
+    """The text the model writes (the ``self`` evaluation domains, :func:`self_evaluation`; self-written
+    calibration), then the calibration windows, checked disjoint from the evaluation text."""
+    written_s = self_evaluation(recipe, loaded, checked, use_cache=use_cache, model_fp=model_fp)
     t0 = time.perf_counter()
     with DataInput("calibration.dataset"):
         cal, info = build_calibration(recipe, loaded.model, loaded.tokenizer, use_cache, model_fp)
     info["calibration_s"] = time.perf_counter() - t0
+    if self_evaluation_domains(recipe):
+        info["self_evaluation_s"] = written_s
     try:
         overlap = check_disjoint(cal, checked.eval_streams)
         checked.state.bind_calibration(calibration_key(recipe, cal, checked.eval_streams))
@@ -427,15 +433,20 @@ def compress(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Ch
         from compressor.pipeline.sizing import baseline_only
 
         result = baseline_only(loaded.model, recipe, checked.eval_streams)
-        result.timings = {"calibration_s": calibrated.info.pop("calibration_s"), **result.timings}
+        result.timings = {**_text_timings(calibrated), **result.timings}
         return result
     try:
         result = compress_model(loaded.model, recipe, calibrated.cal, checked.eval_streams, state=checked.state,
                                 width_multiple=checked.width_multiple, grid=checked.grid)
     except ResumeError as err:  # a saved state out of step with this run
         raise InputError(str(err)) from None
-    result.timings = {"calibration_s": calibrated.info.pop("calibration_s"), **result.timings}
+    result.timings = {**_text_timings(calibrated), **result.timings}
     return result
+
+
+def _text_timings(calibrated: Calibrated) -> dict[str, float]:
+    """The calibrate stage's seconds, moved from its info into the run's timings."""
+    return {k: calibrated.info.pop(k) for k in ("self_evaluation_s", "calibration_s") if k in calibrated.info}
 
 
 def report(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Checked,
