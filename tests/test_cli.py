@@ -7,6 +7,7 @@ checkpoints saved into ``tmp_path``; nothing is downloaded.
 from __future__ import annotations
 
 import json
+import re
 import logging
 from pathlib import Path
 
@@ -213,6 +214,26 @@ def test_set_override_is_validated(tmp_path, capsys, no_run):
     path = write_recipe(tmp_path / "recipe.yaml", recipe_dict(src, tmp_path / "out"))
     assert main(["run", str(path), "--dry-run", "--set", "policy.threshold=2"]) == 2
     assert "policy.threshold" in capsys.readouterr().err
+
+
+def test_set_names_an_item_of_a_list_of_sections_by_its_index():
+    from compressor.core.errors import RecipeError
+    from compressor.recipe.loader import apply_overrides
+
+    data = {"evaluation": [{"dataset": "embedded"}, {"dataset": "self"}]}
+    out = apply_overrides(data, ["evaluation.1.seed=7", "evaluation.0.max_tokens=4096"])
+    assert out["evaluation"] == [{"dataset": "embedded", "max_tokens": 4096}, {"dataset": "self", "seed": 7}]
+    assert data["evaluation"][1] == {"dataset": "self"}  # the input is untouched
+    for item, words in (("evaluation.2.seed=1", "index 2 is past the end of a list of 2 sections (0..1)"),
+                        ("evaluation.max_tokens=1", "a list of 2 sections; name one by its index (0..1)"),
+                        ("evaluation.1=3", None)):
+        if words is None:  # a whole item replaced is the schema's to judge
+            assert apply_overrides(data, [item])["evaluation"][1] == 3
+            continue
+        with pytest.raises(RecipeError, match=re.escape(words)):
+            apply_overrides(data, [item])
+    with pytest.raises(RecipeError, match=r"names item 2 of a list that this recipe does not write out"):
+        apply_overrides({}, ["evaluation.2.seed=1"])
 
 
 # --------------------------------------------------------------------------------------------------

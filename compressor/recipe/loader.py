@@ -103,13 +103,45 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise RecipeError(f"--set {shorten(item)}: value is not valid YAML: {e}") from None
         node = data
         parts = key.split(".")
-        for p in parts[:-1]:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise RecipeError(f"--set {shorten(item)}: {shorten(p)} is not a section")
-            node = nxt
-        node[parts[-1]] = value
+        for i, p in enumerate(parts[:-1]):
+            node = _step(node, p, parts[i + 1], item)
+        last = parts[-1]
+        if isinstance(node, list):
+            node[_index(node, last, parts[-2], item)] = value
+        else:
+            node[last] = value
     return data
+
+
+def _step(node, part: str, following: str, item: str):
+    """One step down an override's path: a section by name, or a list's item by its index
+    (``evaluation.2.seed``)."""
+    if isinstance(node, list):
+        return _checked(node[_index(node, part, None, item)], part, item)
+    if part not in node and following.isdigit():
+        raise RecipeError(f"--set {shorten(item)}: {shorten(part)}.{following} names item {following} of a list "
+                          f"that this recipe does not write out; write the whole list (--set '{shorten(part)}=[...]' "
+                          "or in the recipe)")
+    return _checked(node.setdefault(part, {}), part, item)
+
+
+def _checked(nxt, part: str, item: str):
+    if not isinstance(nxt, (dict, list)):
+        raise RecipeError(f"--set {shorten(item)}: {shorten(part)} is not a section")
+    return nxt
+
+
+def _index(items: list, part: str, name: str | None, item: str) -> int:
+    """``part`` as an index of ``items`` (a list of sections such as ``evaluation``)."""
+    where = f"{shorten(name)} " if name else ""
+    if not part.isdigit():
+        raise RecipeError(f"--set {shorten(item)}: {where}is a list of {len(items)} sections; name one by its "
+                          f"index (0..{len(items) - 1}) before {shorten(part)}, e.g. evaluation.0.max_tokens=4096")
+    i = int(part)
+    if i >= len(items):
+        raise RecipeError(f"--set {shorten(item)}: index {i} is past the end of a list of {len(items)} sections "
+                          f"(0..{len(items) - 1})")
+    return i
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

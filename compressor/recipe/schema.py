@@ -117,6 +117,10 @@ class EvaluationConfig(_Data):
         if self.seed is not None and not self.self_written():
             raise ValueError(f"seed: seeds the text the model writes (dataset: self); dataset {self.dataset!r} is "
                              "read, not sampled: remove seed")
+        whole = self.max_tokens // self.seq_len * self.seq_len
+        if self.self_written() and whole < self.min_tokens:
+            raise ValueError(f"max_tokens: the model writes whole rows of seq_len {self.seq_len}, {whole} tokens of "
+                             f"max_tokens {self.max_tokens}, fewer than min_tokens {self.min_tokens}; raise max_tokens")
         if self.self_written() and self.stride != self.seq_len:
             raise ValueError(f"stride ({self.stride}) must equal seq_len ({self.seq_len}) for dataset 'self': each "
                              "written row is one window, from its opening to its end")
@@ -510,12 +514,13 @@ class Recipe(_Section):
                 raise ValueError(f"evaluation: domain names must be distinct, {dup} repeat; set `name` on each")
         cal = self.calibration
         if cal.dataset in ("self", "mix"):
-            for e in self.evaluation_domains():
+            for i, e in enumerate(self.evaluation_domains()):
                 if e.self_written() and self.self_seed(e) == cal.seed:
+                    field = f"evaluation.{i}.seed" if isinstance(self.evaluation, list) else "evaluation.seed"
                     raise ValueError(
-                        f"evaluation {e.domain_name()!r}: seed {cal.seed} is calibration.seed, so the gate would "
-                        "score the text the replacements were fitted on; give the evaluation another seed (or "
-                        "leave it unset: calibration.seed + 1)")
+                        f"{field}: {cal.seed} is calibration.seed, so the gate would score the text the "
+                        "replacements were fitted on; give the evaluation another seed (or leave it unset: "
+                        "calibration.seed + 1)")
         return self
 
     def self_seed(self, e: EvaluationConfig) -> int:
