@@ -266,3 +266,20 @@ def test_the_reload_check_allows_a_gpu_its_float32_noise_and_nothing_more():
     assert logit_tolerance(torch.float32, on_gpu=False) == 1e-5
     assert logit_tolerance(torch.float32, on_gpu=True) == 1e-3
     assert logit_tolerance(torch.bfloat16, on_gpu=True) == logit_tolerance(torch.bfloat16, on_gpu=False) == 1e-2
+
+
+def test_an_onloaded_model_that_computes_on_a_gpu_gets_the_gpu_tolerance():
+    """An onloaded model's weights wait on the CPU, on disk or as meta placeholders; its accelerate hooks
+    say where it computes, and that decides the reload check's tolerance."""
+    from tiny import tiny_model
+
+    from compressor.output.hf import computes_on_gpu
+
+    model = tiny_model("llama")
+    assert not computes_on_gpu(model)
+
+    class Hook:  # what accelerate's AlignDevicesHook carries
+        execution_device = 0
+
+    model.get_input_embeddings()._hf_hook = Hook()
+    assert computes_on_gpu(model)

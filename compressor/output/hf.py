@@ -213,6 +213,14 @@ class HFWriter(Writer):
         return compare_reloaded(request, reloaded.eval(), "reload check", reference)
 
 
+def computes_on_gpu(model: nn.Module) -> bool:
+    """Whether any of ``model``'s compute runs on a GPU: a weight there, or an accelerate hook that executes
+    there (an onloaded model's weights wait on the CPU, on disk or as ``meta`` placeholders)."""
+    from compressor.core.onload import execution_device
+
+    return execution_device(model).type == "cuda" or any(p.device.type == "cuda" for p in model.parameters())
+
+
 def logit_tolerance(dtype: torch.dtype, on_gpu: bool) -> float:
     """The largest |Δlogit| the reload check allows for compute in ``dtype`` (:data:`LOGIT_TOLERANCE`,
     :data:`GPU_LOGIT_TOLERANCE` when either model ran on a GPU)."""
@@ -250,7 +258,7 @@ def compare_reloaded(request: WriteRequest, reloaded: nn.Module, what: str,
     again = perplexity(reloaded, tokens, seq_len=seq_len, stride=request.probe_stride,
                        batch_size=request.probe_batch_size, desc=what, shard=False)  # rank 0 alone
     rel = abs(again.ppl - request.expected_ppl) / request.expected_ppl
-    on_gpu = any(m.get_input_embeddings().weight.device.type == "cuda" for m in (model, reloaded))
+    on_gpu = any(computes_on_gpu(m) for m in (model, reloaded))
     tol = logit_tolerance(model.dtype, on_gpu)
     ppl_tol = PPL_TOLERANCE[out_dtype]
     check = {**extra, "saved_dtype": str(out_dtype).removeprefix("torch."),
