@@ -108,3 +108,17 @@ def test_the_estimate_counts_text_still_to_write():
     assert "self-written evaluation" not in estimate_run(r, model, self_text_cached=True, hidden=True).stages
     est = estimate_run(r, model, self_text_cached=True, hidden=True, self_eval_tokens=8192)
     assert est.stages["self-written evaluation"] > 0
+
+
+def test_the_estimate_counts_only_the_text_not_in_the_cache(isolated_cache):
+    from compressor.engine.cache import model_fingerprint
+    from compressor.pipeline.stages import Loaded, _text_to_write
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    r = _recipe([{"dataset": "self", "max_tokens": 1024, "seq_len": 64}], {"dataset": "embedded"})
+    loaded = Loaded(model, tok, None, "llama", None)
+    fp = model_fingerprint(model)
+    assert _text_to_write(r, loaded, fp) == (True, 1024)  # an embedded calibration writes nothing
+    self_evaluation_streams(r, model, tok, use_cache=True, model_fp=fp)
+    assert _text_to_write(r, loaded, fp) == (True, 0)
+    assert _text_to_write(r, loaded, None) == (False, 1024)  # no cache: everything is written

@@ -366,25 +366,30 @@ def expect(recipe: Recipe, loaded: Loaded, *, use_cache: bool, checked: Checked 
     fingerprint when it was needed to look up cached calibration text (the calibration reuses it)."""
     from compressor.engine.cache import model_fingerprint
     from compressor.fitting.kinds import get_kind
-    from compressor.inputs.calibration import self_evaluation_settings, self_settings
-    from compressor.inputs.selfcal import is_cached
     from compressor.pipeline.estimate import say_estimate
 
-    fp, cached, uncached = None, False, 0
-    written = self_evaluation_domains(recipe)
-    if use_cache and dist.is_main() and (recipe.calibration.dataset in ("self", "mix") or written):
-        fp = model_fingerprint(loaded.model)
-        cached = recipe.calibration.dataset not in ("self", "mix") or is_cached(fp, loaded.tokenizer,
-                                                                              self_settings(recipe))
-        vocab = loaded.model.get_input_embeddings().weight.shape[0]
-        uncached = sum(e.max_tokens for e in written
-                       if not is_cached(fp, loaded.tokenizer, self_evaluation_settings(recipe, e, loaded.tokenizer, vocab)))
-    elif not use_cache:
-        uncached = sum(e.max_tokens for e in written)
+    writes = recipe.calibration.dataset in ("self", "mix") or self_evaluation_domains(recipe)
+    fp = model_fingerprint(loaded.model) if writes and use_cache and dist.is_main() else None
     if dist.is_main():
+        cached, to_write = _text_to_write(recipe, loaded, fp)
         say_estimate(recipe, loaded.model, self_text_cached=cached, hidden=get_kind(recipe.replacement.kind).needs_hidden,
-                     recorded=checked.state.recorded() if checked is not None else None, self_eval_tokens=uncached)
+                     recorded=checked.state.recorded() if checked is not None else None, self_eval_tokens=to_write)
     return fp
+
+
+def _text_to_write(recipe: Recipe, loaded: Loaded, fp: str | None) -> tuple[bool, int]:
+    """Whether the self-written calibration text is in the cache, and how many tokens of ``self`` evaluation
+    text are not (``fp``: the model's fingerprint; None: no cache, everything is written)."""
+    from compressor.inputs.calibration import self_evaluation_settings, self_settings
+    from compressor.inputs.selfcal import is_cached
+
+    written = self_evaluation_domains(recipe)
+    if fp is None:
+        return False, sum(e.max_tokens for e in written)
+    tok, vocab = loaded.tokenizer, loaded.model.get_input_embeddings().weight.shape[0]
+    cal_cached = recipe.calibration.dataset not in ("self", "mix") or is_cached(fp, tok, self_settings(recipe))
+    return cal_cached, sum(e.max_tokens for e in written
+                           if not is_cached(fp, tok, self_evaluation_settings(recipe, e, tok, vocab)))
 
 
 def self_evaluation(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bool,
