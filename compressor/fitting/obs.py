@@ -167,6 +167,30 @@ class _HeldOut:
 
 
 @torch.no_grad()
+def _cheapest(b: torch.Tensor, rinv: torch.Tensor, w: torch.Tensor, cand: torch.Tensor, step: int) -> torch.Tensor:
+    """The ``step`` candidates whose removal raises the (weighted) fit error least:
+    cost_j = Σ_o w_o B_jo² / [S⁻¹]_jj (ties in index order)."""
+    bj = b[cand]
+    cost = (bj * bj) @ w / torch.diagonal(rinv)[cand].clamp_min(1e-300)
+    return cand[torch.argsort(cost, stable=True)[: min(step, cand.numel())]]
+
+
+def _remove(b: torch.Tensor, rinv: torch.Tensor, w: torch.Tensor, take: torch.Tensor,
+            held: "_HeldOut | None") -> float:
+    """Remove regressors ``take`` from the fit in place (coefficients ``b``, inverse ``rinv``, the held-out
+    error's state) by the block OBS update; returns the rise of the weighted fit SSE."""
+    u = rinv[:, take]
+    rjj = u[take]
+    rjj_inv = torch.linalg.inv((rjj + rjj.T) / 2)
+    v = rjj_inv @ b[take]
+    rise = float((b[take] * v * w).sum())
+    b.addmm_(u, v, alpha=-1)
+    if held:
+        held.remove(u, v)
+    rinv.addmm_(u, rjj_inv @ u.T, alpha=-1)  # in place: no p × p temporary
+    return rise
+
+
 def obs_path(
     zfit: Moments,
     zheld: Moments | None,
@@ -240,19 +264,8 @@ def obs_path(
     if dead.numel():
         drop(dead)
     while len(order) < n_rem:
-        cand = torch.nonzero(alive & (ids >= n_fixed)).flatten()
-        bj = b[cand]
-        cost = (bj * bj) @ w / torch.diagonal(rinv)[cand].clamp_min(1e-300)
-        take = cand[torch.argsort(cost, stable=True)[: min(step, cand.numel())]]
-        u = rinv[:, take]
-        rjj = u[take]
-        rjj_inv = torch.linalg.inv((rjj + rjj.T) / 2)
-        v = rjj_inv @ b[take]
-        sse_fit += float((b[take] * v * w).sum())
-        b.addmm_(u, v, alpha=-1)
-        if held:
-            held.remove(u, v)
-        rinv.addmm_(u, rjj_inv @ u.T, alpha=-1)  # in place: no p × p temporary
+        take = _cheapest(b, rinv, w, torch.nonzero(alive & (ids >= n_fixed)).flatten(), step)
+        sse_fit += _remove(b, rinv, w, take, held)
         drop(take)
     order_t = torch.tensor(order, dtype=torch.long) - n_fixed
     return ObsPath(order=order_t, sizes=sizes, fit_rel_error=fit_err, heldout_rel_error=held_err)
