@@ -95,8 +95,8 @@ def self_evaluation_settings(recipe: Recipe, e, tokenizer, vocab: int):
 
 
 def self_evaluation_tokens(e) -> int:
-    """The tokens a ``self`` evaluation domain will hold: whole rows of ``seq_len`` within ``max_tokens``."""
-    return e.max_tokens // e.seq_len * e.seq_len
+    """The tokens a ``self`` evaluation domain will hold (:meth:`EvaluationConfig.written_tokens`)."""
+    return e.written_tokens()
 
 
 def self_evaluation_domains(recipe: Recipe) -> list:
@@ -117,7 +117,7 @@ def self_evaluation_streams(recipe: Recipe, model, tokenizer, use_cache: bool,
         ids = self_calibration_tokens(model, tokenizer, self_evaluation_settings(recipe, e, tokenizer, vocab),
                                       use_cache=use_cache, model_fp=model_fp,
                                       desc=f"evaluation text {e.domain_name()!r} (the model's own writing)")
-        out[e.domain_name()] = ids[: ids.numel() // e.seq_len * e.seq_len]
+        out[e.domain_name()] = ids[: min(ids.numel(), e.written_tokens())]
     return out
 
 

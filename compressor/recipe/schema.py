@@ -117,7 +117,7 @@ class EvaluationConfig(_Data):
         if self.seed is not None and not self.self_written():
             raise ValueError(f"seed: seeds the text the model writes (dataset: self); dataset {self.dataset!r} is "
                              "read, not sampled: remove seed")
-        whole = self.max_tokens // self.seq_len * self.seq_len
+        whole = self.written_tokens()
         if self.self_written() and whole < self.min_tokens:
             raise ValueError(f"max_tokens: the model writes whole rows of seq_len {self.seq_len}, {whole} tokens of "
                              f"max_tokens {self.max_tokens}, fewer than min_tokens {self.min_tokens}; raise max_tokens")
@@ -129,6 +129,10 @@ class EvaluationConfig(_Data):
         if self.task_paths and not self.tasks:
             raise ValueError("task_paths: name the tasks to run from them in tasks")
         return self
+
+    def written_tokens(self) -> int:
+        """The tokens a ``self`` domain holds: whole rows of ``seq_len`` within ``max_tokens``."""
+        return self.max_tokens // self.seq_len * self.seq_len
 
     def self_written(self) -> bool:
         """Whether this domain is text the original model writes (``dataset: self``), not text read from a source."""
