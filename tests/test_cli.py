@@ -7,8 +7,8 @@ checkpoints saved into ``tmp_path``; nothing is downloaded.
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 from pathlib import Path
 
 import pytest

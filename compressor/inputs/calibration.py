@@ -94,11 +94,6 @@ def self_evaluation_settings(recipe: Recipe, e, tokenizer, vocab: int):
                            seed=recipe.self_seed(e))
 
 
-def self_evaluation_tokens(e) -> int:
-    """The tokens a ``self`` evaluation domain will hold (:meth:`EvaluationConfig.written_tokens`)."""
-    return e.written_tokens()
-
-
 def self_evaluation_domains(recipe: Recipe) -> list:
     """The evaluation sections the model writes (``dataset: self``)."""
     return [e for e in recipe.evaluation_domains() if e.self_written()]
@@ -117,7 +112,7 @@ def self_evaluation_streams(recipe: Recipe, model, tokenizer, use_cache: bool,
         ids = self_calibration_tokens(model, tokenizer, self_evaluation_settings(recipe, e, tokenizer, vocab),
                                       use_cache=use_cache, model_fp=model_fp,
                                       desc=f"evaluation text {e.domain_name()!r} (the model's own writing)")
-        out[e.domain_name()] = ids[: min(ids.numel(), e.written_tokens())]
+        out[e.domain_name()] = ids[: e.written_tokens()]
     return out
 
 

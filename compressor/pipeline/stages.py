@@ -173,13 +173,12 @@ def _check_confirmation(recipe: Recipe, streams: dict[str, torch.Tensor]) -> Non
     """``policy.confirm_fraction`` leaves at least two windows (a standard error) on each side of every
     domain's split; said before the model loads."""
     from compressor.evaluation.evaluate import confirmation_windows, window_count
-    from compressor.inputs.calibration import self_evaluation_tokens
 
     f = recipe.policy.confirm_fraction
     if not f or recipe.output.size is not None:  # a size plan measures one file once: no search to confirm
         return
     for e in recipe.evaluation_domains():
-        tokens = self_evaluation_tokens(e) if e.self_written() else streams[e.domain_name()].numel()
+        tokens = e.written_tokens() if e.self_written() else streams[e.domain_name()].numel()
         windows = window_count(tokens, e.seq_len, e.stride)
         held = len(confirmation_windows(windows, f))
         if min(held, windows - held) < 2:
