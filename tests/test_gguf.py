@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import re
 from pathlib import Path
 
 import numpy as np
@@ -241,16 +243,23 @@ def test_a_gguf_source_keeps_its_tensors_and_tokenizer(tmp_path, tokenizer, ids)
     # in llama.cpp on the same windows, by the gate's rule: the upper confidence bound of the change
     # (paired by window) within the budget.
     src_ppl, _ = gw.llama_cpp_perplexity(src_dir / "tiny.gguf", ids, SEQ, SEQ)
-    request.ppl_limit_ratio = 10.0
+    from compressor.recipe.schema import PolicyConfig
+
+    # the policy as the recipe gives it (a fraction, headroom off here) is the rule the check applies
+    request.gate = PolicyConfig(ppl_budget=9.0, headroom=0.0)
     check = writer.verify(request, out)
     assert check["source_perplexity"] == pytest.approx(src_ppl) and check["passed"]
     assert check["source_relative_change"] == pytest.approx(check["perplexity"] / src_ppl - 1)
     (row,) = check["domains"]
     assert row["paired"] and row["relative_delta_upper"] > row["relative_delta"]
-    request.ppl_limit_ratio = 1 + row["relative_delta_upper"] + 1e-3
+
+    def rule(budget: float) -> PolicyConfig:  # the tiny file's change may be below zero: no recipe's budget
+        return PolicyConfig().model_copy(update={"ppl_budget": budget, "headroom": 0.0})
+
+    request.gate = rule(row["relative_delta_upper"] + 1e-3)
     assert writer.verify(request, out)["passed"]
-    request.ppl_limit_ratio = 1 + row["relative_delta_upper"] - 1e-3  # the point passes, the bound does not
-    assert row["relative_delta"] < request.ppl_limit_ratio - 1
+    request.gate = rule(row["relative_delta_upper"] - 1e-3)  # the point passes, the bound does not
+    assert row["relative_delta"] < request.gate.ppl_budget
     with pytest.raises(gw.GGUFGateMissed, match=r"against the source GGUF at the same quantization.*90% bound"):
         writer.verify(request, out)
 
@@ -482,20 +491,30 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     r = recipe("out", 5.0)
     res = compressor.run(r)
     assert res.exit_code == 0, res.report.get("message")
-    assert r.output.formats == ["gguf"] and sorted(p.name for p in res.output.iterdir()) == ["model.gguf", "report.json"]
+    assert r.output.formats == ["gguf"]
+    assert sorted(p.name for p in res.output.iterdir()) == ["README.md", "model.gguf", "recipe.yaml", "report.json"]
+    card = (res.output / "README.md").read_text()  # the card says what the file is: its types, bytes, the preset
+    assert "Tensor types:" in card and "llama.cpp's Q4_0" in card and f"{res.report['verification']['gguf']['file_bytes']:,} bytes" in card
     check, plan = res.report["verification"]["gguf"], res.report["size_plan"]
     assert check["quant"] == "plan" and check["file_bytes"] <= check["budget_bytes"] == plan["budget_bytes"]
+    assert check["file_bytes"] == check["planned_file_bytes"] == plan["planned_file_bytes"]  # known before writing
     assert check["preset"]["name"] == "Q4_0" and check["preset"]["file_bytes"] == check["budget_bytes"]
     assert check["perplexity"] > 0 and check["preset"]["perplexity"] > 0 and check["gate_passed"]
     assert [d["name"] for d in check["domains"]] == ["eval"] and check["domains"][0]["preset_relative_change"] > -1
     assert check["domains"][0]["paired"] and check["domains"][0]["relative_delta_upper"] >= check["relative_change"]
     written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(res.output / "model.gguf").tensors}
     assert all(written[row["tensor"]] == row["type"] for row in plan["tensors"])
-    assert not list(tmp_path.glob(".compressor-size-*"))  # the F16 and the preset are cleaned up
+    assert not list(tmp_path.glob(".*.size-*"))  # the F16 and the preset are cleaned up
     small = recipe("out2", 5.0)
     small.output.size = "2bpw"  # below what rows of 64 take (the 32-element types: 4.5 bits at least)
-    with pytest.raises(compressor.InputError, match="cannot be met.*give a size of at least"):
+    with pytest.raises(compressor.InputError, match="cannot be met.*give a size of at least") as refused:
         compressor.run(small)
+    floor = int(re.search(r"at least ([\d,]+) bytes", str(refused.value)).group(1).replace(",", ""))
+    exact = recipe("out_floor", 5.0)
+    exact.output.size = str(floor)  # the size the refusal named is met, to the byte
+    met = compressor.run(exact)
+    assert met.exit_code == 0 and met.report["verification"]["gguf"]["file_bytes"] == floor
+    shutil.rmtree(tmp_path / "out_floor")
     real = gw.llama_cpp_window_nll
 
     def tripled(path, *args):  # the planned file made 3× worse in perplexity, the preset left alone
@@ -503,11 +522,15 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
         bump = math.log(3) if path.name == "model.gguf" else 0.0
         return [s + bump * n for s, n in zip(sums, counts)], counts
 
-    monkeypatch.setattr(gw, "llama_cpp_window_nll", tripled)
+    monkeypatch.setattr("compressor.output.gguf.read.llama_cpp_window_nll", tripled)
     failed = compressor.run(recipe("out3", 0.5))
     assert failed.exit_code == 3 and "larger output.size" in failed.report["message"]
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
-    assert not list(tmp_path.glob(".*tmp*")) and not list(tmp_path.glob(".compressor-size-*"))
+    from compressor.engine.resume import state_dir
+
+    # refused by the size gate (exit 3) or by a size that cannot be met (exit 2): no run state left behind
+    assert not state_dir(tmp_path / "out2").exists() and not state_dir(tmp_path / "out3").exists()
+    assert not list(tmp_path.glob(".*tmp*")) and not list(tmp_path.glob(".*.size-*"))
 
 
 def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_path, tokenizer, ids, monkeypatch):
@@ -543,24 +566,25 @@ def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_
         bump = math.log(2) if calls.count("model.gguf") == 1 and path.name == "model.gguf" else 0.0
         return [s + bump * n for s, n in zip(sums, counts)], counts
 
-    monkeypatch.setattr(gw, "llama_cpp_window_nll", worse_first)
+    monkeypatch.setattr("compressor.output.gguf.read.llama_cpp_window_nll", worse_first)
     res = compressor.run(recipe("out"))
     assert res.exit_code == 0, res.report.get("message")
     plan, check = res.report["size_plan"], res.report["verification"]["gguf"]
-    first, second = plan["search"]["attempts"]
-    assert not first["passed"] and second["passed"] and second["tensor_bytes"] > first["tensor_bytes"]
-    assert second["predicted_ppl_change"] < first["predicted_ppl_change"]
-    assert check["file_bytes"] < (src / "tiny.gguf").stat().st_size and check["gate_passed"]
-    assert plan["predicted_ppl_change"] <= plan["search"]["target_predicted_ppl_change"] + 1e-12
+    attempts = plan["search"]["attempts"]
+    first, passed = attempts[0], [a for a in attempts if a["passed"]]
+    assert not first["passed"] and passed and all(a["tensor_bytes"] > first["tensor_bytes"] for a in passed)
+    assert len({a["file_bytes"] for a in attempts}) == len(attempts)  # every byte count measured once
+    assert check["file_bytes"] == min(a["file_bytes"] for a in passed) and check["gate_passed"]
+    assert check["file_bytes"] < (src / "tiny.gguf").stat().st_size
 
     calls.clear()
-    monkeypatch.setattr(gw, "llama_cpp_window_nll", lambda path, *a: (
+    monkeypatch.setattr("compressor.output.gguf.read.llama_cpp_window_nll", lambda path, *a: (
         lambda sc: ([s + (math.log(2) * n if path.name == "model.gguf" else 0) for s, n in zip(*sc)], sc[1]))(
         real(path, *a)))
     failed = compressor.run(recipe("out2", max_backoff=1))
     assert failed.exit_code == 3 and "policy.max_backoff" in failed.report["message"]
     assert [a["passed"] for a in failed.report["size_plan"]["search"]["attempts"]] == [False, False]
-    assert not (tmp_path / "out2").exists() and not list(tmp_path.glob(".compressor-size-*"))
+    assert not (tmp_path / "out2").exists() and not list(tmp_path.glob(".*.size-*"))
 
 
 def test_the_size_plan_summary_puts_the_file_beside_the_preset(capsys):
@@ -587,3 +611,19 @@ def test_the_size_plan_summary_puts_the_file_beside_the_preset(capsys):
         {"file_bytes": 800_000, "passed": False}, {"file_bytes": 900_000, "passed": True}]}
     _print_summary(report, Path("out"))
     assert "planned for a predicted +3.00 %; files measured: 0.8 MB over, 0.9 MB passed" in capsys.readouterr().out
+
+
+def test_a_size_above_the_f16_file_is_said(tmp_path, tokenizer, ids, caplog):
+    """A size the F16 file already fits quantizes nothing: said in the log, not silent; the budget's layout is
+    the F16 file's, to the byte."""
+    needs_llama_cpp()
+    import logging
+
+    from compressor.pipeline.size.budget import measure_budget
+
+    request = _request(tiny("llama"), tokenizer, ids, quant="f16", expected=1.0)
+    with caplog.at_level(logging.WARNING):
+        budget = measure_budget("1GB", request, tmp_path)
+    assert budget.limit == 10**9 and "nothing is quantized" in caplog.text
+    assert budget.layout.file_bytes == (tmp_path / "f16.gguf").stat().st_size
+    assert budget.layout.file_bytes_of({}) == budget.layout.file_bytes  # every planned tensor F16: the F16 file

@@ -20,17 +20,15 @@ Run it alone: two torch processes on 2 cores run about ten times slower.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from benchlib import REPO_ROOT, WIKITEXT_DIR, write_json
-
-PY = sys.executable
+from benchlib.cli import add_alone, tool_parser
+from benchlib.runs import PY, independent_change, independent_check_cmd
 
 
 def text_file(name: str, work: Path) -> Path:
@@ -47,8 +45,8 @@ def text_file(name: str, work: Path) -> Path:
     return Path(name)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args():
+    ap = tool_parser(__doc__)
     ap.add_argument("compressed", help="the compressed Hugging Face folder")
     ap.add_argument("--original", required=True, help="its source (folder, .gguf, pkg:NAME)")
     ap.add_argument("--text", action="append", required=True, help="wikitext, embedded, or a UTF-8 file (repeatable)")
@@ -56,29 +54,34 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384, help="tokens scored per text and window length")
     ap.add_argument("--work", required=True, type=Path)
     ap.add_argument("--output", required=True, type=Path)
-    ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
-    args = ap.parse_args()
+    add_alone(ap)
+    return ap.parse_args()
+
+
+def measure(args, name: str, text: Path, n: int, commands: list[str]) -> dict:
+    """The change on ``text`` in windows of ``n`` (kept from an earlier run where ``--work`` has it)."""
+    stem = Path(name).stem if name not in ("wikitext", "embedded") else name
+    out = args.work / f"{stem}-{n}-{args.tokens}.json"
+    cmd = independent_check_cmd(args.compressed, args.original, text, str(args.tokens), out,
+                                "--seq-len", str(n), "--batch-size", str(max(1, 4096 // n)))
+    commands.append(" ".join(str(c) for c in cmd))
+    seconds = None
+    if not out.exists():
+        t0 = time.perf_counter()
+        subprocess.run([str(c) for c in cmd], check=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        seconds = time.perf_counter() - t0
+    r = json.loads(out.read_text())
+    return {"text": name, "seq_len": n, "windows": r["windows"], "tokens": args.tokens, **independent_change(r),
+            "seconds": seconds}
+
+
+def main() -> None:
+    args = parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     rows, commands = [], []
     for name in args.text:
         text = text_file(name, args.work)
-        for n in args.seq_len:
-            stem = Path(name).stem if name not in ("wikitext", "embedded") else name
-            out = args.work / f"{stem}-{n}-{args.tokens}.json"
-            cmd = [PY, REPO_ROOT / "tools" / "independent_check.py", args.compressed, "--original", args.original,
-                   "--text", text, "--tokens", str(args.tokens), "--seq-len", str(n),
-                   "--batch-size", str(max(1, 4096 // n)), "--json", out]
-            commands.append(" ".join(str(c) for c in cmd))
-            seconds = None
-            if not out.exists():
-                t0 = time.perf_counter()
-                subprocess.run([str(c) for c in cmd], check=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-                seconds = time.perf_counter() - t0
-            r = json.loads(out.read_text())
-            rows.append({"text": name, "seq_len": n, "windows": r["windows"], "tokens": args.tokens,
-                         "ppl_original": r["ppl_original"], "ppl_compressed": r["ppl_compressed"],
-                         "relative_change": r["relative_delta"], "relative_change_se": r["relative_delta_se"],
-                         "seconds": seconds})
+        rows += [measure(args, name, text, n, commands) for n in args.seq_len]
     result = {"compressed": args.compressed, "original": args.original, "runtime": "transformers (compressor not importable)",
               "rows": rows, "ran_alone": args.alone, "commands": commands}
     write_json(args.output, result)

@@ -29,6 +29,12 @@ def best_points(run: dict) -> dict:
     return res
 
 
+def summary(out: dict) -> dict:
+    """The baseline perplexity and, per calibration size, each series' best points."""
+    return {"baseline_ppl": out["baseline_ppl"],
+            "runs": [{"cal_tokens": r["cal_tokens"], "best": best_points(r)} for r in out["runs"]]}
+
+
 def plot(out: dict, path: Path) -> None:
     import matplotlib
 
@@ -61,8 +67,7 @@ def main(argv=None) -> int:
     out = json.loads(args.result.read_text(encoding="utf-8"))
     if args.png:
         plot(out, args.png)
-    print(json.dumps({"baseline_ppl": out["baseline_ppl"],
-                      "runs": [{"cal_tokens": r["cal_tokens"], "best": best_points(r)} for r in out["runs"]]}, indent=1))
+    print(json.dumps(summary(out), indent=1))
     return 0
 
 

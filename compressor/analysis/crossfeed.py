@@ -12,8 +12,8 @@ hooks on i's pre-FFN norm hand over the residual stream of each batch and every
 FFN j in S is evaluated on it at once; the |S| statistics of source i are
 solved when layer i is done and freed. Nothing is stored across layers.
 
-Where the pre-FFN norm lives is data, keyed like
-:data:`compressor.core.archs.ARCHITECTURES`; ``None`` marks post-norm encoders,
+Where the pre-FFN norm lives is data, the ``pre_ffn_norm`` of the model type's row
+in :data:`compressor.core.archs.ARCHITECTURES`; ``None`` marks post-norm encoders,
 whose FFN input is already normalised with the block's own LayerNorm (no
 pre-norm to swap), so the part is left out for them.
 """
@@ -24,28 +24,21 @@ import numpy as np
 import torch
 from torch import nn
 
+from compressor.core.archs import ARCHITECTURES
 from compressor.core.onload import execution_device
 from compressor.core.stats import Moments
 from compressor.fitting.solve import score, solve_affine
 
-#: model_type → the pre-FFN norm module, relative to a block (None: no pre-FFN norm).
-PRE_FFN_NORM: dict[str, str | None] = {
-    "gpt2": "ln_2",
-    "gpt_neox": "post_attention_layernorm",
-    "llama": "post_attention_layernorm",
-    "mistral": "post_attention_layernorm",
-    "qwen2": "post_attention_layernorm",
-    "qwen3": "post_attention_layernorm",
-    "gemma3_text": "pre_feedforward_layernorm",
-    "bert": None,
-    "roberta": None,
-}
+#: model_type → the pre-FFN norm module, relative to a block (None: no pre-FFN norm): each row's
+#: :attr:`~compressor.core.archs.ArchSpec.pre_ffn_norm`.
+PRE_FFN_NORM: dict[str, str | None] = {t: spec.pre_ffn_norm for t, spec in ARCHITECTURES.items()}
 
 
 def unsupported_reason(model_type: str, ffn_in: str, ffn_out: str) -> str | None:
     """Why cross-feeding cannot run on this architecture, or None."""
     if model_type not in PRE_FFN_NORM:
-        return f"no pre-FFN norm is known for model type {model_type!r} (add it to PRE_FFN_NORM)"
+        return (f"no pre-FFN norm is known for model type {model_type!r} (add its row, with pre_ffn_norm, to "
+                "ARCHITECTURES in compressor/core/archs.py)")
     if PRE_FFN_NORM[model_type] is None:
         return f"{model_type} is a post-norm encoder: its FFN input is already normalised by the block's own LayerNorm"
     if ffn_in != ffn_out:

@@ -55,8 +55,19 @@ def preflight(args) -> dict:
 
     folder = Path(args.folder).expanduser()
     cfg_path = folder / "config.json"
+    planned = _planned_gguf(folder)
+    if planned is not None and not cfg_path.is_file():
+        _fail(f"{args.folder!r} holds a size-planned GGUF ({planned.name}, written by `compressor run` with "
+              "output.size) and no Hugging Face weights (no config.json), so there is nothing to export from: "
+              "export converts a Hugging Face folder. For one, run the recipe with output.formats: [hf, gguf] beside "
+              "output.size, and export that folder to another one")
     if not cfg_path.is_file():
         _fail(f"{args.folder!r} is not a compressor output folder: {cfg_path} does not exist")
+    out = Path(args.output).expanduser() if args.output else folder / "model.gguf"
+    if planned is not None and out.resolve() == planned.resolve():
+        _fail(f"{out}: the GGUF there was planned to a size by `compressor run` (output.size; see "
+              f"{folder / 'report.json'}); export would replace it with a different file while report.json still "
+              f"describes the planned one. Export to another folder: --output OTHER_FOLDER/{out.name}")
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     compression = cfg.get("compression")
     if not isinstance(compression, dict):
@@ -73,7 +84,6 @@ def preflight(args) -> dict:
     options = {"quant": args.quant, "unquantizable": args.unquantizable}
     if (why := _ask(writer, "check_options", options)) is not None:
         _fail(why)
-    out = Path(args.output).expanduser() if args.output else folder / "model.gguf"
     if out.suffix != ".gguf":
         _fail(f"--output {args.output!r} must name a .gguf file")
     if out.exists() and not args.overwrite:
@@ -93,6 +103,22 @@ def preflight(args) -> dict:
     tokens, seq_len, stride = _probe(args, folder, tokenizer)
     return {"folder": folder, "cfg": cfg, "compression": compression, "writer": writer, "options": options,
             "out": out, "source": src, "tokenizer": tokenizer, "tokens": tokens, "seq_len": seq_len, "stride": stride}
+
+
+def _planned_gguf(folder: Path) -> Path | None:
+    """The GGUF ``compressor run`` planned to ``output.size`` in ``folder`` (its report.json has a
+    ``size_plan`` and a ``plan`` GGUF check), or None."""
+    from compressor.output.gguf import FILE_NAME
+
+    try:
+        report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or report.get("size_plan") is None:
+        return None
+    checks = report.get("verification")
+    check = checks.get("gguf") if isinstance(checks, dict) else None
+    return folder / FILE_NAME if isinstance(check, dict) and check.get("quant") == "plan" else None
 
 
 def _ask(writer, check: str, *args) -> str | None:

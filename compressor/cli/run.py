@@ -95,7 +95,7 @@ def _recipe_from_args(args):
 
 
 def handle(args) -> int:
-    from compressor.inputs.validate import check_inputs, run_reads
+    from compressor.inputs.validate import run_reads
 
     recipe = _recipe_from_args(args)
     report_path = None
@@ -108,14 +108,14 @@ def handle(args) -> int:
         except OutputError as e:
             raise RecipeError(str(e)) from None
     if args.command == "validate" or getattr(args, "dry_run", False):
-        check_inputs(recipe, need_output=args.command != "validate" or recipe.output.path is not None)
+        from compressor.pipeline.stages import preflight
+
+        # every check run makes before the model loads, so validate and run agree
+        preflight(recipe, output_required=args.command != "validate")
         if args.command == "validate":
             print(f"recipe OK: {args.recipe}")
         else:
-            from compressor.pipeline.stages import default_formats
-
-            default_formats(recipe)  # the plan names what will be written
-            print(recipe.to_yaml(), end="")
+            print(recipe.to_yaml(), end="")  # the plan names what will be written (the formats filled in)
         return 0
     from compressor.core.distributed import init_from_env, is_main
     from compressor.core.errors import EXIT_GATE, EXIT_OK, GateFailed

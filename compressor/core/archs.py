@@ -1,22 +1,29 @@
-"""Where the FFN blocks live, per architecture: data, not code paths.
+"""Every per-architecture fact, one row per Hugging Face ``model_type``: data, not code paths.
 
 A row says where the list of transformer blocks is (the first path that exists
 on the loaded model wins, so one row serves ``XModel`` and ``XForCausalLM``),
 which sub-module's *input* is the FFN input (after the pre-FFN norm) and which
 sub-module's *output* is the FFN output (before the residual add). When both
 are the same module, that module is what :mod:`compressor.fitting.replace` swaps.
+The same row says where the pre-FFN norm is, which config attribute holds the
+FFN width (``hf-standard``), and whether and as which llama.cpp architecture the
+``gguf`` writer writes the type (or why not).
 
-Adding an architecture is adding a row here and a tiny-model test in
-``tests/test_archs.py``.
+Adding an architecture is adding a row to :data:`ARCHITECTURES` (every field is
+documented on :class:`ArchSpec`) and a tiny model in the test matrix;
+``tests/test_archs.py`` checks that every row is complete and consistent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
 from compressor.core.errors import UnsupportedModelError
+
+#: Why a model type with no llama.cpp facts (or no row) is not written as GGUF.
+NO_GGUF = "no llama.cpp architecture for it is mapped here"
 
 
 @dataclass(frozen=True)
@@ -40,34 +47,80 @@ class ArchSpec:
     residual_direct: bool = True
     """True when the FFN output is added to the residual stream as is (no
     post-FFN norm): the residual teacher target is defined only then."""
+    pre_ffn_norm: str | None = field(kw_only=True)
+    """The pre-FFN norm module, relative to a block (cross-feeding hooks it and swaps it between blocks);
+    None: there is none (a post-norm encoder). Required, so that None is a statement, not an omission."""
+    width_attr: str = "intermediate_size"
+    """Config attribute holding the FFN width (what ``hf-standard`` sets)."""
+    gguf_arch: str | None = None
+    """gguf-py ``MODEL_ARCH`` name whose tensor-name map names this type's weights in a GGUF: used by the
+    ``gguf`` writer and by the size planner, which re-quantizes a GGUF source of any type that has one."""
+    gguf_native: str | None = None
+    """llama.cpp architecture the ``gguf`` writer writes when every layer has one FFN width. None: the
+    type is not written as GGUF (:attr:`gguf_refusal` says why)."""
+    gguf_native_ffn_bias: bool = False
+    """Whether :attr:`gguf_native` loads FFN biases (a replaced block has them)."""
+    gguf_per_layer: str | None = None
+    """llama.cpp architecture written for per-layer FFN widths, or FFN biases :attr:`gguf_native` does not
+    load (``deci``); set whenever :attr:`gguf_native` is."""
+    gguf_refusal: str = NO_GGUF
+    """Why the type is not written as GGUF, with what it lacks, when :attr:`gguf_native` is None."""
     note: str = ""
 
 
-_DECODER = ArchSpec(blocks=("model.layers", "layers"), ffn_up=("gate_proj", "up_proj"), ffn_down="down_proj")
+_DECODER = ArchSpec(blocks=("model.layers", "layers"), ffn_up=("gate_proj", "up_proj"), ffn_down="down_proj",
+                    pre_ffn_norm="post_attention_layernorm")
+#: llama.cpp's ``llama`` loads optional FFN biases but builds every FFN at layer 0's width; ``deci``
+#: (Nemotron-NAS) runs the same graph with per-layer widths (see :mod:`compressor.output.gguf`).
+_LLAMA_CPP_LLAMA = dict(gguf_arch="LLAMA", gguf_native="llama", gguf_native_ffn_bias=True, gguf_per_layer="deci")
 _BERT = ArchSpec(
     blocks=("bert.encoder.layer", "roberta.encoder.layer", "encoder.layer"),
     ffn_in="intermediate",
     ffn_out="output.dense",
     compressible=False,
+    pre_ffn_norm=None,
     note="post-norm encoder: the FFN is split across `intermediate` and `output.dense`",
 )
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "gpt2": ArchSpec(blocks=("transformer.h", "h"), ffn_up=("c_fc",), ffn_down="c_proj",
-                     act_attrs=("activation_function",)),
-    "gpt_neox": ArchSpec(blocks=("gpt_neox.layers", "layers"), ffn_up=("dense_h_to_4h",), ffn_down="dense_4h_to_h"),
-    "llama": _DECODER,
-    "mistral": _DECODER,
-    "qwen2": _DECODER,
-    "qwen3": _DECODER,
+    "gpt2": ArchSpec(
+        blocks=("transformer.h", "h"), ffn_up=("c_fc",), ffn_down="c_proj", act_attrs=("activation_function",),
+        pre_ffn_norm="ln_2", width_attr="n_inner",
+        gguf_refusal="its FFN is a plain GELU MLP (no gate); llama.cpp's gpt2 has one width for all layers",
+    ),
+    "gpt_neox": ArchSpec(
+        blocks=("gpt_neox.layers", "layers"), ffn_up=("dense_h_to_4h",), ffn_down="dense_4h_to_h",
+        pre_ffn_norm="post_attention_layernorm",
+        gguf_refusal="its FFN is a plain GELU MLP (no gate); llama.cpp's gptneox has one width for all layers",
+    ),
+    "llama": replace(_DECODER, **_LLAMA_CPP_LLAMA),
+    "mistral": replace(_DECODER, **_LLAMA_CPP_LLAMA),
+    # llama.cpp's qwen2 loads no FFN bias (an extra tensor fails the load); deci takes its q/k rows permuted
+    # from the NeoX RoPE layout to the normal one
+    "qwen2": replace(_DECODER, gguf_arch="QWEN2", gguf_native="qwen2", gguf_native_ffn_bias=False,
+                     gguf_per_layer="deci"),
+    "qwen3": replace(
+        _DECODER, gguf_arch="QWEN3",
+        gguf_refusal="llama.cpp's qwen3 builds every FFN at layer 0's width with no FFN bias, and its only "
+                     "per-layer-width Llama-like architecture (deci) has no q/k norm",
+    ),
     "gemma3_text": ArchSpec(
         blocks=("model.layers", "layers"), ffn_up=("gate_proj", "up_proj"), ffn_down="down_proj",
         act_attrs=("hidden_activation", "hidden_act"), residual_direct=False,
+        pre_ffn_norm="pre_feedforward_layernorm", gguf_arch="GEMMA3",
+        gguf_refusal="llama.cpp's gemma3 builds every FFN at layer 0's width with no FFN bias, and its FFN is "
+                     "GELU-gated with a post-FFN norm, which deci does not have",
         note="the FFN output passes a post-FFN RMSNorm before the residual add",
     ),
     "bert": _BERT,
-    "roberta": _BERT,
+    "roberta": replace(_BERT),
 }
+
+#: Model types that wrap another row's text model (Gemma 3's multimodal ``gemma3`` around ``gemma3_text``).
+#: They are not loaded, profiled or compressed (no row of their own), but a GGUF of one holds the text
+#: model's tensors under that row's ``gguf_arch``, so the size planner re-quantizes such a source.
+TEXT_MODEL_OF: dict[str, str] = {"gemma3": "gemma3_text"}
+
 
 # Configs that route tokens to experts: one affine map per block is the wrong
 # model for them, and their `mlp` is a router plus a module list.
@@ -102,7 +155,8 @@ def arch_for(model: nn.Module) -> tuple[str, ArchSpec]:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported. Supported types: "
             f"{', '.join(sorted(ARCHITECTURES))}. To add one, add a row to "
-            "compressor/archs.py::ARCHITECTURES saying where its blocks and FFN are."
+            "ARCHITECTURES in compressor/core/archs.py (its fields are documented on ArchSpec) and a tiny "
+            "model to the test matrix."
         )
     return model_type, ARCHITECTURES[model_type]
 
@@ -118,5 +172,6 @@ def find_blocks(model: nn.Module, spec: ArchSpec) -> tuple[str, nn.ModuleList]:
             return path, blocks
     raise UnsupportedModelError(
         f"could not find the transformer blocks of {type(model).__name__}: tried {list(spec.blocks)}. "
-        "Load the model with AutoModel/AutoModelForCausalLM, or fix the row in compressor/archs.py."
+        "Load the model with AutoModel/AutoModelForCausalLM, or fix its row in ARCHITECTURES in "
+        "compressor/core/archs.py."
     )

@@ -52,10 +52,6 @@ from compressor.core import distributed as dist
 from compressor.core.progress import progress
 from compressor.engine.resume import register_record
 
-#: Relative standard error of a perplexity above which the report warns.
-POOR_RELATIVE_SE = 0.02
-
-
 @dataclass(frozen=True)
 class Perplexity:
     ppl: float
@@ -97,8 +93,14 @@ class Evaluation(Perplexity):
     :func:`pool` adds up to the evaluation of several window sets (not in :meth:`to_json`)."""
 
 
-def _windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
-    """(begin, end, n_scored) per window."""
+def windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, n_scored) per window of a stream of ``n`` ids: every ``stride`` tokens a window of at most
+    ``seq_len``, scoring only the tokens the previous window did not (the windows every perplexity here uses,
+    in transformers and in llama.cpp alike).
+
+    >>> windows(10, 4, 2)
+    [(0, 4, 4), (2, 6, 2), (4, 8, 2), (6, 10, 2)]
+    """
     out, prev_end = [], 0
     for begin in range(0, n, stride):
         end = min(begin + seq_len, n)
@@ -111,9 +113,12 @@ def _windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
+_windows = windows  # the name tests/test_evaluate.py imports
+
+
 def window_count(tokens: int, seq_len: int, stride: int) -> int:
     """The windows a stream of ``tokens`` ids is scored in."""
-    return len(_windows(tokens, seq_len, stride))
+    return len(windows(tokens, seq_len, stride))
 
 
 def ratio_mean_se(sums: torch.Tensor, counts: torch.Tensor) -> tuple[float, float | None]:
@@ -167,7 +172,7 @@ def _batches(tokens: torch.Tensor, seq_len: int, stride: int, batch_size: int, k
     only these windows; the batches stay those of all windows (a batch left without windows is
     empty), so each rank scores windows of its own share of the teacher's batches.
     """
-    wins = _windows(tokens.numel(), seq_len, stride)
+    wins = windows(tokens.numel(), seq_len, stride)
     if not wins:
         raise ValueError(f"evaluation text has {tokens.numel()} tokens; need at least 2")
     kept = None if keep is None else set(keep)

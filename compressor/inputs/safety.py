@@ -146,7 +146,9 @@ def check_report_path(path: str | Path, *, reads: Iterable[tuple[str, str | Path
 # Leftovers of interrupted saves
 # --------------------------------------------------------------------------------------------------
 
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
+#: ``tmp``: a staging folder; ``old``: an earlier output moved aside; ``size``: the size stage's work folder (the
+#: F16 and the preset files, many GB on a large model).
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|size)-(?P<pid>\d+)$")
 
 
 def pid_alive(pid: int) -> bool:
@@ -162,7 +164,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def clean_stale_temps(out: Path) -> list[Path]:
-    """Remove ``.<name>.tmp-<pid>`` / ``.<name>.old-<pid>`` folders beside ``out``
+    """Remove ``.<name>.tmp-<pid>`` / ``.<name>.old-<pid>`` / ``.<name>.size-<pid>`` folders beside ``out``
     left by runs that were killed (their process no longer exists)."""
     removed: list[Path] = []
     parent = out.parent

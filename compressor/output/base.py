@@ -51,13 +51,19 @@ class WriteRequest:
     probe_batch_size: int = 8
     expected_ppl: float | None = None
     """The in-memory model's perplexity on ``probe_tokens`` (the gate's final number)."""
-    ppl_limit_ratio: float | None = None
-    """The gate's limit over the original's perplexity (1.05 for a 5 % budget): a quantized output may
-    be no worse than the original at the same quantization by more than this."""
+    gate: Any = None
+    """The rule a check holds the written file to: the recipe's policy
+    (:class:`compressor.recipe.schema.PolicyConfig` — its budget as the recipe gives it, headroom, confidence),
+    passed as it is to :func:`compressor.evaluation.evaluate.gate_check`. A quantized output may be no worse
+    than the original at the same quantization by more than that. None: no such check."""
     offload: str = "none"
     device: str = "cpu"
     options: dict = field(default_factory=dict)
     """Writer-specific options from the recipe's ``output`` section."""
+    size_plan: Any = None
+    """The size stage's plan (:class:`compressor.policy.quantplan.SizePlan`: a GGML type and an importance
+    matrix per tensor), when the recipe names ``output.size``; the writer stores what it says and measures the
+    file, and the size stage judges it (:mod:`compressor.pipeline.size`)."""
 
 
 class VerificationError(RuntimeError):

@@ -48,8 +48,12 @@ from compressor.output.hf import (
 logger = logging.getLogger(__name__)
 
 STANDARD_FORMAT = "compressor.standard/v1"
-#: Config attribute holding the FFN width, where it is not ``intermediate_size``.
-WIDTH_ATTR = {"gpt2": "n_inner"}
+
+
+def _width_attr(model_type: str) -> str:
+    """The config attribute holding the FFN width: the row's ``width_attr`` (``intermediate_size`` if none)."""
+    spec = ARCHITECTURES.get(model_type)
+    return spec.width_attr if spec is not None else "intermediate_size"
 
 
 def _conv1d(mod: nn.Module) -> bool:
@@ -85,7 +89,7 @@ def standard_model(model: nn.Module) -> nn.Module:
                          f"{sorted(set(widths.values()))}")
     width = next(iter(widths.values()))
     cfg = copy.deepcopy(model.config)
-    setattr(cfg, WIDTH_ATTR.get(model_type, "intermediate_size"), width)
+    setattr(cfg, spec.width_attr, width)
     pruned = {p: f for p, f in ffns.items() if isinstance(f, HiddenUnitFFN)}
     if any(bool(f.out.bias.any()) for f in pruned.values()) and hasattr(cfg, "mlp_bias"):
         cfg.mlp_bias = True  # Llama: gate, up and down get a bias; the down bias carries the intercept
@@ -150,7 +154,7 @@ class StandardWriter(Writer):
     def write(self, request: WriteRequest, folder: Path) -> list[Path]:
         model, dtype = request.model, request.dtype
         std = standard_model(model)
-        width_attr = WIDTH_ATTR.get(model.config.model_type, "intermediate_size")
+        width_attr = _width_attr(model.config.model_type)
         width = getattr(std.config, width_attr)
         state = cast_state_dict(std, dtype) if dtype is not None else None
         std.save_pretrained(folder, safe_serialization=True, state_dict=state)
@@ -178,7 +182,7 @@ class StandardWriter(Writer):
         if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not type(model):
             raise VerificationError(f"the standard folder reloaded as {cls}, not the base class "
                                     f"{type(model).__name__}; the folder was not published")
-        width_attr = WIDTH_ATTR.get(model.config.model_type, "intermediate_size")
+        width_attr = _width_attr(model.config.model_type)
         return compare_reloaded(request, reloaded, "standard reload check", reference, **{
             "class": cls, width_attr: getattr(reloaded.config, width_attr),
             "mlp_bias": getattr(reloaded.config, "mlp_bias", None)})

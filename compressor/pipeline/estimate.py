@@ -110,25 +110,6 @@ def _shape(model: nn.Module) -> tuple[int, int, int, int, int]:
     return d, ff, int(cfg.num_hidden_layers), int(cfg.vocab_size), sum(p.numel() for p in model.parameters())
 
 
-#: Seconds per weight per GGML type to price (quantize, decode, cost) on the 2-core machine: SmolLM2-135M's
-#: 108 M priced weights in about 8 types each took 46 s (``report.json`` → ``size_plan.timings``).
-PRICE_SECONDS = 5.3e-8
-#: The size stage's passes, relative to a forward over the calibration tokens: the backward pass and the
-#: input moments of every linear (SmolLM2-135M, 16,384 tokens: 124 s in all).
-SIZE_STATS_FACTOR = 6.0
-
-
-def _size_stages(model: nn.Module, cal: int, evals: int, fwd: float, params: int) -> dict[str, float]:
-    """``output.size``: baseline, the two statistics passes, pricing (large tensors on a sample of rows) and
-    the file and the preset checked in llama.cpp."""
-    from compressor.policy.quantplan import MAX_PRICED_ELEMENTS
-
-    priced = sum(min(p.numel(), MAX_PRICED_ELEMENTS) for p in {id(p): p for p in model.parameters()}.values()
-                 if p.dim() == 2)
-    return {"baseline": evals * fwd, "statistics": cal * fwd * SIZE_STATS_FACTOR,
-            "pricing": priced * 8 * PRICE_SECONDS, "write + verify": 4 * evals * fwd + params * 1e-7}
-
-
 def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool,
                  recorded: dict | None = None, self_eval_tokens: int = 0) -> Estimate:
     """Expected seconds per stage of ``recipe`` on ``model`` (already loaded) on this machine.
@@ -152,8 +133,11 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
         out["self-calibration"] = n_self * decode_seconds_per_token(model, 32)
     if self_eval_tokens:
         out["self-written evaluation"] = self_eval_tokens * decode_seconds_per_token(model, 32)
-    if recipe.output.size is not None:
-        return Estimate({**out, **_size_stages(model, cal, evals, fwd, params)}, fwd)
+    from compressor.pipeline import size
+
+    sized = size.estimate(recipe, model, cal, evals, fwd, params)
+    if sized is not None:  # a size plan: its own stages, no structural search
+        return Estimate({**out, **sized}, fwd)
     strategy = pol.strategy
     needs_gradients = strategy == "allocate" and pol.allocation == "fisher" or getattr(rc, "selection", "obs") == "loss"
     if needs_gradients and not recorded.get("gradients"):

@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from compressor.core import distributed as dist
 from compressor.core.errors import EXIT_GATE, EXIT_OK, GateFailed, InputError, exit_code_for
-from compressor.pipeline import stages
+from compressor.pipeline import size, stages
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import Recipe
 
@@ -102,17 +102,46 @@ def oneshot(model, recipe: Recipe | dict | str | Path, *, tokenizer=None, datase
     with ExitStack() as stack:
         if dataset is not None:
             recipe.calibration.dataset = _calibration_dataset(dataset, recipe, stack)
-        given = None
         if isinstance(model, (str, Path)):
             recipe.model.source = str(model)
             if recipe.output.path is None:
                 raise InputError("output_dir: required with a source string (a model object may be compressed "
                                  "without writing anything)")
+            return _execute(recipe, None, use_cache=use_cache, resume=resume, keep_state=keep_state,
+                            measurements_from=measurements_from)
+        given = stages.from_object(model, tokenizer)
+        _describe_object(recipe, given)
+        with _restored_on_failure(given.model):
+            return _execute(recipe, given, use_cache=use_cache, resume=resume, keep_state=keep_state,
+                            measurements_from=measurements_from)
+
+
+_MISSING = object()
+
+
+@contextmanager
+def _restored_on_failure(model):
+    """The caller's model, exactly as handed in, after any exception — a gate's refusal, a bad input found
+    late, Ctrl-C (``KeyboardInterrupt``) or a kill signal turned into an exception: every submodule back in
+    its place, its class, config and training flag. Replacements swap modules and never edit the originals'
+    weights, so putting the originals back is the whole restore."""
+    slots = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()]
+    cls, config, training = model.__class__, model.config, model.training
+    section = config.__dict__.get("compression", _MISSING)
+    try:
+        yield
+    except BaseException:
+        for parent, name, child in slots:
+            if parent._modules.get(name) is not child:
+                parent._modules[name] = child
+        model.__class__, model.config = cls, config
+        if section is _MISSING:  # the one field a run sets on a config in place
+            config.__dict__.pop("compression", None)
         else:
-            given = stages.from_object(model, tokenizer)
-            _describe_object(recipe, given)
-        return _execute(recipe, given, use_cache=use_cache, resume=resume, keep_state=keep_state,
-                        measurements_from=measurements_from)
+            config.compression = section
+        model.train(training)
+        logger.info("the model handed in is restored as it was (the run did not finish)")
+        raise
 
 
 def _override_list(overrides) -> list[str]:
@@ -219,6 +248,13 @@ def _execute(recipe: Recipe, given: stages.Loaded | None, *, use_cache: bool | N
     checked.keep_state = keep_state
     try:
         return _run_checked(recipe, checked, given, use_cache, t_start)
+    except GateFailed:  # the run ended (exit 3): its state goes as on success
+        _end_state(checked)
+        raise
+    except InputError:  # exit 2: a fresh run's state goes; one the user asked to resume stays, for the fix
+        if not checked.state.resumed:
+            _end_state(checked)
+        raise
     finally:
         checked.release()
 
@@ -239,7 +275,6 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
     if not result.gate_passed:
         report.update(status="rejected", exit_code=EXIT_GATE, message=result.gate_message, output=None)
         logger.error("gate failed: %s; nothing was written", result.gate_message)
-        _end_state(checked)
         raise GateFailed(result.gate_message, report=report, attempts=result.attempts, result=result)
     if checked.out is None:  # a model object, no output_dir: nothing to write
         report["output"] = None
@@ -249,85 +284,33 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
         return OneshotResult(loaded.model, loaded.tokenizer, report, None, result)
     if not dist.is_main():
         return _wait_for_main(loaded, result)
-    sizing = None
     try:
         request = stages.write_request(recipe, loaded, checked, result, report)
-        if recipe.output.size is not None:
-            sizing = sized(recipe, request, calibrated, checked, report, result)
-        tmp = stages.write(recipe.output, request, checked, report["timings"])
-        if sizing is not None:
-            tmp = fit_budget(sizing, recipe, request, checked, report, tmp)
-        stages.verify(recipe.output, request, tmp, report)
-        if sizing is not None:
-            tmp = gate_size(sizing, recipe, request, checked, report, tmp, result)
-        out = stages.publish_output(tmp, checked.out, report, t_start)
+        tmp = _ship(recipe, request, calibrated, checked, report, result)
+        out = stages.publish_output(tmp, checked.out, report, t_start, recipe)
     except BaseException as err:
         dist.broadcast_object(((exit_code_for(err), f"{type(err).__name__}: {err}"), None))
         raise
-    finally:
-        if sizing is not None:
-            sizing.cleanup()
     dist.broadcast_object((None, report))
     _end_state(checked)
-    stages.adopt(loaded.model, request.compression)
+    if size.structural(recipe):  # a size plan changed no weight of the model in memory
+        stages.adopt(loaded.model, request.compression)
     logger.info("saved compressed model to %s", out)
     logger.info("%s", result.gate_message)
     return OneshotResult(loaded.model, loaded.tokenizer, report, out, result)
 
 
-def sized(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stages.Checked, report: dict, result):
-    """The size stage (:mod:`compressor.pipeline.sizing`): plan every tensor's type; the writers get the plan
-    and every gate domain to check the file on in llama.cpp, with the original's perplexity there."""
+def _ship(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stages.Checked, report: dict,
+          result: CompressionResult) -> Path:
+    """The verified staging folder: the size stage's planned file (:mod:`compressor.pipeline.size`), or every
+    format written and checked as it is."""
     import torch
 
-    from compressor.pipeline.sizing import plan_size
-
-    t0 = time.perf_counter()
     cal = calibrated.cal
-    ratio = result.budget_ppl / result.baseline.ppl if result.baseline.ppl else None
-    sizing = plan_size(recipe, request, torch.cat([cal.fit, cal.heldout]), checked.out, ppl_ratio=ratio)
-    request.options.update(sizing.writer_options())
-    report["size_plan"] = sizing.to_json()
-    report["timings"]["size_plan_s"] = time.perf_counter() - t0
-    return sizing
-
-
-def gate_size(sizing, recipe: Recipe, request, checked: stages.Checked, report: dict, tmp: Path, result) -> Path:
-    """The size gate on the written file; ``output.size: smallest`` steps back to a larger plan while the
-    gate fails and back-offs are left (:meth:`~compressor.pipeline.sizing.Sizing.back_off`)."""
-    while True:
-        last = sizing.search is None or sizing.search.backoffs_left <= 0
-        try:
-            stages.size_gate(recipe, report, tmp, result, last=last)
-        except GateFailed:
-            if sizing.search is not None:  # the last attempt, recorded beside the others
-                sizing.back_off(report["verification"]["gguf"])
-                report["size_plan"] = sizing.to_json()
-            raise
-        except stages.SizeGateMissed:
-            sizing.back_off(report["verification"]["gguf"])
-            request.options.update(sizing.writer_options())
-            report["size_plan"] = sizing.to_json()
-            tmp = stages.write(recipe.output, request, checked, report["timings"])
-            tmp = fit_budget(sizing, recipe, request, checked, report, tmp)
-            stages.verify(recipe.output, request, tmp, report)
-            continue
-        sizing.passed(report["verification"]["gguf"])
-        report["size_plan"] = sizing.to_json()
-        return tmp
-
-
-def fit_budget(sizing, recipe: Recipe, request, checked: stages.Checked, report: dict, tmp: Path) -> Path:
-    """Re-plan and write again while the GGUF is over its budget (its non-tensor bytes were estimated)."""
-    from compressor.pipeline.sizing import replan
-
-    for _ in range(3):
-        if not replan(sizing, (tmp / "model.gguf").stat().st_size):
-            break
-        stages.remove_tree(tmp)
-        request.options.update(sizing.writer_options())
-        report["size_plan"] = sizing.to_json()
+    tmp = size.ship(recipe, request, torch.cat([cal.fit, cal.heldout]), checked, report, result)
+    if tmp is None:
         tmp = stages.write(recipe.output, request, checked, report["timings"])
+        stages.verify(recipe.output, request, tmp, report)
     return tmp
 
 
@@ -337,10 +320,10 @@ def _end_state(checked: stages.Checked) -> None:
     if not checked.keep_state:
         state.discard()
     elif dist.is_main() and state.enabled:
-        size = sum(p.stat().st_size for p in state.folder.iterdir() if p.is_file())
+        nbytes = sum(p.stat().st_size for p in state.folder.iterdir() if p.is_file())
         logger.info("run state kept at %s (%.1f GB): a run of this recipe with other gate settings (policy.ppl_budget, "
                     "ffn_keep, …) takes its measurements with --measurements-from %s; delete the folder when done",
-                    state.folder, size / 1e9, checked.out)
+                    state.folder, nbytes / 1e9, checked.out)
 
 
 def _wait_for_main(loaded: stages.Loaded, result: CompressionResult) -> OneshotResult:

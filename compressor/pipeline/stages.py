@@ -93,9 +93,11 @@ def default_formats(recipe: Recipe, model_type: str | None = None, src: Resolved
     if "formats" in oc.model_fields_set:
         return oc.formats
     from compressor.output.gguf import arch_refusal
+    from compressor.pipeline import size
 
-    if oc.size is not None:  # a size is the GGUF's: the file a deployer ships, and nothing else
-        oc.formats, oc._defaulted = ["gguf"], True
+    formats = size.default_formats(oc)
+    if formats is not None:  # a size is the file a deployer ships, and nothing else
+        oc.formats, oc._defaulted = formats, True
         return oc.formats
     formats = ["hf"]
     src = src or resolve_source(recipe.model.source, recipe.model.gguf_file)
@@ -116,16 +118,30 @@ def _model_type(recipe: Recipe) -> str:
     return model_config(src, trust_remote_code=mc.trust_remote_code, revision=mc.revision).model_type
 
 
-def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None = None,
-          given: Loaded | None = None) -> Checked:
-    """Check inputs: files, data, output safety, evaluation text size, dtype rules and the
-    resume state — everything that can be known before the model loads.
+@dataclass
+class Preflight:
+    """What :func:`preflight` read and checked: everything a run can know before the model loads."""
+
+    write: bool
+    model_type: str
+    src: ResolvedSource
+    streams: dict[str, torch.Tensor]
+    width_multiple: int
+
+
+def preflight(recipe: Recipe, *, given: Loaded | None = None, output_required: bool = True) -> Preflight:
+    """Every check that needs no model: files, data, the evaluation text's size, the formats, a size's
+    rules, dtype rules, the architecture — what ``compressor validate`` runs, so it agrees with ``run``.
 
     ``given``: a model object handed in (:func:`from_object`); its source is not read, and with
-    ``output.path`` unset nothing is to be written (no lock, no run state)."""
-    t0 = time.perf_counter()
+    ``output.path`` unset nothing is to be written. ``output_required=False`` (``validate`` of a recipe
+    with no ``output.path``): the output folder's own checks are left for the run that names one."""
+    from compressor.pipeline import size
+
     write = given is None or recipe.output.path is not None
-    check_inputs(recipe, need_output=write, check_source=given is None)
+    check_inputs(recipe, need_output=write and (output_required or recipe.output.path is not None),
+                 check_source=given is None)
+    write = write or not output_required
     # read once: from a GGUF source it means parsing the file's metadata
     model_type = given.model_type if given is not None else _model_type(recipe)
     src = given.source if given is not None else resolve_source(recipe.model.source, recipe.model.gguf_file)
@@ -146,14 +162,24 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
     except ValueError as err:
         raise InputError(str(err)) from None
     _check_confirmation(recipe, streams)
-    if not write:
-        return Checked(None, streams, RunState(), [], width_multiple=_check_architecture(recipe, src, given),
-                       grid=output_grid(recipe, src), seconds=time.perf_counter() - t0)
-    _check_writers(recipe, tokenizer, model_type, src)
-    _check_size(recipe)
-    if given is None:
-        _check_offload_dtype(mc, recipe.output)
-    multiple = _check_architecture(recipe, src, given)
+    size.check_output(recipe, writes=write)
+    if write:
+        _check_writers(recipe, tokenizer, model_type, src)
+        if given is None:
+            _check_offload_dtype(mc, recipe.output)
+    return Preflight(write, model_type, src, streams, _check_architecture(recipe, src, given))
+
+
+def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None = None,
+          given: Loaded | None = None) -> Checked:
+    """:func:`preflight`, then the output lock and the resume state — everything that can be known and
+    held before the model loads."""
+    t0 = time.perf_counter()
+    pre = preflight(recipe, given=given)
+    src, streams, multiple = pre.src, pre.streams, pre.width_multiple
+    if not pre.write:
+        return Checked(None, streams, RunState(), [], width_multiple=multiple, grid=output_grid(recipe, src),
+                       seconds=time.perf_counter() - t0)
     out = Path(recipe.output.path).expanduser().resolve()
     reads = run_reads(recipe)
     # Before the resume state is touched: a second run must not discard the first one's.
@@ -174,8 +200,10 @@ def _check_confirmation(recipe: Recipe, streams: dict[str, torch.Tensor]) -> Non
     domain's split; said before the model loads."""
     from compressor.evaluation.evaluate import confirmation_windows, window_count
 
+    from compressor.pipeline import size
+
     f = recipe.policy.confirm_fraction
-    if not f or recipe.output.size is not None:  # a size plan measures one file once: no search to confirm
+    if not f or not size.structural(recipe):  # a size plan's files are gated on every window: nothing to confirm
         return
     for e in recipe.evaluation_domains():
         tokens = e.written_tokens() if e.self_written() else streams[e.domain_name()].numel()
@@ -223,8 +251,10 @@ def output_grid(recipe: Recipe, src: ResolvedSource) -> dict[int, str]:
     does not snap."""
     from compressor.fitting.kinds import get_kind
 
+    from compressor.pipeline import size
+
     oc = recipe.output
-    if (not src.gguf_file or oc.size is not None or "gguf" not in oc.formats
+    if (not src.gguf_file or not size.structural(recipe) or "gguf" not in oc.formats
             or getattr(oc, "gguf_quant", "source") != "source" or not get_kind(recipe.replacement.kind).snaps):
         return {}
     try:
@@ -258,35 +288,21 @@ def _gguf_source_block(src: ResolvedSource) -> int:
 def _check_writers(recipe: Recipe, tokenizer, model_type: str, src: ResolvedSource) -> None:
     """Each requested format can represent this architecture and kind, takes its options and can carry
     the tokenizer: asked before the model loads, with the alternative in the message."""
+    from compressor.pipeline import size
+
     oc = recipe.output
     options = writer_options(oc)
+    size.check(recipe, model_type, src)
     for name in oc.writers():
         writer = get_writer(name)
         why = (writer.unsupported(model_type, recipe.replacement.kind) or writer.check_options(options)
                or writer.check_tokenizer(tokenizer, src))
-        if why and name == "gguf" and oc.size is not None and src.gguf_file:
-            # a size plan re-quantizes the GGUF source in its own architecture: any that llama.cpp loads
-            from compressor.output.gguf import REQUANTIZE_ARCH, runtime_missing
-
-            why = runtime_missing() or (None if model_type in REQUANTIZE_ARCH else why)
+        why = size.writer_refusal(recipe, name, why, model_type, src)
         if why:
             chosen = "" if not oc._defaulted else (
                 f" ({name} is in output.formats by default for a GGUF source; set output.formats: [hf] to write "
                 "only the Hugging Face folder)")
             raise InputError(f"output.formats: {name}: {why}{chosen}")
-
-
-def _check_size(recipe: Recipe) -> None:
-    """``output.size`` plans a GGUF: the gguf format must be written, from a model held in memory."""
-    oc = recipe.output
-    if oc.size is None:
-        return
-    if "gguf" not in oc.formats:
-        raise InputError(f"output.size: {oc.size} is the size of the GGUF file, but output.formats is {oc.formats}; "
-                         "add gguf to output.formats (or remove output.size)")
-    if recipe.model.offload != "none":
-        raise InputError("output.size prices every weight from one backward pass over the whole model, which an "
-                         f"onloaded model (model.offload: {recipe.model.offload}) does not hold; use model.offload: none")
 
 
 def _check_offload_dtype(mc: ModelConfig, oc: OutputConfig) -> None:
@@ -433,10 +449,10 @@ def calibration_key(recipe: Recipe, cal: CalibrationSet, streams: dict[str, torc
 def compress(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Checked) -> CompressionResult:
     """The policy engine: measure, fit, select and gate (:func:`compressor.policy.compress.compress_model`).
     With ``output.size`` the blocks stay as they are and the size stage plans the file instead."""
-    if recipe.output.size is not None:
-        from compressor.pipeline.sizing import baseline_only
+    from compressor.pipeline import size
 
-        result = baseline_only(loaded.model, recipe, checked.eval_streams)
+    result = size.baseline_only(loaded.model, recipe, checked.eval_streams)
+    if result is not None:
         result.timings = {**_text_timings(calibrated), **result.timings}
         return result
     try:
@@ -574,9 +590,8 @@ def write_request(recipe: Recipe, loaded: Loaded, checked: Checked, result: Comp
         extra_files={"recipe.yaml": recipe.to_yaml(), "README.md": model_card(rep)},
         probe_tokens=checked.eval_streams[e.domain_name()], probe_seq_len=e.seq_len, probe_stride=e.stride,
         probe_batch_size=e.batch_size, expected_ppl=result.final.ppl, offload=mc.offload, device=mc.device,
-        ppl_limit_ratio=result.budget_ppl / result.baseline.ppl if result.baseline.ppl else None,
-        options={**writer_options(recipe.output, result), "gate_domains": gate_domains(recipe, checked, result),
-                 "confidence": recipe.policy.confidence},
+        gate=recipe.policy,
+        options={**writer_options(recipe.output, result), "gate_domains": gate_domains(recipe, checked, result)},
     )
 
 
@@ -658,58 +673,17 @@ def _gguf_gate_failed(rep: dict, message: str):
     return GateFailed(message, report=rep)
 
 
-class SizeGateMissed(Exception):
-    """A planned GGUF over the gate while the size search may still step back (``output.size: smallest``);
-    its staging folder is already removed."""
-
-
-def size_gate(recipe: Recipe, rep: dict, tmp: Path, result: CompressionResult, *, last: bool = True) -> None:
-    """``output.size``: the planned GGUF in llama.cpp on every gate domain is the gate — the upper confidence
-    bound of its change against the original (``result``'s baseline, transformers; paired by window) within
-    ``policy.ppl_budget`` less ``policy.headroom`` everywhere (:func:`~compressor.evaluation.evaluate.gate_check`); over it anywhere,
-    nothing is published (exit 3), or, unless ``last``, :class:`SizeGateMissed` (the caller plans again)."""
-    from compressor.core.errors import GateFailed
-    from compressor.evaluation.evaluate import gate_check, window_evaluation
-
-    check, pol = rep["verification"]["gguf"], recipe.policy
-    base = getattr(result.baseline, "domains", None) or {}
-    candidates = {d["name"]: window_evaluation(d["window_nll"], d["window_tokens"], name=d["name"],
-                                               seq_len=base[d["name"]].seq_len, stride=base[d["name"]].stride,
-                                               teacher=result.teacher_windows.get(d["name"]))
-                  for d in check["domains"]}
-    ok, why, per = gate_check({n: base[n] for n in candidates}, candidates, pol)
-    for d in check["domains"]:
-        d.update({k: per[d["name"]][k] for k in ("relative_delta_upper", "limit", "passed", "paired", "quantile",
-                                                  "confidence")})
-        d.pop("window_nll", None), d.pop("window_tokens", None)
-    check["gate_passed"] = ok or not pol.gate
-    changes = "; ".join(
-        f"{d['name']} {100 * d['relative_change']:+.2f} % ({pol.confidence:.0%} bound "
-        f"{100 * d['relative_delta_upper']:+.2f} %" + (
-            f"; llama.cpp's {check['preset']['name']}: {100 * d['preset_relative_change']:+.2f} %)"
-            if check.get("preset") else ")") for d in check["domains"])
-    rep["message"] = (f"GGUF of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); perplexity in "
-                      f"llama.cpp against the original's: {changes}; budget {pol.ppl_budget:+.0%} ({pol.budget_mode}"
-                      f"{f', the bound held to {1 - pol.headroom:.0%} of it' if pol.headroom else ''})")
-    if not check["gate_passed"]:
-        remove_tree(tmp)
-        if not last:
-            raise SizeGateMissed(why)
-        rep.update(status="rejected", exit_code=3)
-        fix = ("raise policy.ppl_budget, or policy.max_backoff for more attempts"
-               if str(recipe.output.size).strip().lower() == "smallest" else
-               "give a larger output.size or raise policy.ppl_budget")
-        rep["message"] += f". {why}: nothing was written; {fix}"
-        rep["output"] = None
-        raise GateFailed(rep["message"], report=rep)
-
-
-def publish_output(tmp: Path, out: Path, rep: dict, t_start: float) -> Path:
-    """Write ``report.json`` into the verified staging folder and rename it into place."""
+def publish_output(tmp: Path, out: Path, rep: dict, t_start: float, recipe: Recipe | None = None) -> Path:
+    """Write ``report.json`` into the verified staging folder, with the resolved ``recipe.yaml`` and the model
+    card (``README.md``) where no writer wrote them, and rename it into place."""
     try:
         rep["size"].update(output_sizes(tmp, rep["size"]))
         rep["size"]["like_with_like"] = like_with_like(rep)
         rep["timings"]["total_s"] = time.perf_counter() - t_start
+        if recipe is not None:  # what a writer did not write itself (a GGUF-only folder)
+            for name, text in (("recipe.yaml", recipe.to_yaml()), ("README.md", model_card(rep))):
+                if not (tmp / name).exists():
+                    (tmp / name).write_text(text)
         (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
         return publish(tmp, out)
     except BaseException:
@@ -759,4 +733,4 @@ def remove_tree(tmp: Path) -> None:
 
 __all__ = ["Calibrated", "Checked", "Loaded", "Reference", "VerificationError", "adopt", "calibrate", "check",
            "check_loaded", "compare", "compress", "compression_section", "from_object", "load", "publish_output",
-           "reference", "remove_tree", "report", "SizeGateMissed", "size_gate", "verify", "write", "write_request"]
+           "reference", "remove_tree", "report", "verify", "write", "write_request"]

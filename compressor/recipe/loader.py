@@ -89,14 +89,16 @@ def recipe_from_dict(data: Any) -> Recipe:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``key.path=value`` overrides (values parsed as YAML)."""
+    """Apply ``key.path=value`` overrides (values parsed as YAML). An empty value stays the empty string
+    the shell gave, for the schema to judge: YAML would read it as null, and ``--set output.size=$SIZE``
+    with ``SIZE`` unset must not silently mean "no size" (``null`` says that)."""
     data = copy.deepcopy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise RecipeError(f"--set {shorten(item)}: expected key.path=value, e.g. policy.threshold=0.95")
         try:
-            value = yamlsafe.load(raw)
+            value = raw if not raw.strip() else yamlsafe.load(raw)
         except yamlsafe.YAMLLimitError as e:
             raise RecipeError(f"--set {shorten(item)}: the value is refused: {e}") from None
         except yaml.YAMLError as e:

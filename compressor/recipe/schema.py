@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 RECIPE_VERSION = 1
 # 2^27 tokens is about 500 MB of text: more than any run on one machine reads; a larger
@@ -305,6 +305,25 @@ class OutputConfig(_Section):
         "its down projection in F16, or is padded with dead units"
     )
 
+    @field_validator("size", mode="before")
+    @classmethod
+    def _size_text(cls, value):
+        """A byte count written as a number (``size: 123456789``, ``--set output.size=3582592``) is that many
+        bytes, kept as text; an empty size (an unset shell variable in ``--set output.size=$SIZE``) is an
+        error, not "no size": null (or no key) is how a recipe says it plans none."""
+        if isinstance(value, bool):
+            raise ValueError(f"{value} is not a size; give {SIZE_FORMS}")
+        if isinstance(value, (int, float)):
+            if not (math.isfinite(value) and float(value).is_integer()):
+                raise ValueError(f"{value!r} is not a whole number of bytes; give {SIZE_FORMS}")
+            if value <= 0:
+                raise ValueError(f"{int(value)} bytes: a size must be positive; give {SIZE_FORMS}")
+            return str(int(value))
+        if isinstance(value, str) and not value.strip():
+            raise ValueError(f"empty; give {SIZE_FORMS}. To plan no size, remove the output.size key (or set "
+                             "it to null); an empty value is often an unset shell variable (--set output.size=$SIZE)")
+        return value
+
     @model_validator(mode="after")
     def _size_rule(self):
         if self.size is not None:
@@ -342,6 +361,9 @@ class OutputConfig(_Section):
 #: llama.cpp presets ``output.size`` may name (their size for the model at hand is the budget).
 SIZE_PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "Q3_K_L", "Q3_K_M", "Q3_K_S",
                 "Q2_K")
+#: What ``output.size`` takes, in words (every message that refuses a size names them).
+SIZE_FORMS = (f"bytes (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), a llama.cpp preset "
+              f"({', '.join(SIZE_PRESETS)}) or smallest (the smallest file within policy.ppl_budget)")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -371,9 +393,7 @@ def parse_size(text: str) -> tuple[str, float | str]:
         if n <= 0:
             raise ValueError(f"output.size: {t} must be positive")
         return "bytes", n
-    raise ValueError(f"output.size: {t!r} is not a size: give bytes (750MB, 1.2GB, 123456789), bits per weight "
-                     f"(4.5bpw), a llama.cpp preset ({', '.join(SIZE_PRESETS)}) or smallest (the smallest file "
-                     "within policy.ppl_budget)")
+    raise ValueError(f"output.size: {t!r} is not a size: give {SIZE_FORMS}")
 
 
 #: Multiple of the one FFN width of ``output.architecture: standard``: serving kernels (vLLM, llama.cpp,
@@ -419,6 +439,7 @@ DEFAULT_EVALUATION = ("embedded", "embedded-code", "self")
 
 #: Fields each strategy never reads, as ``(section, field)``: setting one to anything but its default is
 #: an error naming it (a silent no-op misleads: ``replacement.keep: 0.5`` under allocate kept 31.9 %).
+#: ``size`` (``output.size``, which runs no strategy) is added below :data:`SIZE_READS`.
 IGNORED_BY = {
     "allocate": (("policy", "threshold"), ("policy", "include"), ("policy", "order"), ("policy", "max_blocks"),
                  ("policy", "target_ratio"), ("policy", "patience"), ("measure", "swap_sweep"),
@@ -430,6 +451,23 @@ _INSTEAD = {"allocate": "the allocate strategy splits one global cut across bloc
                         "policy.exclude)",
             "greedy": "the greedy strategy swaps whole blocks one at a time (policy.threshold, include, order, "
                       "max_blocks, target_ratio, patience)"}
+
+
+#: The policy fields ``output.size`` reads: the gate on the planned file in llama.cpp (its metric, budget,
+#: bound and switch), the task budget, and for ``output.size: smallest`` the back-off. A size plan leaves
+#: every block as it is (:func:`compressor.pipeline.size.baseline_only`), so every other policy field,
+#: the measure settings of the structural search and the whole replacement section go unread.
+SIZE_READS = ("metric", "ppl_budget", "budget_mode", "confidence", "headroom", "gate", "task_budget",
+              "max_backoff")
+IGNORED_BY["size"] = (
+    *(("policy", n) for n in PolicyConfig.model_fields if n not in SIZE_READS),
+    ("policy", "max_backoff"),  # read by `smallest` only (see Recipe._fields_a_size_reads)
+    *(("measure", n) for n in MeasureConfig.model_fields if n != "cache"),  # cache: the size plan's prices
+    ("replacement", "kind"),
+    *dict.fromkeys(("replacement", n) for c in REPLACEMENT_CONFIGS.values() for n in c.model_fields if n != "kind"),
+)
+_INSTEAD["size"] = ("output.size plans tensor types only: it leaves every block as it is, so neither the "
+                    "structural search nor a replacement runs")
 
 
 class Recipe(_Section):
@@ -446,7 +484,40 @@ class Recipe(_Section):
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
+    def _fields_a_size_reads(self):
+        """With ``output.size`` the structural fields are not read (:data:`IGNORED_BY` ``["size"]``): one
+        set to anything but its default is an error naming it, as for a strategy; checked first, so the
+        strategy's own checks below never speak of a search that does not run."""
+        if self.output.size is None:
+            return self
+        if self.policy.metric == "kl":
+            raise ValueError("policy.metric: kl with output.size: the size plan's gate measures the planned file's "
+                             "perplexity in llama.cpp; KL divergence is not measured for size plans. Use "
+                             "policy.metric: ppl (with policy.ppl_budget) with output.size, or remove output.size "
+                             "for a structural compression gated on KL")
+        smallest = str(self.output.size).strip().lower() == "smallest"
+        defaults = Recipe.model_fields["replacement"].get_default(call_default_factory=True)
+        for section, name in IGNORED_BY["size"]:
+            if (section, name) == ("policy", "max_backoff") and smallest:
+                continue
+            sec = getattr(self, section)
+            if name not in type(sec).model_fields:
+                continue
+            value = getattr(sec, name)
+            default = (defaults.kind if (section, name) == ("replacement", "kind")
+                       else type(sec).model_fields[name].get_default(call_default_factory=True))
+            if value != default:
+                only = (" (policy.max_backoff is read by output.size: smallest only)"
+                        if name == "max_backoff" else "")
+                raise ValueError(f"{section}.{name}: {value!r} is not read with output.size{only}: "
+                                 f"{_INSTEAD['size']}. Remove {section}.{name}, or remove output.size for a "
+                                 "structural compression")
+        return self
+
+    @model_validator(mode="after")
     def _allocate_needs_a_target(self):
+        if self.output.size is not None:  # no search runs (_fields_a_size_reads)
+            return self
         if self.strategy() == "allocate" and not self.policy.gate and self.policy.ffn_keep is None:
             raise ValueError("policy.ffn_keep: required when the allocate strategy runs without the gate "
                              "(policy.gate: false); set a fraction of FFN parameters to keep, or turn the gate on")
@@ -457,6 +528,8 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _fields_the_strategy_reads(self):
+        if self.output.size is not None:  # no strategy runs: _fields_a_size_reads
+            return self
         strategy = self.strategy()
         for section, name in IGNORED_BY[strategy]:
             sec = getattr(self, section)

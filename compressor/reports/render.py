@@ -302,8 +302,65 @@ def scrub_paths(text: str) -> str:
 
 def model_card(report: dict) -> str:
     """The ``README.md`` model card: Hub metadata (:func:`card_metadata`), what was done and measured,
-    how to load it. Names no local path and no ``pkg:`` source."""
-    return scrub_paths(_model_card(report))
+    how to load it — for a size plan, the file's types and bytes and its change in llama.cpp beside the
+    preset's. Names no local path and no ``pkg:`` source."""
+    return scrub_paths(_size_card(report) if report.get("size_plan") else _model_card(report))
+
+
+def _size_card(r: dict) -> str:
+    """The card of a size-planned GGUF: what was planned, the types chosen, what llama.cpp measured."""
+    plan, check = r["size_plan"], (r.get("verification") or {}).get("gguf") or {}
+    m = r["model"]
+    source = m.get("hub_id") or m.get("base_model") or m.get("base_model_name") or public_name(m["resolved"])
+    types = ", ".join(f"{t} ×{n}" for t, n in sorted((plan.get("types_used") or {}).items(),
+                                                      key=lambda kv: -kv[1]))
+    preset = check.get("preset")
+    rows = "\n".join(
+        f"| {d['name']} | {d['perplexity']:.4f} | {100 * d['relative_change']:+.2f} % | "
+        f"{100 * d['relative_delta_upper']:+.2f} % |"
+        + (f" {100 * d['preset_relative_change']:+.2f} % |" if preset else "")
+        for d in check.get("domains", []) if d.get("relative_delta_upper") is not None)
+    head = "| domain | perplexity | change | bound |" + (f" llama.cpp's {preset['name']} |" if preset else "")
+    rule = "|---|---:|---:|---:|" + ("---:|" if preset else "")
+    preset_line = (f"Beside it, llama.cpp's own {preset['name']} of the same F16 ({preset['file_bytes']:,} bytes, "
+                   "no importance matrix), measured on the same windows.\n" if preset else "")
+    hf = ("\nThe Hugging Face folder beside it holds the original weights, unchanged (a size plan changes only "
+          "the GGUF's tensor types).\n" if "hf" in ((r.get("recipe") or {}).get("output") or {}).get("formats", [])
+          else "")
+    return f"""---
+{card_metadata(r).strip()}
+---
+
+# {public_name(r['output'] or 'model')}
+
+`{source}` as one GGUF file, `model.gguf`, of {check.get('file_bytes', 0):,} bytes, planned to
+`output.size: {plan['size']}` (budget {plan['budget_bytes']:,} bytes) by compressor {r['tool_version']}: every
+weight matrix's GGML type chosen for the least predicted loss, from one backward pass over the calibration text.
+
+Tensor types: {types}. Predicted perplexity change {100 * plan.get('predicted_ppl_change', 0.0):+.2f} %.
+
+Measured in llama.cpp against the original model's perplexity ({check.get('confidence', 0.9):.0%} upper bound,
+paired by window):
+
+{head}
+{rule}
+{rows}
+
+{preset_line}{hf}
+## Load
+
+```bash
+llama-cli -m model.gguf -p "Once upon a time"
+```
+
+```python
+from llama_cpp import Llama
+llm = Llama(model_path="model.gguf")
+```
+
+Every tensor, its type, bytes and predicted cost: `report.json` (`size_plan.tensors`).
+Recipe: `recipe.yaml` (sha256 `{r['recipe_sha256'][:16]}…`).
+"""
 
 
 def _model_card(report: dict) -> str:

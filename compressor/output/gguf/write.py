@@ -1,0 +1,159 @@
+"""Writing the file: the plan's tensors in their types with the metadata, or a GGUF source re-quantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from compressor.core import ggml
+from compressor.output.base import WriteRequest
+from compressor.output.gated import NotRepresentableError
+from compressor.output.gguf.encode import _FTYPES, encode, quantize_file
+from compressor.output.gguf.metadata import copy_source_metadata, hf_hparams, hf_tokenizer_metadata
+from compressor.output.gguf.naming import _FFN_TENSOR, Tensor, _field, _gguf, _sort_key, _tensor_types
+from compressor.output.gguf.plan import _REPLACEMENTS, Plan, plan_for
+from compressor.output.gguf.tensors import ffn_tensors, model_tensors, source_tensors
+
+
+def requantizes(request: WriteRequest, options: dict) -> bool:
+    """Whether the file is the GGUF source re-quantized tensor by tensor — a size plan, or ``from_source``
+    F16, of a model whose blocks are all unchanged: any architecture llama.cpp loads, in its own layout."""
+    if not request.source.gguf_file:
+        return False
+    if request.size_plan is None and not (options.get("quant") == "f16" and options.get("from_source")):
+        return False
+    return not any(isinstance(m, _REPLACEMENTS) for m in request.model.modules())
+
+
+def _finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_requantized(source: Path, path: Path, types: dict[str, str], imatrix: dict[str, np.ndarray] | None = None,
+                      default: str = "F16") -> None:
+    """The GGUF at ``source`` with every tensor of two or more dimensions dequantized (gguf-py) and written
+    in ``types[name]`` (else ``default``) by ggml's quantizer with ``imatrix[name]`` as column weights; 1-D
+    tensors in F32; metadata (tokenizer, chat template) copied. The source's own architecture and layout:
+    the tensors are read as llama.cpp stores them, so nothing is renamed or permuted."""
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    reader = gguf.GGUFReader(source)
+    arch = _field(reader, "general.architecture")
+    writer = gguf.GGUFWriter(str(path), arch)
+    copy_source_metadata(writer, reader, arch, {"general.file_type", "general.quantization_version"})
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if not types else gguf.LlamaFileType.GUESSED))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for t in reader.tensors:
+        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if data.ndim < 2 or int(np.prod(data.shape[:-1])) == 1:
+            writer.add_tensor(t.name, data, raw_dtype=Q.F32)
+            continue
+        qtype = getattr(Q, types.get(t.name, default))
+        weights = (imatrix or {}).get(t.name)
+        writer.add_tensor(t.name, encode(data.reshape(-1, data.shape[-1]), qtype, weights).reshape(
+            *data.shape[:-1], -1) if qtype not in (Q.F32, Q.F16) else encode(data, qtype), raw_dtype=qtype)
+    _finish(writer)
+
+
+def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
+    """Write ``request.model`` to ``path``; returns the plan written (None for a re-quantized source)."""
+    gguf = _gguf()
+    if requantizes(request, options):
+        src = Path(request.source.path) / request.source.gguf_file
+        size_plan = request.size_plan
+        write_requantized(src, path, dict(size_plan.types) if size_plan is not None else {},
+                          size_plan.imatrix if size_plan is not None else None)
+        return None
+    plan = plan_for(request, options)
+    source = request.source
+    meta = gguf.GGUFReader(Path(source.path) / source.gguf_file) if source.gguf_file else None
+    final_quant = plan.quant in ("q8_0", "q4_k_m")
+    tmp = path.with_name(path.name + ".f16.tmp") if final_quant else path
+    writer = gguf.GGUFWriter(str(tmp), plan.arch)
+    tensors, types = _metadata_and_tensors(writer, request, plan, meta, final_quant)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    stored = options.get("stored") or {}
+    for t in sorted(tensors, key=lambda t: _sort_key(t.name)):
+        if t.raw_type is not None:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.raw_type)
+        elif (raw := _stored_bytes(t, plan, types, stored)) is not None:
+            writer.add_tensor(t.name, raw[1], raw_dtype=raw[0])
+        else:
+            qtype = _target_type(t, plan, types)
+            imatrix = plan.size_plan.imatrix.get(t.name) if plan.quant == "plan" else None
+            writer.add_tensor(t.name, encode(t.data, qtype, imatrix), raw_dtype=qtype)
+    _finish(writer)
+    if final_quant:
+        try:
+            llama_quantize(tmp, path, plan)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return plan
+
+
+def _metadata_and_tensors(writer, request: WriteRequest, plan: Plan, meta, final_quant: bool) -> tuple[list, dict]:
+    """Write every key but the quantization version; return the tensors to write and, at ``source``
+    quantization, the source's tensor types (else ``{}``)."""
+    gguf = _gguf()
+    config, source, n = request.model.config, request.source, len(plan.ffns)
+    tensors: list[Tensor] = []
+    if meta is not None:  # a GGUF source: its metadata, tokenizer and chat template as they are
+        copy_source_metadata(writer, meta, plan.arch, {f"{plan.arch}.feed_forward_length", "general.file_type",
+                                                       "general.quantization_version"})
+    else:
+        if request.tokenizer is None:
+            raise NotRepresentableError("the gguf format needs the tokenizer; none was loaded")
+        writer.add_name(Path(source.path).name or "compressed")
+        tensors += hf_hparams(writer, config)
+        hf_tokenizer_metadata(writer, request.tokenizer, config.vocab_size)
+    writer.add_feed_forward_length(plan.widths if plan.arch == "deci" else plan.widths[0])
+    if plan.quant == "source":  # only for a GGUF source: its tensors as they are, new FFNs in its types
+        writer.add_file_type(int(_field(meta, "general.file_type") or 0))
+        tensors += source_tensors(meta, plan, config) + ffn_tensors(plan, [i for i in range(n) if plan.replaced[i]])
+        return tensors, _tensor_types(meta)
+    writer.add_file_type(int(getattr(gguf.LlamaFileType, _FTYPES["f16" if final_quant else plan.quant])))
+    tensors += model_tensors(request.model, plan) + ffn_tensors(plan, range(n))
+    if meta is not None:  # tensors that are not model weights (Llama 3's rope_freqs)
+        have = {t.name for t in tensors}
+        tensors += [t for t in source_tensors(meta, plan, config) if t.name not in have
+                    and not _FFN_TENSOR.match(t.name) and t.raw_type == gguf.GGMLQuantizationType.F32]
+    return tensors, {}
+
+
+def llama_quantize(src: Path, dst: Path, plan: Plan) -> None:
+    """llama.cpp's own quantizer (its per-tensor mix for the file type); down projections of
+    ``plan.kept_f16`` stay F16."""
+    quantize_file(src, dst, _FTYPES[plan.quant], plan.kept_f16)
+
+
+def _target_type(t: Tensor, plan: Plan, source_types: dict):
+    """The GGML type tensor ``t`` (float32 values) is written in."""
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    if t.data.ndim == 1:
+        return Q.F32
+    if (m := _FFN_TENSOR.match(t.name)) and m.group(2) == "down" and int(m.group(1)) in plan.kept_f16:
+        return Q.F16
+    if plan.quant == "source":
+        return source_types.get(t.name, Q.F16)
+    if plan.quant == "plan":
+        return getattr(Q, plan.size_plan.types[t.name]) if t.name in plan.size_plan.types else Q.F16
+    # q8_0 / q4_k_m: F16 first, llama.cpp's quantizer after
+    return {"f32": Q.F32, "bf16": Q.BF16}.get(plan.quant, Q.F16)
+
+
+def _stored_bytes(t: Tensor, plan: Plan, source_types: dict, stored: dict):
+    """``(GGML type, bytes)`` of a fit snapped onto the file's grid (:mod:`compressor.fitting.snap`), when the
+    plan stores ``t`` in that type and the bytes hold ``t``'s shape; else None (quantized here)."""
+    if t.name not in stored:
+        return None
+    name, raw = stored[t.name]
+    qtype = _target_type(t, plan, source_types)
+    raw = raw.numpy() if hasattr(raw, "numpy") else np.asarray(raw)
+    if qtype.name != name or raw.shape != (t.data.shape[0], ggml.bytes_per_row(ggml.GGMLType[name], t.data.shape[1])):
+        return None
+    return qtype, np.ascontiguousarray(raw, dtype=np.uint8)

@@ -1,0 +1,172 @@
+"""The size stage (``output.size``): the file users ship, planned to a byte budget.
+
+plan → allocate → write → gate → back off, in one package:
+
+* :mod:`.budget` — the size resolved for this model: the F16 file written once (the file a deployer
+  would quantize), llama.cpp's preset of that name made from it, and the exact bytes of any plan;
+* :mod:`.prices` — one backward pass and the input moments of every linear layer, then every tensor
+  priced in every GGML type its rows take (cached with the statistics);
+* :mod:`.planner` — the least predicted loss within a byte budget (:mod:`compressor.policy.quantplan`);
+* :mod:`.stage` — the loop: each plan written and measured by its writer where it runs (llama.cpp),
+  judged by the gate's rule (:mod:`.gate`), ``smallest`` searched with the gate's own search.
+
+The pipeline calls the functions below; each does nothing (returns None) for a recipe without a size,
+so no other module asks whether there is one.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from compressor.core.errors import InputError
+from compressor.core.params import count_params
+from compressor.evaluation.evaluate import Evaluator, gate_ppl_limit
+from compressor.output.base import WriteRequest
+from compressor.policy.compress import CompressionResult
+from compressor.recipe.schema import OutputConfig, Recipe
+
+logger = logging.getLogger(__name__)
+
+#: The formats a size plans: the file a deployer ships, and nothing else unless the recipe lists more.
+SIZED_FORMATS = ("gguf",)
+
+
+def default_formats(oc: OutputConfig) -> list[str] | None:
+    """``output.formats`` when the recipe names a size and no formats: ``[gguf]``. None without a size."""
+    return list(SIZED_FORMATS) if oc.size is not None else None
+
+
+def check(recipe: Recipe, model_type: str, src, *, given=None) -> None:
+    """What a size needs, before the model loads: a sized format in ``output.formats``, a model held in
+    memory, and an architecture the GGUF can be planned for (its source's own, or one the writer maps)."""
+    oc = recipe.output
+    if oc.size is None:
+        return
+    if not set(SIZED_FORMATS) & set(oc.formats):
+        raise InputError(f"output.size: {oc.size} is the size of the GGUF file, but output.formats is {oc.formats}; "
+                         "add gguf to output.formats (or remove output.size)")
+    if recipe.model.offload != "none" and given is None:
+        raise InputError("output.size prices every weight from one backward pass over the whole model, which an "
+                         f"onloaded model (model.offload: {recipe.model.offload}) does not hold; use model.offload: none")
+    why = unsized_refusal(recipe, model_type, src)
+    if why:
+        raise InputError(f"output.size: {why}; remove output.size to write only a Hugging Face folder "
+                         "(output.formats: [hf])")
+
+
+def check_output(recipe: Recipe, *, writes: bool) -> None:
+    """A size plans the file a deployer ships: a run that writes nothing (``oneshot`` with a model object and
+    no ``output_dir``) would plan nothing and change nothing, so it is refused before anything runs."""
+    if recipe.output.size is not None and not writes:
+        raise InputError(f"output.size: {recipe.output.size} plans the file you ship, but this run writes no output: "
+                         "pass output_dir= to compressor.oneshot (or set output.path); the model in memory is "
+                         "never changed by a size plan")
+
+
+def unsized_refusal(recipe: Recipe, model_type: str, src) -> str | None:
+    """Why a size cannot be planned for this architecture and source (None when it can): a GGUF source is
+    re-quantized in its own architecture, which any llama.cpp-loadable model type with a tensor-name map
+    allows; a Hugging Face source needs the writer's own mapping."""
+    from compressor.output.gguf import REQUANTIZE_ARCH, arch_refusal, runtime_missing
+
+    if recipe.output.size is None:
+        return None
+    if src.gguf_file:
+        return runtime_missing() or (None if model_type in REQUANTIZE_ARCH else arch_refusal(model_type))
+    return arch_refusal(model_type) or runtime_missing()
+
+
+def writer_refusal(recipe: Recipe, name: str, why: str | None, model_type: str, src) -> str | None:
+    """A writer's refusal, as a size plan sees it: a GGUF source is re-quantized in its own architecture, so
+    the gguf writer's architecture table does not apply (:func:`check` says what does)."""
+    if why and name in SIZED_FORMATS and recipe.output.size is not None and src.gguf_file:
+        return None
+    return why
+
+
+def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> CompressionResult | None:
+    """With a size, the blocks stay as they are: the original model's evaluation on the gate's domains
+    (teacher caches), as a :class:`CompressionResult` whose final is its baseline. None without a size."""
+    if recipe.output.size is None:
+        return None
+    cfgs = {c.domain_name(): c for c in recipe.evaluation_domains()}
+    t0 = time.perf_counter()
+    ev = Evaluator.build(model, streams, seq_len={n: cfgs[n].seq_len for n in streams},
+                         stride={n: cfgs[n].stride for n in streams},
+                         batch_size={n: cfgs[n].batch_size for n in streams},
+                         top_k=min(c.kl_top_k for c in cfgs.values()))
+    base = ev.baseline
+    params = count_params(model)
+    return CompressionResult(
+        model=model, profiles=[], decisions=[], baseline=base, final=base,
+        budget_ppl=gate_ppl_limit(base.ppl, recipe.policy), params_before=params, params_after=params,
+        gate_passed=True, gate_message="no structural change (output.size plans the tensor types)",
+        strategy="size", timings={"baseline_s": time.perf_counter() - t0},
+        teacher_windows={t.name: (t.window_nll, t.window_counts) for t in ev.teachers})
+
+
+def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, report: dict,
+         result: CompressionResult) -> Path | None:
+    """plan → allocate → write → gate → back off; returns the verified staging folder of the chosen file
+    (:class:`~compressor.core.errors.GateFailed` when none passes). None without a size. The F16 and the
+    preset live in a work folder beside the output, removed on every exit (and reclaimed after a kill)."""
+    from compressor.pipeline.size.budget import measure_budget, workdir_for
+    from compressor.pipeline.size.planner import Planner
+    from compressor.pipeline.size.prices import measure_and_price
+    from compressor.pipeline.size.stage import SizeRun, check_floor
+
+    if recipe.output.size is None:
+        return None
+    workdir = workdir_for(checked.out)
+    try:
+        t0 = time.perf_counter()
+        budget = measure_budget(recipe.output.size, request, workdir)
+        timings = {"budget_s": time.perf_counter() - t0}
+        logger.info("output.size %s: %s bytes (%s%s bytes are not weights)", budget.size, f"{budget.limit:,}",
+                    f"llama.cpp's {budget.preset['name']} from the same F16; " if budget.preset else "",
+                    f"{budget.overhead:,}")
+        units, priced, cached = measure_and_price(recipe, request.model, windows, timings)
+        planner = Planner(units, priced, budget)
+        check_floor(planner, budget)
+        report["timings"]["size_plan_s"] = time.perf_counter() - t0
+        run = SizeRun(recipe, request, checked, report, result, planner, workdir,
+                      head={"prices_from_cache": cached, "timings": timings})
+        return run.search()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def structural(recipe: Recipe) -> bool:
+    """Whether the run changes the model's blocks (its search is confirmed, its fits may snap onto the
+    output's grid, and the model in memory becomes the compressed class after it): not with a size, which
+    plans the file's tensor types and changes no weight of the model."""
+    return recipe.output.size is None
+
+
+def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float] | None:
+    """Expected seconds of the size stage's parts (None without a size): baseline, the two statistics passes,
+    pricing (large tensors on a sample of rows), and the file and the preset checked in llama.cpp."""
+    from compressor.policy.quantplan import MAX_PRICED_ELEMENTS
+
+    if recipe.output.size is None:
+        return None
+    priced = sum(min(p.numel(), MAX_PRICED_ELEMENTS) for p in {id(p): p for p in model.parameters()}.values()
+                 if p.dim() == 2)
+    return {"baseline": evals * fwd, "statistics": cal * fwd * SIZE_STATS_FACTOR,
+            "pricing": priced * 8 * PRICE_SECONDS, "write + verify": 4 * evals * fwd + params * 1e-7}
+
+
+#: Seconds per weight per GGML type to price (quantize, decode, cost) on the 2-core machine: SmolLM2-135M's
+#: 108 M priced weights in about 8 types each took 46 s (``report.json`` → ``size_plan.timings``).
+PRICE_SECONDS = 5.3e-8
+#: The size stage's passes, relative to a forward over the calibration tokens: the backward pass and the
+#: input moments of every linear (SmolLM2-135M, 16,384 tokens: 124 s in all).
+SIZE_STATS_FACTOR = 6.0
+
+__all__ = ["baseline_only", "check", "check_output", "default_formats", "estimate", "ship", "structural",
+           "unsized_refusal", "writer_refusal"]

@@ -1,0 +1,155 @@
+"""The byte budget of a size plan, and the exact bytes every plan's file will have.
+
+The model is written once as F16 (the file a deployer would quantize) in a work folder beside the
+output. Its layout fixes everything that is not a planned tensor's data: the header, metadata and
+tokenizer (``data_offset``), the 1-D tensors, and the alignment padding after each tensor. A planned
+file has the same metadata and tensors in the same order, only other types, so its size is known
+exactly before it is written: :meth:`Budget.file_bytes`.
+
+A preset name (``Q3_K_M``) is made from that F16 by llama.cpp's own quantizer; its bytes are the
+budget, and the preset file is kept to be measured beside the output on the same windows.
+``750MB`` / ``4.5bpw`` are bytes directly (bits per weight over every weight the file stores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compressor.core.errors import InputError
+from compressor.output.base import WriteRequest
+from compressor.recipe.schema import parse_size
+
+logger = logging.getLogger(__name__)
+
+#: What the F16 budget file is written with: the model's own tensors (a GGUF source's, re-read), in F16.
+F16_OPTIONS = {"quant": "f16", "from_source": True}
+
+
+def padded(nbytes: int, alignment: int) -> int:
+    """``nbytes`` rounded up to the GGUF alignment (every tensor's data is padded to it)."""
+    return -(-int(nbytes) // alignment) * alignment
+
+
+@dataclass
+class Layout:
+    """What a GGUF of this model holds besides its planned (2-D) tensors' data."""
+
+    data_offset: int
+    """Bytes before the first tensor's data: header, metadata, tokenizer, tensor infos."""
+    alignment: int
+    fixed_bytes: int
+    """Padded data bytes of the tensors that are not planned (1-D: norms, biases)."""
+    planned: dict[str, int]
+    """Planned tensor → its F16 bytes (as the F16 file stores it)."""
+    file_bytes: int
+    """The F16 file's size."""
+
+    def file_bytes_of(self, tensor_bytes: dict[str, int]) -> int:
+        """The exact size of the file whose planned tensors take ``tensor_bytes`` (name → bytes, unpadded;
+        a planned tensor not named stays F16)."""
+        data = sum(padded(tensor_bytes.get(n, b), self.alignment) for n, b in self.planned.items())
+        return self.data_offset + self.fixed_bytes + data
+
+
+def read_layout(path: Path) -> Layout:
+    """The :class:`Layout` of the GGUF at ``path`` (gguf-py's reader)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    field = reader.fields.get("general.alignment")
+    alignment = int(field.contents()) if field is not None else gguf.GGUF_DEFAULT_ALIGNMENT
+    planned, fixed = {}, 0
+    for t in reader.tensors:
+        if len([d for d in t.shape if d > 1]) >= 2:
+            planned[t.name] = int(t.n_bytes)
+        else:
+            fixed += padded(t.n_bytes, alignment)
+    return Layout(int(reader.data_offset), alignment, fixed, planned, path.stat().st_size)
+
+
+@dataclass
+class Budget:
+    """``output.size`` resolved for this model."""
+
+    size: str
+    limit: int
+    """File bytes allowed."""
+    layout: Layout
+    preset: dict | None = None
+    """llama.cpp's preset of that name, made from the same F16 (``name``, ``path``, ``file_bytes``)."""
+
+    @property
+    def kind(self) -> str:
+        return parse_size(self.size)[0]
+
+    @property
+    def overhead(self) -> int:
+        """Bytes of every file that are not planned tensor data (padding of the planned tensors aside)."""
+        return self.layout.data_offset + self.layout.fixed_bytes
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "budget_bytes": self.limit, "non_tensor_bytes": self.overhead,
+                "f16_file_bytes": self.layout.file_bytes,
+                "preset": None if self.preset is None else {k: v for k, v in self.preset.items() if k != "path"}}
+
+
+def f16_request(request: WriteRequest) -> WriteRequest:
+    return WriteRequest(model=request.model, tokenizer=request.tokenizer, compression=request.compression,
+                        source=request.source, dtype=torch.float16, options=dict(F16_OPTIONS))
+
+
+def measure_budget(size: str, request: WriteRequest, workdir: Path) -> Budget:
+    """Write the F16 file into ``workdir`` and resolve ``size`` against it (and the preset, when named)."""
+    from compressor.output.gguf import PRESETS, quantize_file, write_gguf
+
+    f16 = workdir / "f16.gguf"
+    write_gguf(f16_request(request), f16, dict(F16_OPTIONS))
+    layout = read_layout(f16)
+    kind, value = parse_size(size)
+    preset = None
+    if kind == "preset":
+        path = workdir / f"{value}.gguf"
+        quantize_file(f16, path, PRESETS[value])
+        preset = {"name": value, "path": str(path), "file_bytes": path.stat().st_size}
+        limit = preset["file_bytes"]
+    elif kind == "smallest":
+        limit = layout.file_bytes  # at most the F16 file; the plan itself is searched
+    elif kind == "bpw":
+        weights = sum(p.numel() for p in {id(p): p for p in request.model.parameters()}.values())
+        limit = int(value * weights / 8) + layout.data_offset
+    else:
+        limit = int(value)
+    if limit <= layout.file_bytes_of({n: 0 for n in layout.planned}):
+        raise InputError(f"output.size: {size} ({limit:,} bytes) does not even hold what is not weights "
+                         f"({layout.data_offset + layout.fixed_bytes:,} bytes: metadata, tokenizer, norms); "
+                         "give a larger size")
+    if kind in ("bytes", "bpw") and limit >= layout.file_bytes:
+        logger.warning("output.size %s (%s bytes) is at least the F16 file's %s bytes: every tensor stays F16, "
+                       "nothing is quantized; give a smaller size to compress", size, f"{limit:,}",
+                       f"{layout.file_bytes:,}")
+    return Budget(size, limit, layout, preset)
+
+
+# --------------------------------------------------------------------------------------------------
+# The work folder: the F16 and the preset, beside the output
+# --------------------------------------------------------------------------------------------------
+
+
+def workdir_for(out: Path) -> Path:
+    """A fresh work folder ``.<name>.size-<pid>`` beside ``out`` (same file system as the output, which
+    may be the only one with room for an F16 of the model); what killed runs left there is removed first
+    (:func:`compressor.inputs.safety.clean_stale_temps` knows the name)."""
+    from compressor.inputs.safety import clean_stale_temps
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(out)
+    path = out.parent / f".{out.name}.size-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    return path

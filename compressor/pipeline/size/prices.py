@@ -1,0 +1,124 @@
+"""Prices: every planned tensor's options (GGML type → exact bytes, predicted loss increase).
+
+One backward pass gives the loss-gradient second moment F of every linear layer's outputs
+(:func:`compressor.engine.tensorstats.output_fisher`); forward passes give each layer's input second
+moment Ĥ, in groups of layers that fit in memory (:func:`moment_groups`); each tensor is then priced in
+every GGML type its rows take (:mod:`compressor.policy.quantplan`). The prices are cached with the
+statistics (``measure.cache``): a second size of the same model and calibration text costs no pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+
+import torch
+
+from compressor.core.errors import InputError
+from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
+from compressor.policy.quantplan import (DEFAULT_TYPES, MAX_PRICED_ELEMENTS, Priced, from_tensors, price_all, sites,
+                                          to_tensors)
+from compressor.recipe.schema import Recipe
+
+logger = logging.getLogger(__name__)
+
+
+#: Bytes of input second moments one pass holds at least (float32 d_in² per input): Qwen2.5-1.5B's 28
+#: layers need 9.8 GB at once, so a smaller machine measures and prices them in groups of layers.
+MOMENTS_BUDGET_BYTES = 2 << 30
+
+
+def moments_budget() -> int:
+    """Bytes of moments per pass: a third of the memory available now (the model is loaded; pricing a
+    group's tensors takes round trips and products beside them), at least :data:`MOMENTS_BUDGET_BYTES`.
+    Fewer groups, fewer passes."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return MOMENTS_BUDGET_BYTES
+    return max(MOMENTS_BUDGET_BYTES, avail // 3)
+
+
+def moment_groups(model, names: list[str], budget: int | None = None) -> list[list[str]]:
+    """``names`` (in module order) cut into consecutive groups whose moments fit ``budget`` (default:
+    :func:`moments_budget`); modules of one parent (q/k/v, gate/up, which share their input) stay in one
+    group."""
+    budget = moments_budget() if budget is None else budget
+    groups: list[list[str]] = [[]]
+    used, parent = 0, None
+    for n in names:
+        size = 4 * model.get_submodule(n).in_features ** 2
+        p = n.rsplit(".", 1)[0]
+        if groups[-1] and used + size > budget and p != parent:
+            groups.append([])
+            used = 0
+        groups[-1].append(n)
+        used += size
+        parent = p
+    return groups
+
+
+def gguf_namer(model) -> callable:
+    """Hugging Face parameter name → GGUF tensor name (gguf-py's map for the model's architecture)."""
+    import gguf
+
+    from compressor.output.gguf import REQUANTIZE_ARCH
+
+    cfg = getattr(model.config, "text_config", None) or model.config
+    model_type = str(cfg.model_type).removeprefix("compressed_")
+    if model_type not in REQUANTIZE_ARCH:
+        raise InputError(f"output.size: no GGUF tensor names are mapped for model type {model_type!r} "
+                         f"(mapped: {', '.join(sorted(REQUANTIZE_ARCH))})")
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, REQUANTIZE_ARCH[model_type]), cfg.num_hidden_layers)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+
+    def name(hf: str) -> str | None:
+        out = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        return None if out is None or (tied and out == "output.weight") else out
+    return name
+
+
+#: Bump when what a priced option means changes: cached prices of another version are not read.
+PRICES_VERSION = 2
+
+
+def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dict):
+    """Every tensor's options (bytes, predicted cost) and importance matrix: from the statistics cache when
+    the same model, calibration windows and pricing settings were priced before (``measure.cache``), else
+    measured (a backward pass, then input moments in groups of layers) and priced."""
+    from compressor.engine import cache
+
+    key = None
+    if recipe.measure.cache:
+        settings = {"prices": PRICES_VERSION, "types": [t.name for t in DEFAULT_TYPES],
+                    "max_elements": MAX_PRICED_ELEMENTS, "batch_size": recipe.calibration.batch_size}
+        data_fp = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
+        key = "prices-" + cache.stats_key(cache.model_fingerprint(model), data_fp, settings)
+        hit = cache.get(key)
+        if hit is not None:
+            logger.info("size plan: prices of every tensor type from the cache (%s)", key)
+            units, priced = from_tensors(hit[0], json.loads(hit[1]["prices"]))
+            return units, priced, True
+    bs = recipe.calibration.batch_size
+    t0 = time.perf_counter()
+    fisher = output_fisher(model, windows, batch_size=bs)
+    timings["statistics_s"] = time.perf_counter() - t0
+    units, priced, namer = {}, [], gguf_namer(model)
+    for group in moment_groups(model, linear_names(model)):
+        t0 = time.perf_counter()
+        moments = input_moments(model, windows, group, batch_size=bs)
+        timings["statistics_s"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        these = sites(model, fisher, moments, namer, modules=set(group))
+        del moments
+        units.update(price_all(these))
+        priced += [Priced.of(s) for s in these]
+        del these  # the statistics go with the sites, before the next group's moments are measured
+        timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
+    if key is not None:
+        tensors, meta = to_tensors(units, priced)
+        cache.put(key, tensors, {"prices": json.dumps(meta)})
+    return units, priced, False

@@ -1,0 +1,204 @@
+"""The size stage's loop: plan → allocate → write → gate → back off.
+
+One :class:`SizeRun` per run. Each attempt plans a tensor budget (:class:`~.planner.Planner`), hands the
+plan to the writers on :attr:`WriteRequest.size_plan`, lets them write and measure
+(:func:`compressor.pipeline.stages.write` / :func:`~compressor.pipeline.stages.verify`), and judges the file
+(:mod:`.gate`). ``output.size: smallest`` searches the tensor budget with the gate's own search
+(:class:`compressor.policy.search.TargetSearch`: each budget measured once, the largest cut that passes);
+a size in bytes, bits per weight or a preset's name is one attempt at that size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from compressor.core.errors import GateFailed, InputError
+from compressor.evaluation.evaluate import gate_ppl_limit
+from compressor.output.base import VerificationError
+from compressor.pipeline.size import gate
+from compressor.pipeline.size.budget import Budget
+from compressor.pipeline.size.planner import Planner
+from compressor.policy.quantplan import SizePlan
+from compressor.policy.search import Attempt, TargetSearch
+
+logger = logging.getLogger(__name__)
+
+#: ``output.size: smallest`` first plans for this share of the gate's limit on the change (predicted, in nats):
+#: the gate measures the upper confidence bound of the change, so a plan predicted right at the limit fails
+#: about half the time. When that fails, the search bisects the tensor bytes between it and the F16 file.
+SMALLEST_START_SHARE = 0.6
+
+
+@dataclass
+class SizeRun:
+    """One size run's state: what every attempt needs, and what the report says of them."""
+
+    recipe: object
+    request: object
+    checked: object
+    report: dict
+    result: object
+    planner: Planner
+    workdir: Path
+    head: dict = field(default_factory=dict)
+    """What the report's ``size_plan`` says before any plan: the budget, prices, timings."""
+    target_nll: float | None = None
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def budget(self) -> Budget:
+        return self.planner.budget
+
+    def search(self) -> Path:
+        """The verified staging folder of the chosen file; :class:`GateFailed` when none passed."""
+        pol = self.recipe.policy
+        if self.budget.kind == "smallest":
+            base = self.result.baseline.ppl
+            ratio = gate_ppl_limit(base, pol) / base if base else 0.0  # the budget as a ratio, in one place
+            if ratio <= 1:
+                raise InputError("output.size: smallest needs a perplexity budget above the original's "
+                                 "(policy.ppl_budget > 0); give one, or a size")
+            self.target_nll = SMALLEST_START_SHARE * math.log(ratio)
+            start = self.planner.smallest_within(self.target_nll).tensor_bytes
+            search = TargetSearch(self.attempt, key=self.planner.key, between=self._between,
+                                  floor=self.planner.floor - self.planner.fixed, ceiling=self.planner.ceiling,
+                                  describe=self.planner.describe)
+            best = search.run(steps=pol.max_backoff, start=start, gate=pol.gate)
+        else:
+            best = self.attempt(self.planner.tensor_budget)
+            best = best if best.passed else None
+        return self._take(best)
+
+    def _between(self, failed: float, passed: float) -> int | None:
+        tolerance = max(4096, self.planner.ceiling // 500)
+        return None if passed - failed <= tolerance else int((failed + passed) // 2)
+
+    def attempt(self, tensor_bytes: float, variant: str = "none") -> Attempt:
+        """Write the plan at ``tensor_bytes``, measure it where it runs, and judge it."""
+        from compressor.pipeline import stages
+
+        size_plan = self.planner.at(int(tensor_bytes))
+        self.request.size_plan = size_plan
+        logger.info("size plan: %s of tensor data, predicted perplexity %+.2f %%; types %s",
+                    f"{size_plan.tensor_bytes / 1e6:.2f} MB", 100 * math.expm1(size_plan.predicted_nll_increase),
+                    size_plan.to_json()["types_used"])
+        tmp = stages.write(self.recipe.output, self.request, self.checked, self.report["timings"])
+        stages.verify(self.recipe.output, self.request, tmp, self.report)
+        check = self.report["verification"]["gguf"]
+        try:
+            self._measure(check, size_plan)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        passed, why = gate.judge(check, self.result, self.recipe.policy)
+        record = _record(size_plan, check, passed)
+        self.records.append(record)
+        kept = None
+        if passed:  # set aside: a later attempt writes the same staging folder
+            kept = self.workdir / f"attempt-{len(self.records)}"
+            tmp.rename(kept)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.report["message"] = gate.message(check, self.recipe.policy)
+        return Attempt(tensor_bytes, passed, why, outcome=(kept, check, size_plan, self.report["message"]),
+                       record=record)
+
+    def _measure(self, check: dict, size_plan: SizePlan) -> None:
+        """Bytes against the budget (exact: the plan's are known before writing), and the preset beside the file."""
+        expected = self.planner.file_bytes(size_plan)
+        check.update(quant="plan", budget_bytes=self.budget.limit, planned_file_bytes=expected,
+                     predicted_relative_change=math.expm1(size_plan.predicted_nll_increase))
+        if check["file_bytes"] > self.budget.limit:
+            raise VerificationError(f"the planned GGUF is {check['file_bytes']:,} bytes, over its budget of "
+                                    f"{self.budget.limit:,} (planned {expected:,}); nothing was published")
+        if check["file_bytes"] != expected:
+            logger.warning("size plan: the file is %d bytes, %d planned", check["file_bytes"], expected)
+        preset = self.budget.preset
+        if preset is None:
+            return
+        domains = self.request.options.get("gate_domains") or []
+        ppl = gate.preset_changes(preset, domains)
+        for d in check["domains"]:
+            ref = d.get("reference_perplexity")
+            d["preset_perplexity"] = ppl[d["name"]]
+            d["preset_relative_change"] = ppl[d["name"]] / ref - 1.0 if ref else None
+        first = check["domains"][0]
+        check["preset"] = {"name": preset["name"], "file_bytes": preset["file_bytes"],
+                           "perplexity": first["preset_perplexity"], "relative_change": first["preset_relative_change"],
+                           "made_by": "llama.cpp llama_model_quantize from the same F16, no importance matrix"}
+
+    def _take(self, best: Attempt | None) -> Path:
+        """The chosen attempt's folder back at the staging name, and the report describing it."""
+        from compressor.output.base import staging_folder
+        from compressor.reports.render import model_card
+
+        if best is None:
+            self._refuse()
+        kept, check, size_plan, message = best.outcome
+        self.request.size_plan = size_plan
+        self.report["verification"]["gguf"] = check
+        self.report["message"] = message
+        self.report["size_plan"] = self.to_json(size_plan)
+        tmp = staging_folder(self.checked.out)
+        tmp.rmdir()
+        kept.rename(tmp)
+        # the card describes the file chosen (its types, bytes and measured change), whatever else was written
+        (tmp / "README.md").write_text(model_card(self.report))
+        return tmp
+
+    def _refuse(self) -> None:
+        smallest = self.budget.kind == "smallest"
+        fix = ("raise policy.ppl_budget, or policy.max_backoff for more attempts" if smallest else
+               "give a larger output.size or raise policy.ppl_budget")
+        last = self.records[-1] if self.records else {}
+        self.report["size_plan"] = self.to_json(self.request.size_plan)
+        self.report.update(status="rejected", exit_code=3, output=None)
+        self.report["message"] += f". Over the gate ({_over(last)}): nothing was written; {fix}"
+        raise GateFailed(self.report["message"], report=self.report)
+
+    def to_json(self, size_plan: SizePlan | None) -> dict:
+        out = {**self.head, **self.budget.to_json(), **(size_plan.to_json() if size_plan is not None else {})}
+        out["planned_file_bytes"] = self.planner.file_bytes(size_plan) if size_plan is not None else None
+        if self.target_nll is not None:
+            out["search"] = {"mode": "smallest", "start_share": SMALLEST_START_SHARE,
+                             "target_predicted_ppl_change": math.expm1(self.target_nll), "attempts": self.records}
+        return out
+
+
+def _record(size_plan: SizePlan, check: dict, passed: bool) -> dict:
+    return {"tensor_bytes": size_plan.tensor_bytes, "predicted_ppl_change": math.expm1(size_plan.predicted_nll_increase),
+            "file_bytes": check.get("file_bytes"), "passed": passed,
+            "measured": {d["name"]: {"relative_change": d.get("relative_change"),
+                                     "upper_bound": d.get("relative_delta_upper")} for d in check.get("domains", [])}}
+
+
+def _over(record: dict) -> str:
+    over = [f"{n} bound {100 * m['upper_bound']:+.2f} %" for n, m in (record.get("measured") or {}).items()
+            if m.get("upper_bound") is not None]
+    return ", ".join(over) or "no file passed"
+
+
+def check_floor(planner: Planner, budget: Budget) -> None:
+    """A size below the smallest file this model's rows allow is refused with that file's exact bytes."""
+    if planner.floor <= budget.limit:
+        return
+    types = sorted({min(o, key=lambda x: x.size).name for o in planner.units.values()})
+    raise InputError(f"output.size: {budget.size} ({budget.limit:,} bytes) cannot be met: the smallest types this "
+                     f"model's rows take ({', '.join(types)}) make a file of {planner.floor:,} bytes; give a size of "
+                     f"at least {planner.floor:,} bytes")
+
+
+def timed(timings: dict, key: str):
+    """Add the seconds of a ``with`` block to ``timings[key]``."""
+    class _Timer:
+        def __enter__(self):
+            self.t0 = time.perf_counter()
+
+        def __exit__(self, *exc):
+            timings[key] = timings.get(key, 0.0) + time.perf_counter() - self.t0
+    return _Timer()

@@ -1,0 +1,82 @@
+"""Steps run as separate processes: a command log (what ran, for the result JSON), and the two
+independent checks, ``tools/independent_check.py`` (plain transformers) and
+``tools/llamacpp_perplexity.py`` (llama.cpp), neither of which imports compressor."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import REPO_ROOT
+
+PY = sys.executable
+TOOLS_DIR = REPO_ROOT / "tools"
+
+
+def run_logged(cmd: list, log: Path) -> float:
+    """Run ``cmd`` (any items, made strings), appending ``$ cmd`` and its output to ``log``; its seconds.
+    Raises ``SystemExit`` naming the command and the log on failure."""
+    cmd = [str(c) for c in cmd]
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+    if rc:
+        raise SystemExit(f"{' '.join(cmd)} failed ({rc}); see {log}")
+    return time.perf_counter() - t0
+
+
+def logged_commands(log: Path) -> list[str]:
+    """The commands :func:`run_logged` wrote to ``log``, in order, as run."""
+    return [line[2:] for line in Path(log).read_text().splitlines() if line.startswith("$ ")]
+
+
+class WorkFolder:
+    """A benchmark's work folder: what a step made is kept there, so a run interrupted picks up where it
+    stopped; each command run is logged in ``log.txt`` and its seconds recorded in ``seconds``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.log = self.path / "log.txt"
+        self.seconds: dict[str, float] = {}
+
+    def make(self, key: str, product: Path, cmd: list) -> Path:
+        """``product``, made by running ``cmd`` unless it exists (its seconds then under ``key``)."""
+        if not product.exists():
+            self.seconds[key] = run_logged(cmd, self.log)
+        return product
+
+    def commands(self) -> list[str]:
+        return logged_commands(self.log)
+
+
+def llamacpp_perplexity_cmd(ggufs: list, text, windows: int, output, threads: int | None = None) -> list:
+    """The command scoring ``ggufs`` on ``text`` in llama.cpp alone (the first file is the reference),
+    ``windows`` windows of 512 tokens, the result JSON at ``output`` (read it with :func:`scores`)."""
+    return [PY, TOOLS_DIR / "llamacpp_perplexity.py", *ggufs, "--text", text, "--windows", windows,
+            *(["--threads", threads] if threads is not None else []), "--output", output]
+
+
+def scores(path) -> list[dict]:
+    """The rows of a ``tools/llamacpp_perplexity.py`` result: ``file``, ``ppl``, ``scored_tokens``…"""
+    return json.loads(Path(path).read_text())["results"]
+
+
+def independent_check_cmd(compressed, original: str, text, tokens: int, output, *extra) -> list:
+    """The command measuring ``compressed`` against ``original`` in plain transformers on ``tokens``
+    tokens of ``text`` (``extra``: more flags, e.g. ``--seq-len``), the result JSON at ``output``."""
+    return [PY, TOOLS_DIR / "independent_check.py", compressed, "--original", original, "--text", text,
+            "--tokens", tokens, *extra, "--json", output]
+
+
+def independent_change(result: dict) -> dict:
+    """The perplexities and the change (± its paired SE) of a ``tools/independent_check.py`` result."""
+    return {"ppl_original": result["ppl_original"], "ppl_compressed": result["ppl_compressed"],
+            "relative_change": result["relative_delta"], "relative_change_se": result["relative_delta_se"]}
