@@ -240,8 +240,13 @@ def card_metadata(r: dict) -> str:
     name = public_name(r.get("output") or "model")
     results = []
     ev = r.get("evaluation") or {}
-    for d in ev.get("domains") or [{"name": public_name(r["perplexity"]["data"]), "dataset": r["perplexity"]["data"],
-                                    "final": r["perplexity"]["final"]}]:
+    planned = (r.get("verification") or {}).get("gguf") if r.get("size_plan") else None
+    domains = ev.get("domains") or [{"name": public_name(r["perplexity"]["data"]), "dataset": r["perplexity"]["data"],
+                                     "final": r["perplexity"]["final"]}]
+    if planned:  # a size plan's card: the file's perplexity in llama.cpp, not the unchanged model's
+        by_name = {d["name"]: d for d in planned.get("domains", [])}
+        domains = [{**d, "final": {"ppl": by_name[d["name"]]["perplexity"]}} for d in domains if d["name"] in by_name]
+    for d in domains:
         results.append(EvalResult(task_type="text-generation", task_name="Language modelling",
                                   dataset_type=public_name(d["dataset"]), dataset_name=public_name(d["name"]),
                                   metric_type="perplexity", metric_name="perplexity",
@@ -252,8 +257,9 @@ def card_metadata(r: dict) -> str:
         results.append(EvalResult(task_type="text-generation", task_name=row["task"], dataset_type=row["task"],
                                   dataset_name=row["task"], metric_type=row["metric"], metric_name=row["metric"],
                                   metric_value=round(float(row["compressed"]), 4)))
-    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
-                         tags=["compressor", "ffn-compression", "compressed"], license=m.get("license"),
+    data = ModelCardData(library_name="gguf" if planned else "transformers", pipeline_tag="text-generation",
+                         tags=["compressor", "gguf", "size-planned"] if planned else
+                         ["compressor", "ffn-compression", "compressed"], license=m.get("license"),
                          base_model=m.get("base_model"), model_name=name, eval_results=results or None)
     return data.to_yaml()
 

@@ -1,0 +1,208 @@
+"""GPTQ rounding onto ggml's own grids (compressor.fitting.gridround), checked against independent
+references: gguf-py's decoder at every code (the brute-force grid), the conditional optimum of each
+column computed by an explicit solve, ggml's own C decoder (what llama.cpp runs) and a written GGUF."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+pytest.importorskip("llama_cpp")
+
+from compressor.core import ggml  # noqa: E402
+from compressor.core.ggml import BLOCKS, GGMLType  # noqa: E402
+from compressor.fitting import gridround as gr  # noqa: E402
+
+TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K,
+         GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS]
+#: Types of 3–4 bits a weight, where rounding matters most: GPTQ must clearly beat ggml there.
+LOW_BITS = {GGMLType.Q3_K, GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS}
+
+
+def problem(rows: int = 32, n: int = 512, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Weights and an input second moment with strongly correlated columns (a mixing matrix, a component
+    shared by all columns, very different column scales)."""
+    g = np.random.default_rng(seed)
+    X = g.standard_normal((4 * n, n)) @ (g.standard_normal((n, n)) / n ** 0.5 + 0.5 * np.eye(n))
+    X = (X + g.standard_normal((4 * n, 1))) * g.uniform(0.2, 3.0, n)
+    return (g.standard_normal((rows, n)) * 0.05).astype(np.float32), X.T @ X / X.shape[0]
+
+
+def imatrix(H: np.ndarray) -> np.ndarray:
+    return np.diag(H).astype(np.float32)
+
+
+def every_level(raw: np.ndarray, t: GGMLType, n: int) -> np.ndarray:
+    """``[codes, rows, n]``: gguf-py's decoding of every element at every code, ggml's scales kept."""
+    lay = gr.layout(t)
+    return np.stack([ggml.dequantize(lay.pack(raw, c), t, n) for c in range(2 ** lay.width)])
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_every_listed_type_is_supported(t):
+    assert gr.supports(t) is None
+
+
+@pytest.mark.parametrize("t", [GGMLType.IQ2_XXS, GGMLType.IQ3_S, GGMLType.F16], ids=lambda t: t.name)
+def test_types_without_a_per_element_grid_are_refused_by_name(t):
+    why = gr.supports(t)
+    assert why is not None and t.name in why
+    W, H = problem(rows=2, n=256)
+    with pytest.raises(ValueError, match=t.name):
+        gr.gptq_quantize(W, H, t, imatrix(H))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_codes_round_trip_and_the_grid_is_ggml_decoder(t):
+    W, H = problem(rows=8, n=512)
+    lay = gr.layout(t)
+    raw = ggml.quantize(W, t, imatrix(H))
+    codes = lay.unpack(raw)
+    assert codes.shape == W.shape and codes.max() < 2 ** lay.width
+    assert np.array_equal(lay.pack(raw, codes), raw)
+    base, step = lay.grid(raw, W.shape[1])
+    assert np.array_equal(lay.values(base, step, codes), ggml.dequantize(raw, t, W.shape[1]))
+    # any codes: only code bits change, and the model still is the decoder
+    other = np.random.default_rng(1).integers(0, 2 ** lay.width, size=W.shape)
+    moved = lay.pack(raw, other)
+    assert np.array_equal(lay.unpack(moved), other)
+    assert np.array_equal(lay.pack(moved, codes), raw)
+    assert np.array_equal(lay.values(base, step, other), ggml.dequantize(moved, t, W.shape[1]))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_a_row_that_is_not_whole_blocks_is_refused_with_the_block_size(t):
+    block = BLOCKS[t][0]
+    W, H = problem(rows=2, n=block + block // 2)
+    with pytest.raises(ValueError, match=f"{t.name} blocks of {block}"):
+        gr.gptq_quantize(W, H, t, imatrix(H))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_without_correlation_every_code_is_the_nearest_level(t):
+    """H diagonal (no correlation, act-order still reorders): nothing to compensate, so GPTQ rounds
+    every element to its nearest level, found here by brute force over every code."""
+    W, _ = problem(rows=8, n=256)
+    H = np.diag(np.random.default_rng(2).uniform(0.1, 4.0, W.shape[1]))
+    raw = gr.gptq_quantize(W, H, t, imatrix(H))
+    got = gr.dequantize(raw, t, W.shape)
+    levels = every_level(raw, t, W.shape[1])
+    nearest = np.abs(levels - W).min(0)
+    assert np.all(np.abs(got - W) <= nearest + 1e-6 * np.abs(W).max())
+
+
+def conditional_targets(W, Q, H, order, damp, positions):
+    """The value of column ``order[p]`` minimising the (damped) output error with the columns rounded
+    before it fixed at ``Q`` and those after it free, by an explicit solve: what GPTQ rounds."""
+    n = W.shape[1]
+    Hp = H[np.ix_(order, order)].copy()
+    dead = ~(np.diag(Hp) > 0)
+    Hp[dead, dead] = 1.0
+    Hp += damp * np.diag(Hp).mean() * np.eye(n)
+    delta = (W - Q).astype(np.float64)[:, order]
+    out = {}
+    for p in positions:
+        free = -np.linalg.solve(Hp[p:, p:], Hp[p:, :p] @ delta[:, :p].T)  # [n - p, rows]
+        out[p] = W[:, order[p]] - free[0]
+    return out
+
+
+@pytest.mark.parametrize("act_order", [True, False], ids=["act_order", "natural"])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_each_column_is_rounded_at_its_conditional_optimum(t, act_order):
+    """GPTQ's guarantee: column ``j``'s codes are the nearest levels to the error-minimising value of
+    column ``j`` given the columns rounded before it (and the rest free). For the last column that is exact
+    coordinate-wise optimality. (A single-element change can still lower the total error elsewhere: the
+    earlier columns were chosen before the later ones were rounded; GPTQ is greedy, not a local optimum.)"""
+    W, H = problem(rows=6, n=256, seed=3)
+    H[:, 7] = H[7, :] = 0  # a dead column
+    raw = gr.gptq_quantize(W, H, t, imatrix(H), act_order=act_order, block=64)
+    Q = gr.dequantize(raw, t, W.shape)
+    order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(W.shape[1])
+    positions = [0, 1, 2, 31, 63, 64, 65, 127, 128, 200, 254, 255, int(np.flatnonzero(order == 7)[0])]
+    targets = conditional_targets(W, Q, H, order, gr.DAMP, positions)
+    levels = every_level(raw, t, W.shape[1])
+    for p, x in targets.items():
+        j = order[p]
+        step = np.abs(levels[1, :, j] - levels[0, :, j])
+        best = np.abs(levels[:, :, j] - x).min(0)
+        assert np.all(np.abs(Q[:, j] - x) <= best + 1e-3 * step + 1e-7), (p, j)
+    assert np.allclose(targets[int(np.flatnonzero(order == 7)[0])], W[:, 7])  # nothing reaches a dead column
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_gptq_beats_ggml_rounding_on_correlated_inputs(t):
+    W, H = problem()
+    w = imatrix(H)
+    ggml_err = gr.output_error(W, ggml.roundtrip(W, t, w), H)
+    ratio = {ao: gr.output_error(W, gr.dequantize(gr.gptq_quantize(W, H, t, w, act_order=ao), t, W.shape), H)
+             / ggml_err for ao in (True, False)}
+    assert ratio[True] < (0.5 if t in LOW_BITS else 0.6), ratio
+    assert ratio[False] < 0.75, ratio
+
+
+def test_a_shared_factor_gives_the_same_bytes_and_must_match_the_call():
+    W, H = problem(rows=4, n=256)
+    f = gr.factor(H)
+    assert np.array_equal(gr.gptq_quantize(W, f, GGMLType.Q4_K, imatrix(H)),
+                          gr.gptq_quantize(W, H, GGMLType.Q4_K, imatrix(H)))
+    with pytest.raises(ValueError, match="act_order"):
+        gr.gptq_quantize(W, f, GGMLType.Q4_K, imatrix(H), act_order=False)
+    with pytest.raises(ValueError, match=r"\[256, 256\]"):
+        gr.gptq_quantize(W, H[:128, :128], GGMLType.Q4_K, imatrix(H))
+
+
+def test_output_error_is_the_trace_form():
+    g = np.random.default_rng(4)
+    W, A = g.standard_normal((3, 5)), g.standard_normal((3, 5))
+    H = g.standard_normal((5, 5))
+    H = H @ H.T
+    assert np.isclose(gr.output_error(W, A, H), np.trace((A - W) @ H @ (A - W).T))
+
+
+def _ggml_decode(raw: np.ndarray, t: GGMLType, shape: tuple[int, int]) -> np.ndarray:
+    """ggml's own C decoder from llama.cpp's libggml (``dequantize_row_*``, what its CPU backend runs)."""
+    import llama_cpp._ggml as ggml_lib
+
+    fn = getattr(ggml_lib.libggml, "dequantize_row_" + t.name.lower().replace("_k", "_K"), None)
+    if fn is None:
+        pytest.skip(f"this libggml does not export dequantize_row for {t.name}")
+    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    src = np.ascontiguousarray(raw, dtype=np.uint8)
+    out = np.empty(shape, dtype=np.float32)
+    fn(src.ctypes.data, out.ctypes.data, out.size)
+    return out
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_the_bytes_load_from_a_gguf_as_llama_cpp_reads_them(tmp_path, t):
+    import gguf
+
+    W, H = problem(rows=4, n=256)
+    raw = gr.gptq_quantize(W, H, t, imatrix(H))
+    assert np.array_equal(raw & ~_scale_free_mask(t, raw.shape), ggml.quantize(W, t, imatrix(H))
+                          & ~_scale_free_mask(t, raw.shape))  # every scale byte as ggml wrote it
+    path = tmp_path / "one.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf.GGMLQuantizationType(int(t)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    assert [int(d) for d in tensor.shape] == [W.shape[1], W.shape[0]]
+    stored = np.asarray(tensor.data).reshape(raw.shape)
+    assert np.array_equal(stored, raw)
+    expect = gr.dequantize(raw, t, W.shape)
+    assert np.array_equal(np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).reshape(W.shape), expect)
+    assert np.array_equal(_ggml_decode(stored, t, W.shape), expect)
+
+
+def _scale_free_mask(t: GGMLType, shape: tuple[int, int]) -> np.ndarray:
+    """The code bits of raw bytes of ``shape``, set."""
+    lay = gr.layout(t)
+    zeros = np.zeros(shape, dtype=np.uint8)
+    return lay.pack(zeros, np.full((shape[0], shape[1] // lay.nbytes * lay.block), 2 ** lay.width - 1))
