@@ -627,3 +627,51 @@ def test_a_size_above_the_f16_file_is_said(tmp_path, tokenizer, ids, caplog):
     assert budget.limit == 10**9 and "nothing is quantized" in caplog.text
     assert budget.layout.file_bytes == (tmp_path / "f16.gguf").stat().st_size
     assert budget.layout.file_bytes_of({}) == budget.layout.file_bytes  # every planned tensor F16: the F16 file
+
+
+def test_a_size_plan_rounds_with_error_compensation_and_stores_it_in_the_files_row_order(tmp_path, tokenizer, ids):
+    """Error-compensating rounding (GPTQ through Ĥ onto ggml's scales) is offered beside ggml's own and taken
+    where it prices lower; its bytes are what the file stores, in llama.cpp's row order (attn_q/attn_k of a
+    llama GGUF are permuted), and llama.cpp runs the file. ``output.rounding: nearest`` offers ggml's only."""
+    needs_llama_cpp()
+    import compressor
+    from compressor.core.ggml import GGMLType
+    from compressor.fitting.gridround import dequantize
+
+    src = tmp_path / "src"
+    src.mkdir()
+    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="f16", expected=1.0, file="tiny.gguf"), src)
+    rng = np.random.default_rng(0)
+    words = TEXT.split()
+    for name in ("cal.txt", "eval.txt"):
+        (tmp_path / name).write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
+
+    def recipe(out: str, **output):
+        return compressor.recipe_from_dict({
+            "model": {"source": str(src / "tiny.gguf")},
+            "calibration": {"dataset": str(tmp_path / "cal.txt"), "max_tokens": 2048, "seq_len": 32},
+            "evaluation": {"dataset": str(tmp_path / "eval.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
+            "policy": {"ppl_budget": 5.0}, "measure": {"cache": False},
+            "output": {"path": str(tmp_path / out), "size": "Q4_0", **output},
+        })
+
+    res = compressor.run(recipe("out"))
+    assert res.exit_code == 0, res.report.get("message")
+    rows = {r["tensor"]: r for r in res.report["size_plan"]["tensors"]}
+    gptq = {n for n, r in rows.items() if r["rounding"] == "gptq"}
+    assert gptq and res.report["size_plan"]["compensated_tensors"] == len(gptq)
+    assert all(r["offered"][r["type"]] == r["predicted_cost"] for r in rows.values())
+    written = {t.name: t for t in gguf.GGUFReader(res.output / "model.gguf").tensors}
+    model = res.result.model
+    q = "blk.0.attn_q.weight"
+    if q in gptq:  # the stored rows are in llama.cpp's order: the file's q rows are the model's, permuted
+        t = written[q]
+        values = dequantize(np.asarray(t.data).reshape(t.shape[1], -1), GGMLType[rows[q]["type"]],
+                            (int(t.shape[1]), int(t.shape[0])))
+        w = model.model.layers[0].self_attn.q_proj.weight.detach().float().numpy()
+        perm = gw.rope_permutation(w.shape[0], model.config.num_attention_heads)
+        assert np.abs(values - w[perm]).mean() < 0.5 * np.abs(values - w).mean()
+    near = compressor.run(recipe("near", rounding="nearest"))
+    assert near.exit_code == 0 and near.report["size_plan"]["compensated_tensors"] == 0
+    assert {r["rounding"] for r in near.report["size_plan"]["tensors"]} == {"nearest"}
+    assert res.report["size_plan"]["predicted_nll_increase"] <= near.report["size_plan"]["predicted_nll_increase"]

@@ -1,11 +1,14 @@
-"""The importance matrix alone: one uniform type everywhere, with and without column weights.
+"""The rounding alone: one uniform type everywhere — nearest with and without column weights, and
+error-compensating.
 
-Every 2-D tensor of the F16 re-quantized to one type (default Q4_0, which rows of 32 take) four ways:
-compressor's writer without weights, compressor's writer with the run's ``diag(Ĥ)`` (what the size
-planner passes to ggml), ``llama-quantize --pure`` without and with ``llama-imatrix`` from the same
-calibration text. All four scored on WikiText-2 test by ``tools/llamacpp_perplexity.py`` (a process that
+Every 2-D tensor of the F16 re-quantized to one type (default Q4_0, which rows of 32 take; ``--type Q3_K``
+takes the tensors whose rows hold whole 256-element blocks, the rest ``--fallback``) five ways: compressor's
+writer without weights, compressor's writer with the run's ``diag(Ĥ)`` (what the size planner passes to
+ggml), compressor's error-compensating rounding (GPTQ through the run's Ĥ onto those same scales,
+:mod:`compressor.fitting.gridround`), ``llama-quantize --pure`` without and with ``llama-imatrix`` from the
+same calibration text. All scored on WikiText-2 test by ``tools/llamacpp_perplexity.py`` (a process that
 does not import compressor). The token embedding keeps llama.cpp's importance-free treatment here
-(``llama-imatrix`` does not cover it), so both sides differ only in the matrices' column weights.
+(``llama-imatrix`` does not cover it, and a lookup has no Ĥ), so the sides differ only in the matrices.
 
     python tools/bench_imatrix_alone.py --work /tmp/bench-smol --tools /path/to/build/bin \\
         --output tools/results/imatrix_alone_smollm2.json
@@ -17,6 +20,7 @@ Run it alone.
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 from benchlib import load_bench_model, wikitext, write_json
@@ -30,6 +34,7 @@ def main() -> None:
     ap.add_argument("--work", required=True)
     ap.add_argument("--tools", required=True)
     ap.add_argument("--type", default="Q4_0")
+    ap.add_argument("--fallback", default="Q4_0", help="the type of tensors whose rows --type does not fit")
     ap.add_argument("--cal-tokens", type=int, default=16384)
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--output", required=True)
@@ -53,19 +58,27 @@ def main() -> None:
     imatrix = {namer(f"{n}.weight"): _imatrix(torch.diagonal(moments[n])) for n in names if namer(f"{n}.weight")}
     import gguf
 
-    two_d = [t.name for t in gguf.GGUFReader(f16).tensors if len([d for d in t.shape if d > 1]) >= 2]
-    types = {name: args.type for name in two_d}
+    from compressor.core.ggml import GGMLType, fits
+
+    two_d = {t.name: int(t.shape[0]) for t in gguf.GGUFReader(f16).tensors if len([d for d in t.shape if d > 1]) >= 2}
+    types = {name: args.type if fits(GGMLType[args.type], n) else args.fallback for name, n in two_d.items()}
     files = {}
     files["compressor, no weights"] = work / f"uniform-{args.type}-plain.gguf"
     write_requantized(f16, files["compressor, no weights"], types)
     files["compressor, diag(H) of the run"] = work / f"uniform-{args.type}-ours.gguf"
     write_requantized(f16, files["compressor, diag(H) of the run"], types, imatrix)
+    files["compressor, error-compensating (GPTQ through H)"] = work / f"uniform-{args.type}-gptq.gguf"
+    t0 = time.perf_counter()
+    stored = compensated(model, moments, namer, types, imatrix)
+    gptq_s = time.perf_counter() - t0
+    write_requantized(f16, files["compressor, error-compensating (GPTQ through H)"], types, imatrix, stored=stored)
     files["llama-quantize --pure"] = work / f"pure-{args.type}.gguf"
     files["llama-quantize --pure --imatrix"] = work / f"pure-{args.type}-imatrix.gguf"
     for label, extra in (("llama-quantize --pure", []),
                          ("llama-quantize --pure --imatrix", ["--imatrix", str(work / "imatrix.gguf")])):
-        subprocess.run([str(tools / "llama-quantize"), "--pure", *extra, str(f16), str(files[label]), args.type, "2"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        overrides = [a for name, t in types.items() if t != args.type for a in ("--tensor-type", f"{name}={t}")]
+        subprocess.run([str(tools / "llama-quantize"), "--pure", *extra, *overrides, str(f16), str(files[label]),
+                        args.type, "2"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     scored = work / f"imatrix-alone-{args.type}.json"
     cmd = llamacpp_perplexity_cmd([f16, *files.values()], wikitext("test.txt"), args.windows, scored)
     subprocess.run([str(c) for c in cmd], check=True, stdout=subprocess.DEVNULL)
@@ -74,12 +87,32 @@ def main() -> None:
     rows = [{"file": label, "bytes": p.stat().st_size, "ppl": res[p.name]["ppl"],
              "change_vs_f16": res[p.name]["ppl"] / base - 1} for label, p in files.items()]
     write_json(args.output, {
-        "model": args.model, "type": args.type, "eval": f"WikiText-2 test, {args.windows} windows of 512, llama.cpp",
+        "model": args.model, "type": args.type, "fallback": args.fallback,
+        "types_used": {t: list(types.values()).count(t) for t in sorted(set(types.values()))},
+        "gptq_seconds": gptq_s, "eval": f"WikiText-2 test, {args.windows} windows of 512, llama.cpp",
         "calibration": f"{args.cal_tokens} tokens of {work / 'calibration.txt'} (the first characters of WikiText-2 "
                        "valid), the same text llama-imatrix read", "f16_ppl": base, "ran_alone": bool(args.alone),
         "rows": rows})
     for r in rows:
         print(f"{r['file']:34s} {r['bytes'] / 1e6:7.1f} MB  {100 * r['change_vs_f16']:+6.2f} %")
+
+
+def compensated(model, moments: dict, namer, types: dict, imatrix: dict) -> dict:
+    """GGUF name → (type, GPTQ bytes in the file's row order) for every linear the file stores."""
+    from compressor.core.ggml import GGMLType
+    from compressor.fitting.gridround import gptq_quantize
+    from compressor.output.gguf import to_file_rows
+
+    out = {}
+    for module, h in moments.items():
+        name = namer(f"{module}.weight")
+        if name is None or name not in types:
+            continue
+        w = model.get_submodule(module).weight.detach().float()
+        raw = gptq_quantize(w, h.float(), GGMLType[types[name]], imatrix[name])
+        out[name] = (types[name], to_file_rows(name, raw, "llama" if model.config.model_type in ("llama", "mistral")
+                                               else model.config.model_type, model.config))
+    return out
 
 
 if __name__ == "__main__":

@@ -85,10 +85,13 @@ class Site:
 
 
 class Choice(NamedTuple):
-    """What an option applies: a GGML type, quantized with the importance matrix or without it."""
+    """What an option applies: a GGML type, its scales found by ggml with the importance matrix or without
+    it, and each code rounded to nearest (ggml's own) or by error-compensating rounding through Ĥ
+    (``compensated``: GPTQ onto those scales, :mod:`compressor.fitting.gridround`)."""
 
     type: GGMLType
     weighted: bool
+    compensated: bool = False
 
 
 @dataclass
@@ -103,6 +106,11 @@ class SizePlan:
     predicted_nll_increase: float
     rows: list[dict] = field(default_factory=list, repr=False)
     """Per tensor: name, type, bytes, predicted cost, and the cost of every option offered."""
+    compensated: set[str] = field(default_factory=set)
+    """Tensors whose chosen option is error-compensating rounding (their bytes: :attr:`stored`)."""
+    stored: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict, repr=False)
+    """GGUF tensor name → (type name, raw bytes ``[rows, row_bytes]`` in the file's row order): what the writer
+    stores as it is — the compensated tensors, rounded over all their rows once the plan is chosen."""
 
     def to_json(self) -> dict:
         counts: dict[str, int] = {}
@@ -111,7 +119,8 @@ class SizePlan:
         return {"tensor_bytes": self.tensor_bytes, "budget_tensor_bytes": self.budget_bytes,
                 "predicted_nll_increase": self.predicted_nll_increase,
                 "predicted_ppl_change": float(np.expm1(self.predicted_nll_increase)),
-                "types_used": dict(sorted(counts.items())), "tensors": self.rows}
+                "types_used": dict(sorted(counts.items())), "compensated_tensors": len(self.compensated),
+                "tensors": self.rows}
 
 
 def _embedding_lookup_cost(f_emb: torch.Tensor, freq: torch.Tensor):
@@ -223,26 +232,68 @@ def variants(site: Site, t: GGMLType) -> list[np.ndarray | None]:
     return [site.imatrix] if requires_imatrix(t) else [site.imatrix, None]
 
 
-def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES) -> list[Option]:
-    """One option per type whose blocks fit the rows: its bytes and predicted loss increase, quantized with
-    or without the importance matrix, whichever is predicted cheaper (:func:`variants`)."""
+#: How codes may be rounded: ``gptq`` offers error-compensating rounding (GPTQ through Ĥ onto ggml's scales)
+#: beside ggml's nearest rounding, each option priced with what it gets; ``nearest`` only ggml's own.
+ROUNDINGS = ("gptq", "nearest")
+
+
+def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str = "gptq") -> list[Option]:
+    """One option per type whose blocks fit the rows: its bytes and predicted loss increase, priced with the
+    rounding it will get — ggml's, with or without the importance matrix (:func:`variants`), or (``rounding``
+    ``gptq``, a site with Ĥ) error-compensating rounding onto ggml's importance-weighted scales — whichever is
+    predicted cheaper."""
     n_rows, n = site.weight.shape
     w = site.priced_weight().numpy()
+    compensate = _compensator(site) if rounding == "gptq" else None
     opts = []
     for t in offered(types, n, every=site.rows is None):
-        cost, weights = min(((site.cost(torch.from_numpy(roundtrip(w, t, m)) - site.priced_weight()), m is not None)
-                             for m in variants(site, t)), key=lambda c: c[0])
+        tried = [(site.cost(torch.from_numpy(roundtrip(w, t, m)) - site.priced_weight()), m is not None, False)
+                 for m in variants(site, t)]
+        if compensate is not None and compensates(t) and min(c[0] for c in tried) > 0:
+            tried.append((site.cost(torch.from_numpy(compensate(t)) - site.priced_weight()), True, True))
+        cost, weights, compensated = min(tried, key=lambda c: c[0])
         opts.append(Option(site.name, t.name, n_rows * bytes_per_row(t, n), max(cost, 0.0),
-                           payload=Choice(t, weights)))
+                           payload=Choice(t, weights, compensated)))
     return opts
 
 
+#: Error-compensating rounding is priced for types of fewer bits per weight than this: at 6 bits and more
+#: (Q6_K, Q8_0) ggml's own rounding error is already a small share of any plan's, and GPTQ would double the
+#: pricing time for nothing the allocation can see.
+COMPENSATED_BELOW_BPW = 6.0
+
+
+def compensates(t: GGMLType) -> bool:
+    """Whether error-compensating rounding is offered in ``t``: a quantized type whose grid is per element,
+    of fewer than :data:`COMPENSATED_BELOW_BPW` bits per weight. (A tensor that ggml's rounding already
+    leaves exact, a source's own grid, is not tried either: nothing is left to compensate.)"""
+    from compressor.fitting import gridround
+
+    return BLOCKS[t][0] > 1 and bits_per_weight(t) < COMPENSATED_BELOW_BPW and gridround.supports(t) is None
+
+
+def _compensator(site: Site) -> Callable[[GGMLType], np.ndarray] | None:
+    """``t ->`` the priced rows rounded by GPTQ onto ``t``'s importance-weighted scales, dequantized (one
+    factor of Ĥ shared by every type); None for a site with no Ĥ (an untied embedding: a lookup)."""
+    from compressor.fitting import gridround
+
+    if site.h is None:
+        return None
+    w = site.priced_weight().numpy()
+    fac = gridround.factor(site.h)
+
+    def rounded(t: GGMLType) -> np.ndarray:
+        raw = gridround.gptq_quantize(w, fac, t, site.imatrix)
+        return gridround.dequantize(raw, t, w.shape)
+    return rounded
+
+
 def price_all(all_sites: list[Site], types: tuple[GGMLType, ...] = DEFAULT_TYPES,
-              threads: int | None = None) -> dict[str, list[Option]]:
+              threads: int | None = None, rounding: str = "gptq") -> dict[str, list[Option]]:
     """:func:`price` for every site; ggml's quantizer releases the GIL, so sites run on ``threads``."""
     threads = threads or max(1, torch.get_num_threads())
     with ThreadPoolExecutor(threads) as pool:
-        priced = list(progress(pool.map(lambda s: price(s, types), all_sites), total=len(all_sites),
+        priced = list(progress(pool.map(lambda s: price(s, types, rounding), all_sites), total=len(all_sites),
                                desc="price: tensor types", unit="tensor"))
     return {s.name: opts for s, opts in zip(all_sites, priced)}
 
@@ -270,7 +321,8 @@ def to_tensors(units: dict[str, list[Option]], priced: list[Priced]) -> tuple[di
         tensors[f"{i}.size"] = torch.tensor([o.size for o in opts], dtype=torch.float64)
         tensors[f"{i}.cost"] = torch.tensor([o.cost for o in opts], dtype=torch.float64)
         meta.append({"name": p.name, "module": p.module, "shape": list(p.shape), "types": [o.name for o in opts],
-                     "weighted": [o.payload.weighted for o in opts]})
+                     "weighted": [o.payload.weighted for o in opts],
+                     "compensated": [o.payload.compensated for o in opts]})
     return tensors, {"tensors": meta}
 
 
@@ -279,8 +331,8 @@ def from_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict[str
     units, priced = {}, []
     for i, m in enumerate(meta["tensors"]):
         sizes, costs = tensors[f"{i}.size"].tolist(), tensors[f"{i}.cost"].tolist()
-        units[m["name"]] = [Option(m["name"], t, sz, c, payload=Choice(GGMLType[t], w))
-                            for t, sz, c, w in zip(m["types"], sizes, costs, m["weighted"])]
+        units[m["name"]] = [Option(m["name"], t, sz, c, payload=Choice(GGMLType[t], w, g))
+                            for t, sz, c, w, g in zip(m["types"], sizes, costs, m["weighted"], m["compensated"])]
         priced.append(Priced(m["name"], m["module"], tuple(m["shape"]), tensors[f"{i}.imatrix"].numpy()))
     return units, priced
 
@@ -298,11 +350,12 @@ def plan(units: dict[str, list[Option]], priced: list[Priced], budget_bytes: int
         s = by_name[name]
         rows.append({"tensor": name, "module": s.module, "shape": list(s.shape), "type": o.name,
                      "bits_per_weight": bits_per_weight(o.payload.type), "bytes": int(o.size),
-                     "imatrix": o.payload.weighted,
+                     "imatrix": o.payload.weighted, "rounding": "gptq" if o.payload.compensated else "nearest",
                      "predicted_cost": o.cost, "offered": {x.name: x.cost for x in units[name]}})
     return SizePlan({n: o.name for n, o in choice.items()},
                     {p.name: p.imatrix for p in priced if choice[p.name].payload.weighted},
-                    int(total_size(choice)), int(budget_bytes), total_cost(choice), rows)
+                    int(total_size(choice)), int(budget_bytes), total_cost(choice), rows,
+                    compensated={n for n, o in choice.items() if o.payload.compensated})
 
 
 def smallest_within(units: dict[str, list[Option]], priced: list[Priced], max_bytes: int, target: float,

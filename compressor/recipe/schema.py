@@ -300,6 +300,11 @@ class OutputConfig(_Section):
         "llama.cpp preset's name (Q4_K_M, Q3_K_M, Q2_K, …: that preset's size for this model, made from the same "
         "F16 and measured beside the output), or smallest (the smallest file whose perplexity in llama.cpp stays "
         "within policy.ppl_budget); null: the source's own types (gguf_quant)")
+    rounding: Literal["gptq", "nearest"] = Field(
+        "gptq", description="output.size: how each planned tensor's codes are rounded onto the scales ggml's "
+        "quantizer finds — gptq: error-compensating rounding through the layer's input second moment (GPTQ, "
+        "bit-compatible with llama.cpp) offered beside ggml's own, each priced with what it gets; nearest: "
+        "ggml's own rounding only (what llama-quantize does with an importance matrix)")
     gguf_unquantizable: Literal["error", "f16", "pad"] = Field(
         "error", description="gguf format: an FFN width the quantization block does not divide is an error, keeps "
         "its down projection in F16, or is padded with dead units"
@@ -326,6 +331,9 @@ class OutputConfig(_Section):
 
     @model_validator(mode="after")
     def _size_rule(self):
+        if self.size is None and "rounding" in self.model_fields_set and self.rounding != "gptq":
+            raise ValueError(f"output.rounding: {self.rounding!r} is read only with output.size (it says how a "
+                             "size plan rounds); remove it, or give output.size")
         if self.size is not None:
             parse_size(self.size)
             if self.gguf_quant != "source":

@@ -57,9 +57,9 @@ from compressor.output.gguf.encode import PRESETS, GGUFWidthError, encode, ggml_
 from compressor.output.gguf.metadata import (
     PRE_TOKENIZERS, copy_source_metadata, hf_hparams, hf_tokenizer_metadata, llama3_rope_factors, tokenizer_problem,
 )
-from compressor.output.gguf.naming import REQUANTIZE_ARCH, ROPE_LAYOUT, Tensor, rope_permutation
+from compressor.output.gguf.naming import REQUANTIZE_ARCH, ROPE_LAYOUT, Tensor, rope_permutation, to_file_rows
 from compressor.output.gguf.plan import (
-    QUANTS, UNQUANTIZABLE, Plan, arch_refusal, check_options, compression_widths, down_blocks, plan_for,
+    QUANTS, UNQUANTIZABLE, Plan, arch_refusal, check_options, compression_widths, down_blocks, file_arch, plan_for,
     resolve_quant, width_error, writable,
 )
 from compressor.output.gguf.read import (  # _source_types: its cache is cleared by tests
@@ -78,7 +78,7 @@ LLAMA_CPP_PIN = "llama-cpp-python==0.3.36"
 __all__ = [
     "FILE_NAME", "LLAMA_CPP_PIN", "PPL_TOLERANCE", "PRESETS", "PRE_TOKENIZERS", "QUANTS", "REQUANTIZE_ARCH",
     "ROPE_LAYOUT", "UNQUANTIZABLE", "GGUFGateMissed", "GGUFWidthError", "GGUFWriter", "Plan", "Tensor",
-    "arch_refusal", "check_options", "compression_widths", "copy_source_metadata", "down_blocks", "encode",
+    "arch_refusal", "check_options", "compression_widths", "file_arch", "to_file_rows", "copy_source_metadata", "down_blocks", "encode",
     "ffn_tensors", "ggml_quantize", "gguf_summary", "hf_hparams", "hf_tokenizer_metadata", "llama3_rope_factors",
     "llama_cpp_perplexity", "llama_cpp_window_nll", "llama_quantize", "model_tensors", "plan_for",
     "planned_check", "quantize_file", "requantizes", "resolve_quant", "rope_permutation", "runtime_missing",

@@ -74,6 +74,13 @@ def _needs_permute(name: str, from_layout: str, to_layout: str) -> bool:
     return from_layout != to_layout and (".attn_q." in name or ".attn_k." in name)
 
 
+def to_file_rows(name: str, rows: np.ndarray, arch: str, config) -> np.ndarray:
+    """Rows of a Hugging Face weight (values, or raw bytes: rows are quantized independently) in the order a
+    GGUF of llama.cpp architecture ``arch`` stores tensor ``name``: attn_q/attn_k permuted for a "norm" RoPE
+    layout, everything else as it is."""
+    return _permute_qk(name, rows, config) if _needs_permute(name, "neox", ROPE_LAYOUT.get(arch, "neox")) else rows
+
+
 def _sort_key(name: str):
     """Embeddings and RoPE factors first, then block by block, then the rest (llama.cpp's converter order)."""
     m = re.match(r"blk\.(\d+)\.", name)

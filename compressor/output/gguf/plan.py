@@ -181,3 +181,14 @@ def _fit_widths(plan: Plan, types: dict, options: dict) -> None:
     if plan.kept_f16:
         logger.warning("gguf: down projections kept in F16 (width not a multiple of the block): layers %s",
                        plan.kept_f16)
+
+
+def file_arch(request: WriteRequest) -> str:
+    """The llama.cpp architecture a size plan's file is written in (widths unchanged): a GGUF source's own
+    (re-quantized in its layout), else the model type's native one."""
+    if request.source.gguf_file:
+        from compressor.output.gguf.naming import _field
+
+        return str(_field(_gguf().GGUFReader(Path(request.source.path) / request.source.gguf_file),
+                          "general.architecture"))
+    return _arch(request.model)[1].gguf_native

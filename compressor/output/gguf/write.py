@@ -34,11 +34,13 @@ def _finish(writer) -> None:
 
 
 def write_requantized(source: Path, path: Path, types: dict[str, str], imatrix: dict[str, np.ndarray] | None = None,
-                      default: str = "F16") -> None:
+                      default: str = "F16", stored: dict[str, tuple[str, np.ndarray]] | None = None) -> None:
     """The GGUF at ``source`` with every tensor of two or more dimensions dequantized (gguf-py) and written
-    in ``types[name]`` (else ``default``) by ggml's quantizer with ``imatrix[name]`` as column weights; 1-D
-    tensors in F32; metadata (tokenizer, chat template) copied. The source's own architecture and layout:
-    the tensors are read as llama.cpp stores them, so nothing is renamed or permuted."""
+    in ``types[name]`` (else ``default``) by ggml's quantizer with ``imatrix[name]`` as column weights, or
+    as ``stored[name]``'s raw bytes when given in that type (error-compensating rounding, already in the
+    file's row order); 1-D tensors in F32; metadata (tokenizer, chat template) copied. The source's own
+    architecture and layout: the tensors are read as llama.cpp stores them, so nothing is renamed or
+    permuted."""
     gguf = _gguf()
     Q = gguf.GGMLQuantizationType
     reader = gguf.GGUFReader(source)
@@ -53,6 +55,11 @@ def write_requantized(source: Path, path: Path, types: dict[str, str], imatrix: 
             writer.add_tensor(t.name, data, raw_dtype=Q.F32)
             continue
         qtype = getattr(Q, types.get(t.name, default))
+        raw = (stored or {}).get(t.name)
+        if raw is not None and raw[0] == qtype.name:
+            writer.add_tensor(t.name, np.ascontiguousarray(raw[1], dtype=np.uint8).reshape(
+                *data.shape[:-1], -1), raw_dtype=qtype)
+            continue
         weights = (imatrix or {}).get(t.name)
         writer.add_tensor(t.name, encode(data.reshape(-1, data.shape[-1]), qtype, weights).reshape(
             *data.shape[:-1], -1) if qtype not in (Q.F32, Q.F16) else encode(data, qtype), raw_dtype=qtype)
@@ -66,7 +73,8 @@ def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
         src = Path(request.source.path) / request.source.gguf_file
         size_plan = request.size_plan
         write_requantized(src, path, dict(size_plan.types) if size_plan is not None else {},
-                          size_plan.imatrix if size_plan is not None else None)
+                          size_plan.imatrix if size_plan is not None else None,
+                          stored=size_plan.stored if size_plan is not None else None)
         return None
     plan = plan_for(request, options)
     source = request.source
@@ -76,7 +84,7 @@ def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
     writer = gguf.GGUFWriter(str(tmp), plan.arch)
     tensors, types = _metadata_and_tensors(writer, request, plan, meta, final_quant)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    stored = options.get("stored") or {}
+    stored = {**(options.get("stored") or {}), **(plan.size_plan.stored if plan.size_plan is not None else {})}
     for t in sorted(tensors, key=lambda t: _sort_key(t.name)):
         if t.raw_type is not None:
             writer.add_tensor(t.name, t.data, raw_dtype=t.raw_type)

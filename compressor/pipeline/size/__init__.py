@@ -118,6 +118,7 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
     from compressor.pipeline.size.budget import measure_budget, workdir_for
     from compressor.pipeline.size.planner import Planner
     from compressor.pipeline.size.prices import measure_and_price
+    from compressor.pipeline.size.rounding import Compensator
     from compressor.pipeline.size.stage import SizeRun, check_floor
 
     if recipe.output.size is None:
@@ -134,8 +135,9 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         planner = Planner(units, priced, budget)
         check_floor(planner, budget)
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
-        run = SizeRun(recipe, request, checked, report, result, planner, workdir,
-                      head={"prices_from_cache": cached, "timings": timings})
+        compensator = Compensator(request, priced, windows, recipe.calibration.batch_size, timings)
+        run = SizeRun(recipe, request, checked, report, result, planner, workdir, compensator,
+                      head={"prices_from_cache": cached, "timings": timings, "rounding": recipe.output.rounding})
         return run.search()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -82,7 +82,7 @@ def gguf_namer(model) -> callable:
 
 
 #: Bump when what a priced option means changes: cached prices of another version are not read.
-PRICES_VERSION = 2
+PRICES_VERSION = 3
 
 
 def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dict):
@@ -94,7 +94,8 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     key = None
     if recipe.measure.cache:
         settings = {"prices": PRICES_VERSION, "types": [t.name for t in DEFAULT_TYPES],
-                    "max_elements": MAX_PRICED_ELEMENTS, "batch_size": recipe.calibration.batch_size}
+                    "max_elements": MAX_PRICED_ELEMENTS, "batch_size": recipe.calibration.batch_size,
+                    "rounding": recipe.output.rounding}
         data_fp = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
         key = "prices-" + cache.stats_key(cache.model_fingerprint(model), data_fp, settings)
         hit = cache.get(key)
@@ -114,7 +115,7 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
         t0 = time.perf_counter()
         these = sites(model, fisher, moments, namer, modules=set(group))
         del moments
-        units.update(price_all(these))
+        units.update(price_all(these, rounding=recipe.output.rounding))
         priced += [Priced.of(s) for s in these]
         del these  # the statistics go with the sites, before the next group's moments are measured
         timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0

@@ -45,6 +45,8 @@ class SizeRun:
     result: object
     planner: Planner
     workdir: Path
+    compensator: object = None
+    """Rounds the compensated tensors of a chosen plan over all their rows (:mod:`.rounding`)."""
     head: dict = field(default_factory=dict)
     """What the report's ``size_plan`` says before any plan: the budget, prices, timings."""
     target_nll: float | None = None
@@ -83,6 +85,8 @@ class SizeRun:
         from compressor.pipeline import stages
 
         size_plan = self.planner.at(int(tensor_bytes))
+        if self.compensator is not None:
+            self.compensator.fill(size_plan)
         self.request.size_plan = size_plan
         logger.info("size plan: %s of tensor data, predicted perplexity %+.2f %%; types %s",
                     f"{size_plan.tensor_bytes / 1e6:.2f} MB", 100 * math.expm1(size_plan.predicted_nll_increase),
