@@ -48,13 +48,13 @@ write_gguf(req, Path(sys.argv[2]), opts)
 """
 
 
-def recipe(model: str, cal: Path, size: str, out: Path, cal_tokens: int) -> str:
+def recipe(model: str, cal: Path, size: str, out: Path, cal_tokens: int, rounding: str = "gptq") -> str:
     return f"""version: 1
 model: {{source: "{model}", dtype: float32}}
 calibration: {{dataset: "{cal}", seq_len: 512, max_tokens: {cal_tokens}, heldout_fraction: 0.125, batch_size: 4}}
 evaluation: {{dataset: embedded, seq_len: 256, stride: 256, max_tokens: 4096, batch_size: 8}}
 policy: {{ppl_budget: 100.0}}
-output: {{path: "{out}", formats: [gguf], size: {size}, overwrite: true}}
+output: {{path: "{out}", formats: [gguf], size: {size}, rounding: {rounding}, overwrite: true}}
 """
 
 
@@ -72,6 +72,13 @@ def parse_args():
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-ours", action="store_true", help="presets only")
+    ap.add_argument("--roundings", nargs="+", default=["gptq"], choices=["gptq", "nearest"],
+                    help="compressor's output.rounding: one file per size each (gptq: compressor-PRESET; "
+                    "nearest: compressor-PRESET-nearest)")
+    ap.add_argument("--code-text", default=None,
+                    help="a second evaluation text: a UTF-8 file, or 'stdlib' (this Python's standard-library "
+                    "source, public modules: what tools/independent_check.py reads)")
+    ap.add_argument("--kld", action="store_true", help="also KL divergence from the F16, token by token")
     ap.add_argument("--output", required=True)
     add_alone(ap)
     return ap.parse_args()
@@ -95,20 +102,41 @@ def preset_files(args, work: WorkFolder, f16: Path, imatrix: Path, preset: str) 
                                            [quantize, "--imatrix", imatrix, f16, with_imatrix, preset, threads])}
 
 
-def compressor_file(args, work: WorkFolder, cal: Path, preset: str) -> Path:
+def compressor_file(args, work: WorkFolder, cal: Path, preset: str, rounding: str = "gptq") -> Path:
     """``compressor run`` with ``output.size: PRESET`` on the same calibration text: its GGUF."""
-    out = work.path / f"compressor-{preset}"
-    r = work.path / f"recipe-{preset}.yaml"
+    label = f"compressor-{preset}" + ("" if rounding == "gptq" else f"-{rounding}")
+    out = work.path / label
+    r = work.path / f"recipe-{label.removeprefix('compressor-')}.yaml"
     if not (out / "model.gguf").exists():
-        r.write_text(recipe(args.model, cal, preset, out, args.cal_tokens))
-    return work.make(f"compressor-{preset}", out / "model.gguf", [Path(PY).parent / "compressor", "run", r])
+        r.write_text(recipe(args.model, cal, preset, out, args.cal_tokens, rounding))
+    return work.make(label, out / "model.gguf", [Path(PY).parent / "compressor", "run", r])
 
 
 def score_rows(args, work: WorkFolder, files: dict[str, Path]) -> list[dict]:
-    """Every file's size and llama.cpp perplexity against the F16's (and the gate's word for ours)."""
-    scored = work.path / "scores.json"
-    run_logged(llamacpp_perplexity_cmd(list(files.values()), args.eval_text, args.windows, scored, args.threads),
-               work.log)
+    """Every file's size and llama.cpp perplexity against the F16's (and the gate's word for ours); with
+    ``--kld`` its KL divergence from the F16; with ``--code-text`` the same on that text (``code``)."""
+    rows = _scored(args, work, files, args.eval_text, "scores.json")
+    if args.code_text:
+        text = Path(args.code_text)
+        if args.code_text == "stdlib":
+            from independent_check import stdlib_text
+
+            text = work.path / "stdlib.txt"
+            text.write_text(stdlib_text(40 * 512 * args.windows), encoding="utf-8")
+        code = {r["file"]: r for r in _scored(args, work, files, text, "scores-code.json")}
+        for r in rows:
+            r["code"] = {k: code[r["file"]][k] for k in ("ppl", "change_vs_f16", "kld") if k in code[r["file"]]}
+    return rows
+
+
+def _scored(args, work: WorkFolder, files: dict[str, Path], text, name: str) -> list[dict]:
+    import hashlib
+
+    key = hashlib.sha256(" ".join(f"{k}={v}" for k, v in files.items()).encode()).hexdigest()[:10]
+    scored = work.path / name.replace(".json", f"-{key}.json")  # the same files scored once
+    if not scored.exists():
+        run_logged(llamacpp_perplexity_cmd(list(files.values()), text, args.windows, scored, args.threads,
+                                           kld=args.kld), work.log)
     by_file = {Path(r["file"]).resolve(): r for r in scores(scored)}
     f16 = files["F16"]
     base = by_file[f16.resolve()]["ppl"]
@@ -116,7 +144,7 @@ def score_rows(args, work: WorkFolder, files: dict[str, Path]) -> list[dict]:
     for label, path in files.items():
         s = by_file[path.resolve()]
         row = {"file": label, "bytes": path.stat().st_size, "bytes_vs_f16": path.stat().st_size / f16.stat().st_size,
-               "ppl": s["ppl"], "change_vs_f16": s["ppl"] / base - 1}
+               "ppl": s["ppl"], "change_vs_f16": s["ppl"] / base - 1, **({"kld": s["kld"]} if "kld" in s else {})}
         if label.startswith("compressor-"):
             row.update(gate_and_types(path.parent / "report.json"))
         rows.append(row)
@@ -158,8 +186,9 @@ def main() -> None:
     files = {"F16": f16}
     for preset in args.presets:
         files.update(preset_files(args, work, f16, imatrix, preset))
-        if not args.skip_ours:
-            files[f"compressor-{preset}"] = compressor_file(args, work, cal, preset)
+        for rounding in ([] if args.skip_ours else args.roundings):
+            label = f"compressor-{preset}" + ("" if rounding == "gptq" else f"-{rounding}")
+            files[label] = compressor_file(args, work, cal, preset, rounding)
     rows = score_rows(args, work, files)
     compare_with_presets(rows, args.presets)
     result = {"model": args.name, "source": args.model, "eval_text": Path(args.eval_text).name,

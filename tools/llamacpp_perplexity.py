@@ -5,7 +5,12 @@ tokenizes the text itself and scores non-overlapping windows; the relative chang
 of every file after the first is against the first.
 
     python tools/llamacpp_perplexity.py ORIGINAL.gguf COMPRESSED.gguf \\
-        --text ../shared/data/wikitext-2/test.txt --windows 32 --output result.json
+        --text ../shared/data/wikitext-2/test.txt --windows 32 --output result.json [--kld]
+
+``--kld``: also the KL divergence of every file's next-token distribution from the first file's, token by
+token over the same windows, as ``llama-perplexity --kl-divergence`` reports it — mean (with its SE over
+windows), median, 99th percentile, and the same-top-token rate. The first file's log-probabilities are
+kept on disk (float16, one file a window, in a temporary folder removed after) while the others are scored.
 """
 
 from __future__ import annotations
@@ -13,19 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 
 import numpy as np
 
 
-def perplexity(path: str, text: str, seq_len: int, windows: int, threads: int) -> dict:
+def perplexity(path: str, text: str, seq_len: int, windows: int, threads: int, kld: KLD | None = None) -> dict:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=path, n_ctx=seq_len, logits_all=True, verbose=False, n_threads=threads,
                           n_batch=seq_len)
     toks = llm.tokenize(text.encode("utf-8"), add_bos=False)[: windows * seq_len]
     nll, n, t0, per_window = 0.0, 0, time.perf_counter(), []
-    for start in range(0, len(toks) - seq_len + 1, seq_len):
+    for i, start in enumerate(range(0, len(toks) - seq_len + 1, seq_len)):
         win = toks[start : start + seq_len]
         llm.reset()
         llm.eval(win)
@@ -36,8 +42,45 @@ def perplexity(path: str, text: str, seq_len: int, windows: int, threads: int) -
         per_window.append(w / (len(win) - 1))
         nll += w
         n += len(win) - 1
-    return {"file": path, "ppl": math.exp(nll / n), "scored_tokens": n, "seconds": time.perf_counter() - t0,
-            "llama_cpp_python": llama_cpp.__version__, "window_nll": per_window}
+        if kld is not None:
+            kld.window(i, logp[: len(win) - 1])
+    out = {"file": path, "ppl": math.exp(nll / n), "scored_tokens": n, "seconds": time.perf_counter() - t0,
+           "llama_cpp_python": llama_cpp.__version__, "window_nll": per_window}
+    if kld is not None and not kld.is_reference:
+        out["kld"] = kld.summary()
+    return out
+
+
+class KLD:
+    """KL(reference ‖ file) per token: the reference's log-probabilities are saved window by window while it
+    is scored (:attr:`is_reference`), then every later file's are compared with them."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.is_reference = folder, True
+        self.per_token: list[np.ndarray] = []
+        self.top_same: list[np.ndarray] = []
+
+    def next_file(self) -> None:
+        self.is_reference, self.per_token, self.top_same = False, [], []
+
+    def window(self, i: int, logp: np.ndarray) -> None:
+        import os
+
+        path = os.path.join(self.folder, f"ref-{i}.npy")
+        if self.is_reference:
+            np.save(path, logp.astype(np.float16))
+            return
+        ref = np.load(path).astype(np.float64)
+        self.per_token.append((np.exp(ref) * (ref - logp)).sum(axis=1))
+        self.top_same.append(ref.argmax(axis=1) == logp.argmax(axis=1))
+
+    def summary(self) -> dict:
+        tokens = np.concatenate(self.per_token)
+        means = np.array([w.mean() for w in self.per_token])
+        se = float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else None
+        return {"mean": float(tokens.mean()), "mean_se": se, "median": float(np.median(tokens)),
+                "p99": float(np.quantile(tokens, 0.99)), "max": float(tokens.max()),
+                "same_top_token": float(np.concatenate(self.top_same).mean()), "tokens": int(tokens.size)}
 
 
 def main() -> None:
@@ -48,9 +91,16 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", default=None, help="write the result as JSON here")
+    ap.add_argument("--kld", action="store_true", help="also the KL divergence from the first file, token by token")
     args = ap.parse_args()
     text = open(args.text, encoding="utf-8").read()
-    rows = [perplexity(p, text, args.seq_len, args.windows, args.threads) for p in args.gguf]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="llamacpp-kld-") as folder:
+        kld = KLD(folder) if args.kld else None
+        for p in args.gguf:
+            rows.append(perplexity(p, text, args.seq_len, args.windows, args.threads, kld))
+            if kld is not None:
+                kld.next_file()
     for r in rows[1:]:
         r["relative_change"] = r["ppl"] / rows[0]["ppl"] - 1
         d = [a - b for a, b in zip(r["window_nll"], rows[0]["window_nll"], strict=True)]

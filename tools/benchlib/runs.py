@@ -57,11 +57,14 @@ class WorkFolder:
         return logged_commands(self.log)
 
 
-def llamacpp_perplexity_cmd(ggufs: list, text, windows: int, output, threads: int | None = None) -> list:
+def llamacpp_perplexity_cmd(ggufs: list, text, windows: int, output, threads: int | None = None,
+                            kld: bool = False) -> list:
     """The command scoring ``ggufs`` on ``text`` in llama.cpp alone (the first file is the reference),
-    ``windows`` windows of 512 tokens, the result JSON at ``output`` (read it with :func:`scores`)."""
+    ``windows`` windows of 512 tokens, the result JSON at ``output`` (read it with :func:`scores`); ``kld``:
+    also every file's KL divergence from the first, token by token."""
     return [PY, TOOLS_DIR / "llamacpp_perplexity.py", *ggufs, "--text", text, "--windows", windows,
-            *(["--threads", threads] if threads is not None else []), "--output", output]
+            *(["--threads", threads] if threads is not None else []), "--output", output,
+            *(["--kld"] if kld else [])]
 
 
 def scores(path) -> list[dict]:
