@@ -76,7 +76,7 @@ def main() -> None:
     files["llama-quantize --pure --imatrix"] = work / f"pure-{args.type}-imatrix.gguf"
     for label, extra in (("llama-quantize --pure", []),
                          ("llama-quantize --pure --imatrix", ["--imatrix", str(work / "imatrix.gguf")])):
-        overrides = [a for name, t in types.items() if t != args.type for a in ("--tensor-type", f"{name}={t}")]
+        overrides = [a for name, t in types.items() if t != args.type for a in ("--tensor-type", f"{name}={t.lower()}")]
         subprocess.run([str(tools / "llama-quantize"), "--pure", *extra, *overrides, str(f16), str(files[label]),
                         args.type, "2"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     scored = work / f"imatrix-alone-{args.type}.json"
