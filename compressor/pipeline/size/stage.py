@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,14 +194,3 @@ def check_floor(planner: Planner, budget: Budget) -> None:
     raise InputError(f"output.size: {budget.size} ({budget.limit:,} bytes) cannot be met: the smallest types this "
                      f"model's rows take ({', '.join(types)}) make a file of {planner.floor:,} bytes; give a size of "
                      f"at least {planner.floor:,} bytes")
-
-
-def timed(timings: dict, key: str):
-    """Add the seconds of a ``with`` block to ``timings[key]``."""
-    class _Timer:
-        def __enter__(self):
-            self.t0 = time.perf_counter()
-
-        def __exit__(self, *exc):
-            timings[key] = timings.get(key, 0.0) + time.perf_counter() - self.t0
-    return _Timer()
