@@ -495,6 +495,13 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     assert sorted(p.name for p in res.output.iterdir()) == ["README.md", "model.gguf", "recipe.yaml", "report.json"]
     card = (res.output / "README.md").read_text()  # the card says what the file is: its types, bytes, the preset
     assert "Tensor types:" in card and "llama.cpp's Q4_0" in card and f"{res.report['verification']['gguf']['file_bytes']:,} bytes" in card
+    from compressor.reports.render import model_card
+
+    both = json.loads(json.dumps(res.report))  # written as [hf, gguf]: the card still describes the planned GGUF
+    both["recipe"]["output"]["formats"] = ["hf", "gguf"]
+    card_both = model_card(both)
+    assert "Tensor types:" in card_both and "holds the original weights, unchanged" in card_both
+    assert "0 of 0 FFN blocks" not in card_both and "library_name: gguf" in card_both
     check, plan = res.report["verification"]["gguf"], res.report["size_plan"]
     assert check["quant"] == "plan" and check["file_bytes"] <= check["budget_bytes"] == plan["budget_bytes"]
     assert check["file_bytes"] == check["planned_file_bytes"] == plan["planned_file_bytes"]  # known before writing
