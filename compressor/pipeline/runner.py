@@ -306,12 +306,14 @@ def _ship(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stage
     format written and checked as it is."""
     import torch
 
-    cal = calibrated.cal
-    tmp = size.ship(recipe, request, torch.cat([cal.fit, cal.heldout]), checked, report, result)
-    if tmp is None:
+    def write() -> Path:  # every format into a staging folder, each reloaded and checked
         tmp = stages.write(recipe.output, request, checked, report["timings"])
         stages.verify(recipe.output, request, tmp, report)
-    return tmp
+        return tmp
+
+    cal = calibrated.cal
+    tmp = size.ship(recipe, request, torch.cat([cal.fit, cal.heldout]), checked, report, result, write=write)
+    return tmp if tmp is not None else write()
 
 
 def _end_state(checked: stages.Checked) -> None:

@@ -20,6 +20,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -111,10 +112,12 @@ def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> Co
 
 
 def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, report: dict,
-         result: CompressionResult) -> Path | None:
+         result: CompressionResult, *, write: Callable[[], Path]) -> Path | None:
     """plan → allocate → write → gate → back off; returns the verified staging folder of the chosen file
-    (:class:`~compressor.core.errors.GateFailed` when none passes). None without a size. The F16 and the
-    preset live in a work folder beside the output, removed on every exit (and reclaimed after a kill)."""
+    (:class:`~compressor.core.errors.GateFailed` when none passes). None without a size. ``write()``: the
+    pipeline's write and verify stages for ``request`` as it stands (each attempt sets its plan on it), the
+    staging folder they made. The F16 and the preset live in a work folder beside the output, removed on
+    every exit (and reclaimed after a kill)."""
     from compressor.pipeline.size.budget import measure_budget, workdir_for
     from compressor.pipeline.size.planner import Planner
     from compressor.pipeline.size.prices import measure_and_price
@@ -136,7 +139,7 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         check_floor(planner, budget)
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
         compensator = Compensator(request, priced, windows, recipe.calibration.batch_size, timings)
-        run = SizeRun(recipe, request, checked, report, result, planner, workdir, compensator,
+        run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator,
                       head={"prices_from_cache": cached, "timings": timings, "rounding": recipe.output.rounding})
         return run.search()
     finally:

@@ -1,8 +1,8 @@
 """The size stage's loop: plan → allocate → write → gate → back off.
 
 One :class:`SizeRun` per run. Each attempt plans a tensor budget (:class:`~.planner.Planner`), hands the
-plan to the writers on :attr:`WriteRequest.size_plan`, lets them write and measure
-(:func:`compressor.pipeline.stages.write` / :func:`~compressor.pipeline.stages.verify`), and judges the file
+plan to the writers on :attr:`WriteRequest.size_plan`, lets them write and measure (the pipeline's write and
+verify stages, handed in as :attr:`SizeRun.write`), and judges the file
 (:mod:`.gate`). ``output.size: smallest`` searches the tensor budget with the gate's own search
 (:class:`compressor.policy.search.TargetSearch`: each budget measured once, the largest cut that passes);
 a size in bytes, bits per weight or a preset's name is one attempt at that size.
@@ -15,11 +15,12 @@ import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from compressor.core.errors import GateFailed, InputError
 from compressor.evaluation.evaluate import gate_ppl_limit
 from compressor.output.base import VerificationError
-from compressor.pipeline.size import gate
+from compressor.pipeline.size.gate import judge, message, preset_changes
 from compressor.pipeline.size.budget import Budget
 from compressor.pipeline.size.planner import Planner
 from compressor.policy.quantplan import SizePlan
@@ -44,6 +45,8 @@ class SizeRun:
     result: object
     planner: Planner
     workdir: Path
+    write: Callable[[], Path]
+    """The pipeline's write and verify stages for :attr:`request`: the staging folder, its formats checked."""
     compensator: object = None
     """Rounds the compensated tensors of a chosen plan over all their rows (:mod:`.rounding`)."""
     head: dict = field(default_factory=dict)
@@ -81,8 +84,6 @@ class SizeRun:
 
     def attempt(self, tensor_bytes: float, variant: str = "none") -> Attempt:
         """Write the plan at ``tensor_bytes``, measure it where it runs, and judge it."""
-        from compressor.pipeline import stages
-
         size_plan = self.planner.at(int(tensor_bytes))
         if self.compensator is not None:
             self.compensator.fill(size_plan)
@@ -90,15 +91,14 @@ class SizeRun:
         logger.info("size plan: %s of tensor data, predicted perplexity %+.2f %%; types %s",
                     f"{size_plan.tensor_bytes / 1e6:.2f} MB", 100 * math.expm1(size_plan.predicted_nll_increase),
                     size_plan.to_json()["types_used"])
-        tmp = stages.write(self.recipe.output, self.request, self.checked, self.report["timings"])
-        stages.verify(self.recipe.output, self.request, tmp, self.report)
+        tmp = self.write()
         check = self.report["verification"]["gguf"]
         try:
             self._measure(check, size_plan)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        passed, why = gate.judge(check, self.result, self.recipe.policy)
+        passed, why = judge(check, self.result, self.recipe.policy)
         record = _record(size_plan, check, passed)
         self.records.append(record)
         kept = None
@@ -107,7 +107,7 @@ class SizeRun:
             tmp.rename(kept)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-        self.report["message"] = gate.message(check, self.recipe.policy)
+        self.report["message"] = message(check, self.recipe.policy)
         return Attempt(tensor_bytes, passed, why, outcome=(kept, check, size_plan, self.report["message"]),
                        record=record)
 
@@ -125,7 +125,7 @@ class SizeRun:
         if preset is None:
             return
         domains = self.request.options.get("gate_domains") or []
-        ppl = gate.preset_changes(preset, domains)
+        ppl = preset_changes(preset, domains)
         for d in check["domains"]:
             ref = d.get("reference_perplexity")
             d["preset_perplexity"] = ppl[d["name"]]
