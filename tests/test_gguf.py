@@ -19,6 +19,8 @@ import pytest
 import torch
 import transformers
 
+from tiny import byte_level_tokenizer
+
 from compressor.core.modeling import COMPRESSION_FORMAT, AffineFFN, HiddenUnitFFN, LowRankAffineFFN
 from compressor.inputs.load import ResolvedSource
 from compressor.output.base import VerificationError, WriteRequest
@@ -42,15 +44,7 @@ def needs_llama_cpp():
 @pytest.fixture(scope="module")
 def tokenizer():
     """A byte-level BPE tokenizer (llama.cpp's ``gpt2`` model) trained on :data:`TEXT`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                                eos_token="<|endoftext|>")
+    return byte_level_tokenizer(TEXT)
 
 
 @pytest.fixture(scope="module")
@@ -462,6 +456,31 @@ def test_a_source_gguf_tensor_table_is_read_once_per_file_version(tmp_path, toke
     assert len(reads) == 2
 
 
+def _size_source(tmp_path: Path, tokenizer, ids, quant: str) -> Path:
+    """A tiny llama GGUF at ``quant`` (``src/tiny.gguf``), and calibration and evaluation texts beside it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant=quant, expected=1.0, file="tiny.gguf"), src)
+    words = TEXT.split()
+    for name, seed in (("cal.txt", 0), ("eval.txt", 1)):
+        rng = np.random.default_rng(seed)
+        (tmp_path / name).write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
+    return src / "tiny.gguf"
+
+
+def _size_recipe(tmp_path: Path, source: Path, out: str, size: str, policy: dict, **output):
+    """A size recipe on :func:`_size_source`'s files, its output at ``tmp_path / out``."""
+    import compressor
+
+    return compressor.recipe_from_dict({
+        "model": {"source": str(source)},
+        "calibration": {"dataset": str(tmp_path / "cal.txt"), "max_tokens": 2048, "seq_len": 32},
+        "evaluation": {"dataset": str(tmp_path / "eval.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
+        "policy": policy, "measure": {"cache": False},
+        "output": {"path": str(tmp_path / out), "size": size, **output},
+    })
+
+
 def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset(tmp_path, tokenizer, ids,
                                                                                   monkeypatch):
     """``output.size`` end to end on a tiny GGUF source: the file is no larger than llama.cpp's preset of
@@ -471,22 +490,10 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     needs_llama_cpp()
     import compressor
 
-    src = tmp_path / "src"
-    src.mkdir()
-    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="q8_0", expected=1.0, file="tiny.gguf"), src)
-    words = TEXT.split()
-    for name, seed in (("cal.txt", 0), ("eval.txt", 1)):
-        rng = np.random.default_rng(seed)
-        (tmp_path / name).write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
+    src = _size_source(tmp_path, tokenizer, ids, "q8_0")
 
     def recipe(out: str, budget: float):
-        return compressor.recipe_from_dict({
-            "model": {"source": str(src / "tiny.gguf")},
-            "calibration": {"dataset": str(tmp_path / "cal.txt"), "max_tokens": 2048, "seq_len": 32},
-            "evaluation": {"dataset": str(tmp_path / "eval.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
-            "policy": {"ppl_budget": budget}, "measure": {"cache": False},
-            "output": {"path": str(tmp_path / out), "size": "Q4_0"},
-        })
+        return _size_recipe(tmp_path, src, out, "Q4_0", {"ppl_budget": budget})
 
     r = recipe("out", 5.0)
     res = compressor.run(r)
@@ -548,22 +555,10 @@ def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_
     needs_llama_cpp()
     import compressor
 
-    src = tmp_path / "src"
-    src.mkdir()
-    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="f16", expected=1.0, file="tiny.gguf"), src)
-    rng = np.random.default_rng(0)
-    words = TEXT.split()
-    (tmp_path / "cal.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
-    (tmp_path / "eval.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
+    src = _size_source(tmp_path, tokenizer, ids, "f16")
 
     def recipe(out: str, **policy):
-        return compressor.recipe_from_dict({
-            "model": {"source": str(src / "tiny.gguf")},
-            "calibration": {"dataset": str(tmp_path / "cal.txt"), "max_tokens": 2048, "seq_len": 32},
-            "evaluation": {"dataset": str(tmp_path / "eval.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
-            "policy": {"ppl_budget": 0.05, **policy}, "measure": {"cache": False},
-            "output": {"path": str(tmp_path / out), "size": "smallest"},
-        })
+        return _size_recipe(tmp_path, src, out, "smallest", {"ppl_budget": 0.05, **policy})
 
     real, calls = gw.llama_cpp_window_nll, []
 
@@ -582,7 +577,7 @@ def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_
     assert not first["passed"] and passed and all(a["tensor_bytes"] > first["tensor_bytes"] for a in passed)
     assert len({a["file_bytes"] for a in attempts}) == len(attempts)  # every byte count measured once
     assert check["file_bytes"] == min(a["file_bytes"] for a in passed) and check["gate_passed"]
-    assert check["file_bytes"] < (src / "tiny.gguf").stat().st_size
+    assert check["file_bytes"] < src.stat().st_size
 
     calls.clear()
     monkeypatch.setattr("compressor.output.gguf.read.llama_cpp_window_nll", lambda path, *a: (
@@ -645,22 +640,10 @@ def test_a_size_plan_rounds_with_error_compensation_and_stores_it_in_the_files_r
     from compressor.core.ggml import GGMLType
     from compressor.fitting.gridround import dequantize
 
-    src = tmp_path / "src"
-    src.mkdir()
-    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="f16", expected=1.0, file="tiny.gguf"), src)
-    rng = np.random.default_rng(0)
-    words = TEXT.split()
-    for name in ("cal.txt", "eval.txt"):
-        (tmp_path / name).write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(600)) + "\n")
+    src = _size_source(tmp_path, tokenizer, ids, "f16")
 
     def recipe(out: str, **output):
-        return compressor.recipe_from_dict({
-            "model": {"source": str(src / "tiny.gguf")},
-            "calibration": {"dataset": str(tmp_path / "cal.txt"), "max_tokens": 2048, "seq_len": 32},
-            "evaluation": {"dataset": str(tmp_path / "eval.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
-            "policy": {"ppl_budget": 5.0}, "measure": {"cache": False},
-            "output": {"path": str(tmp_path / out), "size": "Q4_0", **output},
-        })
+        return _size_recipe(tmp_path, src, out, "Q4_0", {"ppl_budget": 5.0}, **output)
 
     res = compressor.run(recipe("out"))
     assert res.exit_code == 0, res.report.get("message")

@@ -15,6 +15,8 @@ import pytest
 import torch
 import transformers
 
+from tiny import byte_level_tokenizer
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import offgrid  # noqa: E402
 
@@ -138,15 +140,7 @@ def test_rotate_without_folding_is_refused():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                                eos_token="<|endoftext|>")
+    return byte_level_tokenizer(TEXT)
 
 
 def test_cli_turns_a_q8_0_gguf_into_an_off_grid_folder(tmp_path, tokenizer, capsys):

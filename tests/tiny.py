@@ -144,3 +144,18 @@ def activation_name(model: torch.nn.Module) -> str:
         if isinstance(value, str):
             return value
     raise KeyError(f"{model.config.model_type} config names no activation")
+
+
+def byte_level_tokenizer(text: str, vocab_size: int = 300):
+    """A byte-level BPE tokenizer (llama.cpp's ``gpt2`` tokenizer model) trained on ``text``: what the gguf
+    writer can carry as GGUF metadata."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                                eos_token="<|endoftext|>")
