@@ -101,8 +101,10 @@ def compensated(model, moments: dict, namer, types: dict, imatrix: dict) -> dict
     """GGUF name → (type, GPTQ bytes in the file's row order) for every linear the file stores."""
     from compressor.core.ggml import GGMLType
     from compressor.fitting.gridround import gptq_quantize
+    from compressor.core.archs import ARCHITECTURES
     from compressor.output.gguf import to_file_rows
 
+    arch = ARCHITECTURES[model.config.model_type].gguf_native  # the F16 from a Hugging Face folder: its native arch
     out = {}
     for module, h in moments.items():
         name = namer(f"{module}.weight")
@@ -110,8 +112,7 @@ def compensated(model, moments: dict, namer, types: dict, imatrix: dict) -> dict
             continue
         w = model.get_submodule(module).weight.detach().float()
         raw = gptq_quantize(w, h.float(), GGMLType[types[name]], imatrix[name])
-        out[name] = (types[name], to_file_rows(name, raw, "llama" if model.config.model_type in ("llama", "mistral")
-                                               else model.config.model_type, model.config))
+        out[name] = (types[name], to_file_rows(name, raw, arch, model.config))
     return out
 
 
