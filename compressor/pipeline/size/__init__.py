@@ -54,7 +54,7 @@ def check(recipe: Recipe, model_type: str, src, *, given=None) -> None:
     if recipe.model.offload != "none" and given is None:
         raise InputError("output.size prices every weight from one backward pass over the whole model, which an "
                          f"onloaded model (model.offload: {recipe.model.offload}) does not hold; use model.offload: none")
-    why = unsized_refusal(recipe, model_type, src)
+    why = size_refusal(recipe, model_type, src)
     if why:
         raise InputError(f"output.size: {why}; remove output.size to write only a Hugging Face folder "
                          "(output.formats: [hf])")
@@ -69,7 +69,7 @@ def check_output(recipe: Recipe, *, writes: bool) -> None:
                          "never changed by a size plan")
 
 
-def unsized_refusal(recipe: Recipe, model_type: str, src) -> str | None:
+def size_refusal(recipe: Recipe, model_type: str, src) -> str | None:
     """Why a size cannot be planned for this architecture and source (None when it can): a GGUF source is
     re-quantized in its own architecture, which any llama.cpp-loadable model type with a tensor-name map
     allows; a Hugging Face source needs the writer's own mapping."""
@@ -174,4 +174,4 @@ PRICE_SECONDS = 5.3e-8
 SIZE_STATS_FACTOR = 6.0
 
 __all__ = ["baseline_only", "check", "check_output", "default_formats", "estimate", "ship", "structural",
-           "unsized_refusal", "writer_refusal"]
+           "size_refusal", "writer_refusal"]
