@@ -29,6 +29,14 @@ from compressor.output.gated import NotRepresentableError, as_gated
 gguf = pytest.importorskip("gguf")
 from compressor.output import gguf as gw  # noqa: E402
 
+
+def _worse(scores, nats: float):
+    """``scores`` (:class:`~compressor.output.gguf.read.WindowScores`) with every token's NLL ``nats`` higher."""
+    import dataclasses
+
+    return dataclasses.replace(scores, nll=[s + nats * n for s, n in zip(scores.nll, scores.tokens)])
+
+
 HIDDEN, FF, LAYERS, VOCAB, SEQ = 64, 128, 3, 320, 64
 TEXT = ("The quick brown fox jumps over the lazy dog. Numbers 123 4567 and words, words; more words! "
         "A second sentence with other letters: xylophone, quartz, jazz. ") * 12
@@ -529,14 +537,12 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     met = compressor.run(exact)
     assert met.exit_code == 0 and met.report["verification"]["gguf"]["file_bytes"] == floor
     shutil.rmtree(tmp_path / "out_floor")
-    real = gw.llama_cpp_window_nll
+    real = gw.read_scores
 
     def tripled(path, *args):  # the planned file made 3× worse in perplexity, the preset left alone
-        sums, counts = real(path, *args)
-        bump = math.log(3) if path.name == "model.gguf" else 0.0
-        return [s + bump * n for s, n in zip(sums, counts)], counts
+        return _worse(real(path, *args), math.log(3) if path.name == "model.gguf" else 0.0)
 
-    monkeypatch.setattr("compressor.output.gguf.read.llama_cpp_window_nll", tripled)
+    monkeypatch.setattr("compressor.output.gguf.read.read_scores", tripled)
     failed = compressor.run(recipe("out3", 0.5))
     assert failed.exit_code == 3 and "larger output.size" in failed.report["message"]
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
@@ -560,15 +566,14 @@ def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_
     def recipe(out: str, **policy):
         return _size_recipe(tmp_path, src, out, "smallest", {"ppl_budget": 0.05, **policy})
 
-    real, calls = gw.llama_cpp_window_nll, []
+    real, calls = gw.read_scores, []
 
     def worse_first(path, *args):  # the first planned file measured 2× worse; the later ones as they are
-        sums, counts = real(path, *args)
         calls.append(path.name)
-        bump = math.log(2) if calls.count("model.gguf") == 1 and path.name == "model.gguf" else 0.0
-        return [s + bump * n for s, n in zip(sums, counts)], counts
+        return _worse(real(path, *args),
+                      math.log(2) if calls.count("model.gguf") == 1 and path.name == "model.gguf" else 0.0)
 
-    monkeypatch.setattr("compressor.output.gguf.read.llama_cpp_window_nll", worse_first)
+    monkeypatch.setattr("compressor.output.gguf.read.read_scores", worse_first)
     res = compressor.run(recipe("out"))
     assert res.exit_code == 0, res.report.get("message")
     plan, check = res.report["size_plan"], res.report["verification"]["gguf"]
@@ -580,9 +585,8 @@ def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_
     assert check["file_bytes"] < src.stat().st_size
 
     calls.clear()
-    monkeypatch.setattr("compressor.output.gguf.read.llama_cpp_window_nll", lambda path, *a: (
-        lambda sc: ([s + (math.log(2) * n if path.name == "model.gguf" else 0) for s, n in zip(*sc)], sc[1]))(
-        real(path, *a)))
+    monkeypatch.setattr("compressor.output.gguf.read.read_scores", lambda path, *a: _worse(
+        real(path, *a), math.log(2) if path.name == "model.gguf" else 0.0))
     failed = compressor.run(recipe("out2", max_backoff=1))
     assert failed.exit_code == 3 and "policy.max_backoff" in failed.report["message"]
     assert [a["passed"] for a in failed.report["size_plan"]["search"]["attempts"]] == [False, False]

@@ -2,7 +2,7 @@
 
 All of it is decided on the recipe alone, before any model loads: an empty size (an unset shell
 variable) is an error, not "no size"; a size in plain bytes may be an integer; and the fields a size
-plan never reads (the structural policy, the replacement, the KL metric) are errors naming the field.
+plan never reads (the structural policy, the replacement) are errors naming the field; the KL metric is read.
 """
 
 from __future__ import annotations
@@ -110,17 +110,14 @@ def test_a_size_that_is_not_a_positive_whole_number_of_bytes_is_refused(value):
 
 
 # -------------------------------------------------------------------------------------------------
-# 3. the KL metric is not measured for size plans
+# 3. the KL metric gates size plans too
 # -------------------------------------------------------------------------------------------------
 
 
-def test_the_kl_metric_with_a_size_is_refused_naming_both_fields_and_the_fix():
-    with pytest.raises(RecipeError) as err:
-        recipe_from_dict(_sized(policy={"metric": "kl"}))
-    msg = str(err.value)
-    assert "policy.metric" in msg and "output.size" in msg and "policy.metric: ppl" in msg
-    recipe_from_dict(_sized(policy={"metric": "ppl"}))  # the default, said out loud: fine
-    recipe_from_dict({"policy": {"metric": "kl"}})  # without a size the KL gate runs
+def test_the_kl_metric_with_a_size_is_read_and_its_budget_is_not_an_ignored_field():
+    r = recipe_from_dict(_sized(policy={"metric": "kl", "kl_budget": 0.02}))
+    assert r.policy.metric == "kl" and r.policy.kl_budget == 0.02
+    recipe_from_dict({"policy": {"metric": "kl"}})  # without a size the KL gate runs as before
 
 
 # -------------------------------------------------------------------------------------------------
@@ -140,7 +137,6 @@ GREEDY = {"policy": {"strategy": "greedy"}}
     ({"policy": {"threshold": 0.8}}, "policy.threshold", {"replacement": {"kind": "affine"}}),
     ({"policy": {"exclude": [1]}}, "policy.exclude", None),
     ({"policy": {"allocation": "uniform"}}, "policy.allocation", None),
-    ({"policy": {"kl_budget": 0.1}}, "policy.kl_budget", None),
     ({"policy": {"confirm_fraction": 0.0}}, "policy.confirm_fraction", None),
     ({"policy": {"max_backoff": 2}}, "policy.max_backoff", None),  # read by `smallest` only
     ({"measure": {"swap_sweep": True}}, "measure.swap_sweep", {"replacement": {"kind": "affine"}}),

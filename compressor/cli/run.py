@@ -265,9 +265,16 @@ def _print_size_plan(r: dict, gguf: dict) -> None:
     for d in gguf.get("domains", []):
         bound = (f" ({d['confidence']:.0%} bound {100 * d['relative_delta_upper']:+.2f} %)"
                  if d.get("relative_delta_upper") is not None else "")
+        kl = (f"; KL {d['kl_mean']:.4f} (p99 {d['kl_p99']:.3f}), same top token {d['same_top_token']:.1%}"
+              if d.get("kl_mean") is not None else "")
         beside = f" | {preset['name']}: {100 * d['preset_relative_change']:+.2f} %" if preset else ""
+        if preset and d.get("preset_kl_mean") is not None:
+            beside += f", KL {d['preset_kl_mean']:.4f}"
         print(f"llama.cpp [{d['name']}]: perplexity {d['perplexity']:.4f}, {100 * d['relative_change']:+.2f} %{bound} "
-              f"against the original's {d['reference_perplexity']:.4f}{beside}")
+              f"against the original's {d['reference_perplexity']:.4f}{kl}{beside}")
+    if gguf.get("gate_rule") == "preset":
+        print(f"gate: over the default budget, written as at least as good as llama.cpp's {preset['name']} on every "
+              "domain (set policy.ppl_budget in the recipe to hold the file to it)")
 
 
 def _flag_path(value: str, flag: str) -> str:

@@ -428,6 +428,24 @@ def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate")
     return _summary(scores, teacher.seq_len, teacher.stride, teacher.name, teacher.top_k)
 
 
+def scored_evaluation(nll, kl, agree, counts, teacher: "TeacherCache", windows: list[int] | None = None) -> Evaluation:
+    """The :class:`Evaluation` of per-window sums measured elsewhere (llama.cpp's logits against ``teacher``'s
+    distributions): NLL, coarsened KL and agreeing tokens per window, ``counts`` scored tokens; ``windows``:
+    which of the teacher's windows they are (default: every one, in order). KL, agreement and the change's
+    standard error paired by window, exactly as :func:`evaluate` gives them."""
+    kept = teacher.windows if windows is None else list(windows)
+    scores = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in (nll, kl, agree, counts)]
+                         + [teacher.teacher_sums()[kept].double()], dim=1)
+    return _summary(scores, teacher.seq_len, teacher.stride, teacher.name, teacher.top_k)
+
+
+def kl_terms(student_logp: torch.Tensor, teacher: "TeacherCache", window: int) -> torch.Tensor:
+    """Per scored token of ``window``, KL(teacher ‖ student) coarsened to the teacher's top-k and tail, from
+    the student's log-probabilities at those tokens (``[scored, vocab]``)."""
+    sl = slice(int(teacher.offsets[window]), int(teacher.offsets[window + 1]))
+    return _kl_terms(student_logp, teacher.topk_logp[sl], teacher.topk_idx[sl], teacher.tail_logp[sl])
+
+
 def _summary(scores: torch.Tensor, seq_len: int, stride: int, name: str, top_k: int | None) -> Evaluation:
     """The :class:`Evaluation` of per-window ``scores`` (see :attr:`Evaluation.scores`)."""
     nll, kl, agree, counts, teacher_nll = (scores[:, i].contiguous() for i in range(5))

@@ -597,10 +597,12 @@ def write_request(recipe: Recipe, loaded: Loaded, checked: Checked, result: Comp
 
 def gate_domains(recipe: Recipe, checked: Checked, result: CompressionResult) -> list[dict]:
     """Every evaluation domain's tokens and windows, with the original's perplexity there: what a GGUF is
-    checked on in llama.cpp (the gate's text, so the file is held to the gate's rule)."""
+    checked on in llama.cpp (the gate's text, so the file is held to the gate's rule), with the original's teacher
+    there when the run kept one (the file's KL from the original)."""
     base = getattr(result.baseline, "domains", None) or {}
     return [{"name": c.domain_name(), "tokens": checked.eval_streams[c.domain_name()], "seq_len": c.seq_len,
-             "stride": c.stride, "reference_ppl": base[c.domain_name()].ppl if c.domain_name() in base else None}
+             "stride": c.stride, "reference_ppl": base[c.domain_name()].ppl if c.domain_name() in base else None,
+             "teacher": result.teachers.get(c.domain_name())}
             for c in recipe.evaluation_domains()]
 
 

@@ -73,9 +73,10 @@ class CompressionResult:
     fitted: dict[int, Fitted] = field(default_factory=dict)
     attempts: list[dict] = field(default_factory=list)
     """allocate: every global target tried, with its perplexity and verdict (confirmations marked)."""
-    teacher_windows: dict = field(default_factory=dict, repr=False)
-    """Per domain, the original's ``(NLL sum, scored tokens)`` per evaluation window: what a comparison made
-    outside the policy (the size planner's file in llama.cpp) pairs with, window by window."""
+    teachers: dict = field(default_factory=dict, repr=False)
+    """Per domain, the original's :class:`~compressor.evaluation.evaluate.TeacherCache` on the evaluation
+    windows (its NLL per window, its top-k distributions): what a comparison made outside the policy (the size
+    planner's file in llama.cpp) pairs with, window by window, for the change and for the KL."""
     splits: GateSplits | None = None
     """The search and confirmation windows' numbers (None: ``policy.confirm_fraction: 0``); ``baseline``
     and ``final`` are then of every window, both sets together."""

@@ -465,7 +465,7 @@ _INSTEAD = {"allocate": "the allocate strategy splits one global cut across bloc
 #: bound and switch), the task budget, and for ``output.size: smallest`` the back-off. A size plan leaves
 #: every block as it is (:func:`compressor.pipeline.size.baseline_only`), so every other policy field,
 #: the measure settings of the structural search and the whole replacement section go unread.
-SIZE_READS = ("metric", "ppl_budget", "budget_mode", "confidence", "headroom", "gate", "task_budget",
+SIZE_READS = ("metric", "ppl_budget", "kl_budget", "budget_mode", "confidence", "headroom", "gate", "task_budget",
               "max_backoff")
 IGNORED_BY["size"] = (
     *(("policy", n) for n in PolicyConfig.model_fields if n not in SIZE_READS),
@@ -498,11 +498,6 @@ class Recipe(_Section):
         strategy's own checks below never speak of a search that does not run."""
         if self.output.size is None:
             return self
-        if self.policy.metric == "kl":
-            raise ValueError("policy.metric: kl with output.size: the size plan's gate measures the planned file's "
-                             "perplexity in llama.cpp; KL divergence is not measured for size plans. Use "
-                             "policy.metric: ppl (with policy.ppl_budget) with output.size, or remove output.size "
-                             "for a structural compression gated on KL")
         smallest = str(self.output.size).strip().lower() == "smallest"
         defaults = Recipe.model_fields["replacement"].get_default(call_default_factory=True)
         for section, name in IGNORED_BY["size"]:

@@ -313,6 +313,11 @@ def model_card(report: dict) -> str:
     return scrub_paths(_size_card(report) if report.get("size_plan") else _model_card(report))
 
 
+def _kl_cell(d: dict, prefix: str) -> str:
+    kl = d.get(f"{prefix}kl_mean")
+    return "n/a" if kl is None else f"{kl:.4f}"
+
+
 def _size_card(r: dict) -> str:
     """The card of a size-planned GGUF: what was planned, the types chosen, what llama.cpp measured."""
     plan, check = r["size_plan"], (r.get("verification") or {}).get("gguf") or {}
@@ -323,13 +328,17 @@ def _size_card(r: dict) -> str:
     preset = check.get("preset")
     rows = "\n".join(
         f"| {d['name']} | {d['perplexity']:.4f} | {100 * d['relative_change']:+.2f} % | "
-        f"{100 * d['relative_delta_upper']:+.2f} % |"
-        + (f" {100 * d['preset_relative_change']:+.2f} % |" if preset else "")
+        f"{100 * d['relative_delta_upper']:+.2f} % | {_kl_cell(d, '')} |"
+        + (f" {100 * d['preset_relative_change']:+.2f} % | {_kl_cell(d, 'preset_')} |" if preset else "")
         for d in check.get("domains", []) if d.get("relative_delta_upper") is not None)
-    head = "| domain | perplexity | change | bound |" + (f" llama.cpp's {preset['name']} |" if preset else "")
-    rule = "|---|---:|---:|---:|" + ("---:|" if preset else "")
+    head = "| domain | perplexity | change | bound | mean KL |" + (
+        f" llama.cpp's {preset['name']} | its KL |" if preset else "")
+    rule = "|---|---:|---:|---:|---:|" + ("---:|---:|" if preset else "")
     preset_line = (f"Beside it, llama.cpp's own {preset['name']} of the same F16 ({preset['file_bytes']:,} bytes, "
                    "no importance matrix), measured on the same windows.\n" if preset else "")
+    if check.get("gate_rule") == "preset":
+        preset_line += ("The file is over the default budget and was written because it is at least as good as that "
+                        "preset on every domain (paired by window, at the gate's confidence).\n")
     hf = ("\nThe Hugging Face folder beside it holds the original weights, unchanged (a size plan changes only "
           "the GGUF's tensor types).\n" if "hf" in ((r.get("recipe") or {}).get("output") or {}).get("formats", [])
           else "")
@@ -346,7 +355,7 @@ weight matrix's GGML type chosen for the least predicted loss, from one backward
 Tensor types: {types}. Predicted perplexity change {100 * plan.get('predicted_ppl_change', 0.0):+.2f} %.
 
 Measured in llama.cpp against the original model's perplexity ({check.get('confidence', 0.9):.0%} upper bound,
-paired by window):
+paired by window) and its next-token distributions (mean KL divergence per token, nats):
 
 {head}
 {rule}

@@ -63,7 +63,7 @@ from compressor.output.gguf.plan import (
     resolve_quant, width_error, writable,
 )
 from compressor.output.gguf.read import (  # _source_types: its cache is cleared by tests
-    _source_types, gguf_summary, llama_cpp_perplexity, llama_cpp_window_nll, source_down_block, source_tensor_types,
+    _source_types, gguf_summary, llama_cpp_perplexity, llama_cpp_window_nll, read_scores, source_down_block, source_tensor_types,
 )
 from compressor.output.gguf.tensors import ffn_tensors, model_tensors, source_tensors
 from compressor.output.gguf.write import llama_quantize, requantizes, write_gguf, write_requantized
@@ -80,7 +80,7 @@ __all__ = [
     "ROPE_LAYOUT", "UNQUANTIZABLE", "GGUFGateMissed", "GGUFWidthError", "GGUFWriter", "Plan", "Tensor",
     "arch_refusal", "check_options", "compression_widths", "file_arch", "to_file_rows", "copy_source_metadata", "down_blocks", "encode",
     "ffn_tensors", "ggml_quantize", "gguf_summary", "hf_hparams", "hf_tokenizer_metadata", "llama3_rope_factors",
-    "llama_cpp_perplexity", "llama_cpp_window_nll", "llama_quantize", "model_tensors", "plan_for",
+    "llama_cpp_perplexity", "llama_cpp_window_nll", "read_scores", "llama_quantize", "model_tensors", "plan_for",
     "planned_check", "quantize_file", "requantizes", "resolve_quant", "rope_permutation", "runtime_missing",
     "source_down_block", "source_quant_check", "source_tensor_types", "source_tensors", "tokenizer_problem",
     "width_error", "writable", "write_gguf", "write_requantized", "_source_types",

@@ -17,19 +17,20 @@ from compressor.output.gguf import read
 def planned_check(path: Path, request: WriteRequest, options: dict) -> dict:
     """A size-planned file in llama.cpp, measured: its perplexity on every gate domain (``options['gate_domains']``,
     else the probe) against the in-memory original's there (there is no float original of a mixed file to
-    match), with each window's summed NLL for the gate's paired bound. Raises :class:`VerificationError` when
+    match), with its KL from the original (mean, median, 99th percentile, same top token) where the domain
+    carries the original's teacher, and each window's scores (``scores``) for the gate's paired bound. Raises :class:`VerificationError` when
     llama.cpp's perplexity is not finite; the size and the gate are judged by the size stage
     (:mod:`compressor.pipeline.size`), which measures the preset beside it."""
     import llama_cpp
 
     measured = []
     for d in _gate_domains(request, options):
-        sums, counts = read.llama_cpp_window_nll(path, d["tokens"], d["seq_len"], d["stride"])
-        ppl, n = math.exp(sum(sums) / sum(counts)), int(sum(counts))
+        scores = read.read_scores(path, d["tokens"], d["seq_len"], d["stride"], d.get("teacher"))
+        ppl, n = math.exp(sum(scores.nll) / sum(scores.tokens)), int(sum(scores.tokens))
         ref = d.get("reference_ppl", request.expected_ppl)
         measured.append({"name": d["name"], "perplexity": ppl, "scored_tokens": n, "reference_perplexity": ref,
-                         "relative_change": ppl / ref - 1.0 if ref else None, "window_nll": sums,
-                         "window_tokens": counts})
+                         "relative_change": ppl / ref - 1.0 if ref else None, **scores.kl_summary(),
+                         "scores": scores})
     first = measured[0]
     check = {"runtime": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, **read.gguf_summary(path),
              "quant": "plan", "perplexity": first["perplexity"], "scored_tokens": first["scored_tokens"],

@@ -108,7 +108,7 @@ def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> Co
         budget_ppl=gate_ppl_limit(base.ppl, recipe.policy), params_before=params, params_after=params,
         gate_passed=True, gate_message="no structural change (output.size plans the tensor types)",
         strategy="size", timings={"baseline_s": time.perf_counter() - t0},
-        teacher_windows={t.name: (t.window_nll, t.window_counts) for t in ev.teachers})
+        teachers={t.name: t for t in ev.teachers})
 
 
 def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, report: dict,

@@ -8,7 +8,8 @@ exactly before it is written: :meth:`Budget.file_bytes`.
 
 A preset name (``Q3_K_M``) is made from that F16 by llama.cpp's own quantizer; its bytes are the
 budget, and the preset file is kept to be measured beside the output on the same windows.
-``750MB`` / ``4.5bpw`` are bytes directly (bits per weight over every weight the file stores).
+``750MB`` / ``4.5bpw`` are bytes directly (bits per weight over every weight the file stores); the largest
+llama.cpp preset whose file fits them is made the same way and measured beside the output.
 """
 
 from __future__ import annotations
@@ -133,7 +134,41 @@ def measure_budget(size: str, request: WriteRequest, workdir: Path) -> Budget:
         logger.warning("output.size %s (%s bytes) is at least the F16 file's %s bytes: every tensor stays F16, "
                        "nothing is quantized; give a smaller size to compress", size, f"{limit:,}",
                        f"{layout.file_bytes:,}")
+    elif kind in ("bytes", "bpw"):
+        preset = largest_preset(f16, limit, layout, workdir)
     return Budget(size, limit, layout, preset)
+
+
+#: llama.cpp's presets' bits per weight on Llama-3-8B (``llama-quantize --help``): where the search for the
+#: largest preset that fits a size starts. A small model's are higher (its embedding and output take more of
+#: it), so each candidate is made and its bytes read.
+PRESET_BPW = {"Q8_0": 7.93, "Q6_K": 6.12, "Q5_K_M": 5.31, "Q5_K_S": 5.19, "Q5_0": 5.19, "Q4_K_M": 4.56,
+              "Q4_K_S": 4.35, "Q4_0": 4.32, "Q3_K_L": 4.02, "Q3_K_M": 3.73, "Q3_K_S": 3.40, "Q2_K": 2.95}
+#: Presets made at most in that search (each is a llama-quantize of the F16).
+PRESET_TRIES = 3
+
+
+def largest_preset(f16: Path, limit: int, layout: Layout, workdir: Path) -> dict | None:
+    """llama.cpp's largest preset whose file fits ``limit`` bytes, made from the F16 (what a user with that
+    many bytes would ship, measured beside the plan); None when none of the tried ones fits."""
+    from compressor.output.gguf import PRESETS, quantize_file
+
+    weights = sum(n // 2 for n in layout.planned.values())  # F16: two bytes a weight
+    tries = 0
+    for name, bpw in sorted(PRESET_BPW.items(), key=lambda kv: -kv[1]):
+        if layout.data_offset + layout.fixed_bytes + bpw * weights / 8 > limit:
+            continue
+        path = workdir / f"{name}.gguf"
+        quantize_file(f16, path, PRESETS[name])
+        if path.stat().st_size <= limit:
+            return {"name": name, "path": str(path), "file_bytes": path.stat().st_size,
+                    "chosen": "the largest llama.cpp preset that fits the size"}
+        path.unlink()
+        tries += 1
+        if tries == PRESET_TRIES:
+            break
+    logger.info("output.size: no llama.cpp preset of at most %s bytes among the %d tried", f"{limit:,}", tries)
+    return None
 
 
 # --------------------------------------------------------------------------------------------------

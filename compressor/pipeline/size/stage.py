@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Callable
 
 from compressor.core.errors import GateFailed, InputError
-from compressor.evaluation.evaluate import gate_ppl_limit
+from compressor.evaluation.evaluate import gate_budget, gate_ppl_limit
 from compressor.output.base import VerificationError
-from compressor.pipeline.size.gate import judge, message, preset_changes
+from compressor.pipeline.size.gate import judge, measure_preset, message, preset_rows
 from compressor.pipeline.size.budget import Budget
 from compressor.pipeline.size.planner import Planner
 from compressor.policy.quantplan import SizePlan
@@ -53,6 +53,8 @@ class SizeRun:
     """What the report's ``size_plan`` says before any plan: the budget, prices, timings."""
     target_nll: float | None = None
     records: list[dict] = field(default_factory=list)
+    preset_scores: dict | None = None
+    """The preset's scores per gate domain, measured once (every attempt is compared with the same file)."""
 
     @property
     def budget(self) -> Budget:
@@ -62,12 +64,7 @@ class SizeRun:
         """The verified staging folder of the chosen file; :class:`GateFailed` when none passed."""
         pol = self.recipe.policy
         if self.budget.kind == "smallest":
-            base = self.result.baseline.ppl
-            ratio = gate_ppl_limit(base, pol) / base if base else 0.0  # the budget as a ratio, in one place
-            if ratio <= 1:
-                raise InputError("output.size: smallest needs a perplexity budget above the original's "
-                                 "(policy.ppl_budget > 0); give one, or a size")
-            self.target_nll = SMALLEST_START_SHARE * math.log(ratio)
+            self.target_nll = SMALLEST_START_SHARE * self._limit_nats()
             start = self.planner.smallest_within(self.target_nll).tensor_bytes
             search = TargetSearch(self.attempt, key=self.planner.key, between=self._between,
                                   floor=self.planner.floor - self.planner.fixed, ceiling=self.planner.ceiling,
@@ -77,6 +74,21 @@ class SizeRun:
             best = self.attempt(self.planner.tensor_budget)
             best = best if best.passed else None
         return self._take(best)
+
+    def _limit_nats(self) -> float:
+        """The gate's limit as a loss increase in nats per token: the perplexity budget's log-ratio, or the KL
+        budget (the predicted loss increase is the second-order KL to the original)."""
+        pol = self.recipe.policy
+        if pol.metric == "kl":
+            nats = gate_budget(pol)
+        else:
+            base = self.result.baseline.ppl
+            nats = math.log(gate_ppl_limit(base, pol) / base) if base else 0.0
+        if nats <= 0:
+            budget = "policy.kl_budget" if pol.metric == "kl" else "policy.ppl_budget"
+            raise InputError(f"output.size: smallest needs a budget above the original ({budget} > 0); give one, "
+                             "or a size")
+        return nats
 
     def _between(self, failed: float, passed: float) -> int | None:
         tolerance = max(4096, self.planner.ceiling // 500)
@@ -98,7 +110,7 @@ class SizeRun:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        passed, why = judge(check, self.result, self.recipe.policy)
+        passed, why = judge(check, self.result, self.recipe.policy, self.preset_scores)
         record = _record(size_plan, check, passed)
         self.records.append(record)
         kept = None
@@ -124,16 +136,9 @@ class SizeRun:
         preset = self.budget.preset
         if preset is None:
             return
-        domains = self.request.options.get("gate_domains") or []
-        ppl = preset_changes(preset, domains)
-        for d in check["domains"]:
-            ref = d.get("reference_perplexity")
-            d["preset_perplexity"] = ppl[d["name"]]
-            d["preset_relative_change"] = ppl[d["name"]] / ref - 1.0 if ref else None
-        first = check["domains"][0]
-        check["preset"] = {"name": preset["name"], "file_bytes": preset["file_bytes"],
-                           "perplexity": first["preset_perplexity"], "relative_change": first["preset_relative_change"],
-                           "made_by": "llama.cpp llama_model_quantize from the same F16, no importance matrix"}
+        if self.preset_scores is None:
+            self.preset_scores = measure_preset(preset, self.request.options.get("gate_domains") or [])
+        preset_rows(check, preset, self.preset_scores)
 
     def _take(self, best: Attempt | None) -> Path:
         """The chosen attempt's folder back at the staging name, and the report describing it."""
@@ -156,8 +161,9 @@ class SizeRun:
 
     def _refuse(self) -> None:
         smallest = self.budget.kind == "smallest"
-        fix = ("raise policy.ppl_budget, or policy.max_backoff for more attempts" if smallest else
-               "give a larger output.size or raise policy.ppl_budget")
+        budget = "policy.kl_budget" if self.recipe.policy.metric == "kl" else "policy.ppl_budget"
+        fix = (f"raise {budget}, or policy.max_backoff for more attempts" if smallest else
+               f"give a larger output.size or raise {budget}")
         last = self.records[-1] if self.records else {}
         self.report["size_plan"] = self.to_json(self.request.size_plan)
         self.report.update(status="rejected", exit_code=3, output=None)
@@ -177,12 +183,13 @@ def _record(size_plan: SizePlan, check: dict, passed: bool) -> dict:
     return {"tensor_bytes": size_plan.tensor_bytes, "predicted_ppl_change": math.expm1(size_plan.predicted_nll_increase),
             "file_bytes": check.get("file_bytes"), "passed": passed,
             "measured": {d["name"]: {"relative_change": d.get("relative_change"),
-                                     "upper_bound": d.get("relative_delta_upper")} for d in check.get("domains", [])}}
+                                     "upper_bound": d.get("relative_delta_upper"), "kl_mean": d.get("kl_mean"),
+                                     "kl_upper": d.get("kl_upper")} for d in check.get("domains", [])}}
 
 
 def _over(record: dict) -> str:
-    over = [f"{n} bound {100 * m['upper_bound']:+.2f} %" for n, m in (record.get("measured") or {}).items()
-            if m.get("upper_bound") is not None]
+    over = [f"{n} bound {100 * m['upper_bound']:+.2f} %" + (f", KL {m['kl_upper']:.4f}" if m.get("kl_upper") else "")
+            for n, m in (record.get("measured") or {}).items() if m.get("upper_bound") is not None]
     return ", ".join(over) or "no file passed"
 
 
