@@ -31,7 +31,7 @@ from compressor.output import gguf as gw  # noqa: E402
 
 
 def _worse(scores, nats: float):
-    """``scores`` (:class:`~compressor.output.gguf.read.WindowScores`) with every token's NLL ``nats`` higher."""
+    """``scores`` (:class:`~compressor.evaluation.evaluate.WindowScores`) with every token's NLL ``nats`` higher."""
     import dataclasses
 
     return dataclasses.replace(scores, nll=[s + nats * n for s, n in zip(scores.nll, scores.tokens)])

@@ -44,7 +44,7 @@ def main() -> None:
 
     from compressor.engine.tensorstats import input_moments, linear_names
     from compressor.output.gguf import write_requantized
-    from compressor.pipeline.size.prices import gguf_namer
+    from compressor.pipeline.size.gguf_target import gguf_namer
     from compressor.policy.quantplan import _imatrix
 
     work, tools = Path(args.work), Path(args.tools)

@@ -439,6 +439,61 @@ def scored_evaluation(nll, kl, agree, counts, teacher: "TeacherCache", windows: 
     return _summary(scores, teacher.seq_len, teacher.stride, teacher.name, teacher.top_k)
 
 
+@dataclass
+class WindowScores:
+    """A model's per-window scores measured outside :func:`evaluate` (llama.cpp; a reloaded checkpoint): what
+    the size gate pairs, window by window, with the original."""
+
+    nll: list[float]
+    """Summed NLL of each window's scored tokens."""
+    tokens: list[int]
+    """Scored tokens per window."""
+    kl: list[float] | None = None
+    """Summed KL(original ‖ model) per window (the teacher's top-k and tail, as the gate's KL), with a teacher."""
+    agree: list[float] | None = None
+    """Tokens per window whose most likely next token is the original's."""
+    token_kl: object = field(default=None, repr=False)
+    """Every scored token's KL (numpy), in window order: the median and the 99th percentile."""
+
+    def kl_summary(self) -> dict:
+        """Mean, median and 99th-percentile KL per token and the same-top-token rate (``llama-perplexity
+        --kl-divergence``'s figures); {} without a teacher."""
+        import numpy as np
+
+        if self.kl is None:
+            return {}
+        n = sum(self.tokens)
+        return {"kl_mean": sum(self.kl) / n, "kl_median": float(np.median(self.token_kl)),
+                "kl_p99": float(np.quantile(self.token_kl, 0.99)), "same_top_token": sum(self.agree) / n}
+
+
+def window_scores(logits, tokens: torch.Tensor, seq_len: int, stride: int, teacher: "TeacherCache | None" = None
+                  ) -> WindowScores:
+    """Per window of ``tokens`` (:func:`windows`), the NLL of its scored tokens and, with ``teacher`` (the
+    original's cache on the same tokens and windows), their KL from the original and agreeing tokens.
+    ``logits(ids, k)``: the model's logits ``[k, vocab]`` predicting the last ``k`` tokens of ``ids``."""
+    import numpy as np
+
+    ids_all = tokens.flatten().tolist()
+    out = WindowScores([], [], *(([], [], []) if teacher is not None else ()))
+    for w, (begin, end, scored) in enumerate(windows(len(ids_all), seq_len, stride)):
+        ids = ids_all[begin:end]
+        k = min(scored, len(ids) - 1)
+        logp = torch.log_softmax(logits(ids, k).double(), dim=-1)
+        target = torch.tensor(ids[len(ids) - k:])
+        out.nll.append(float(-logp.gather(-1, target[:, None]).sum()))
+        out.tokens.append(k)
+        if teacher is not None:
+            kl = kl_terms(logp.float(), teacher, w).double()
+            top1 = teacher.topk_idx[int(teacher.offsets[w]): int(teacher.offsets[w + 1]), 0]
+            out.kl.append(float(kl.sum()))
+            out.agree.append(float((logp.argmax(-1) == top1).sum()))
+            out.token_kl.append(kl.numpy())
+    if teacher is not None:
+        out.token_kl = np.concatenate(out.token_kl)
+    return out
+
+
 def kl_terms(student_logp: torch.Tensor, teacher: "TeacherCache", window: int) -> torch.Tensor:
     """Per scored token of ``window``, KL(teacher ‖ student) coarsened to the teacher's top-k and tail, from
     the student's log-probabilities at those tokens (``[scored, vocab]``)."""

@@ -85,11 +85,11 @@ class Site:
 
 
 class Choice(NamedTuple):
-    """What an option applies: a GGML type, its scales found by ggml with the importance matrix or without
-    it, and each code rounded to nearest (ggml's own) or by error-compensating rounding through Ĥ
-    (``compensated``: GPTQ onto those scales, :mod:`compressor.fitting.gridround`)."""
+    """What an option applies: a GGML type (or another format's scheme), its scales found by ggml with the
+    importance matrix or without it, and each code rounded to nearest (ggml's own) or by error-compensating
+    rounding through Ĥ (``compensated``: GPTQ onto those scales, :mod:`compressor.fitting.gridround`)."""
 
-    type: GGMLType
+    type: object
     weighted: bool
     compensated: bool = False
 
@@ -165,9 +165,9 @@ def sample_rows(site: Site, limit: int | None = None, seed: int = 0) -> Site:
 
 def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
           gguf_name: Callable[[str], str | None], modules: set[str] | None = None) -> list[Site]:
-    """Every 2-D weight the GGUF stores (of ``modules`` only, when given: the token embedding counts as
+    """Every 2-D weight the file stores (of ``modules`` only, when given: the token embedding counts as
     the output head's module), with what prices it. ``gguf_name`` maps a Hugging Face parameter name to
-    its GGUF tensor name (None: not written, e.g. a tied output head)."""
+    its planned tensor name (None: not planned, e.g. a tied output head, or what a format keeps as it is)."""
     out: list[Site] = []
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -182,6 +182,9 @@ def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
         if modules is not None and module_name not in modules and not (module is embed and head_name in modules):
             continue
         if module is embed:
+            name = gguf_name(f"{module_name}.weight")
+            if name is None:  # a format that keeps the embedding as it is
+                continue
             w = embed.weight.detach().float()
             imat = (fisher.grad_sq[EMBEDDING] * float(freq.mean())).float()
             h = f = None
@@ -189,7 +192,6 @@ def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
                 hname = names[id(head)]
                 h, f = moments[hname].float(), fisher.grad_sq[hname]
                 imat = imat + float(f.mean()) * torch.diagonal(h)
-            name = gguf_name(f"{module_name}.weight")
             out.append(Site(name, module_name, w, h, f if f is not None else torch.zeros(w.shape[0]),
                             _imatrix(imat), extra=lookup, lookup_freq=freq))
         elif isinstance(module, nn.Linear) and not (tied and module is head):
@@ -326,12 +328,15 @@ def to_tensors(units: dict[str, list[Option]], priced: list[Priced]) -> tuple[di
     return tensors, {"tensors": meta}
 
 
-def from_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict[str, list[Option]], list[Priced]]:
-    """The inverse of :func:`to_tensors`."""
+def from_tensors(tensors: dict[str, torch.Tensor], meta: dict,
+                 payload: Callable[[str, bool, bool], Choice] | None = None) -> tuple[dict[str, list[Option]], list[Priced]]:
+    """The inverse of :func:`to_tensors`; ``payload(option name, weighted, compensated)`` makes an option's
+    :class:`Choice` (default: a GGML type's)."""
+    payload = payload or (lambda t, w, g: Choice(GGMLType[t], w, g))
     units, priced = {}, []
     for i, m in enumerate(meta["tensors"]):
         sizes, costs = tensors[f"{i}.size"].tolist(), tensors[f"{i}.cost"].tolist()
-        units[m["name"]] = [Option(m["name"], t, sz, c, payload=Choice(GGMLType[t], w, g))
+        units[m["name"]] = [Option(m["name"], t, sz, c, payload=payload(t, w, g))
                             for t, sz, c, w, g in zip(m["types"], sizes, costs, m["weighted"], m["compensated"])]
         priced.append(Priced(m["name"], m["module"], tuple(m["shape"]), tensors[f"{i}.imatrix"].numpy()))
     return units, priced
@@ -349,7 +354,7 @@ def plan(units: dict[str, list[Option]], priced: list[Priced], budget_bytes: int
     for name, o in choice.items():
         s = by_name[name]
         rows.append({"tensor": name, "module": s.module, "shape": list(s.shape), "type": o.name,
-                     "bits_per_weight": bits_per_weight(o.payload.type), "bytes": int(o.size),
+                     "bits_per_weight": 8 * o.size / (s.shape[0] * s.shape[1]), "bytes": int(o.size),
                      "imatrix": o.payload.weighted, "rounding": "gptq" if o.payload.compensated else "nearest",
                      "predicted_cost": o.cost, "offered": {x.name: x.cost for x in units[name]}})
     return SizePlan({n: o.name for n, o in choice.items()},

@@ -295,11 +295,12 @@ class OutputConfig(_Section):
         "they are), else output.dtype; q8_0/q4_k_m use llama.cpp's quantizer (see docs/gguf.md)"
     )
     size: str | None = Field(
-        None, description="gguf format: the file's size, met from below with the least predicted loss by choosing "
-        "every weight's GGML type (docs/size.md): bytes (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), or a "
-        "llama.cpp preset's name (Q4_K_M, Q3_K_M, Q2_K, …: that preset's size for this model, made from the same "
-        "F16 and measured beside the output), or smallest (the smallest file whose perplexity in llama.cpp stays "
-        "within policy.ppl_budget); null: the source's own types (gguf_quant)")
+        None, description="gguf or compressed-tensors format: the file's size, met from below with the least "
+        "predicted loss by choosing every weight's GGML type or integer scheme (docs/size.md, docs/compressed-tensors.md): "
+        "bytes (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), a llama.cpp preset's name (Q4_K_M, Q3_K_M, Q2_K, "
+        "…: that preset's size for this model, made from the same F16 and measured beside the output), a "
+        "compressed-tensors scheme (W4A16, W8A16, W4A16_G32: that uniform checkpoint's size, measured beside it), or "
+        "smallest (the smallest file within policy.ppl_budget); null: the source's own types (gguf_quant)")
     rounding: Literal["gptq", "nearest"] = Field(
         "gptq", description="output.size: how each planned tensor's codes are rounded onto the scales ggml's "
         "quantizer finds — gptq: error-compensating rounding through the layer's input second moment (GPTQ, "
@@ -369,9 +370,12 @@ class OutputConfig(_Section):
 #: llama.cpp presets ``output.size`` may name (their size for the model at hand is the budget).
 SIZE_PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "Q3_K_L", "Q3_K_M", "Q3_K_S",
                 "Q2_K")
+#: compressed-tensors schemes ``output.size`` may name (that uniform checkpoint's size for the model at hand).
+CT_SIZE_SCHEMES = ("W4A16", "W4A16_G32", "W8A16")
 #: What ``output.size`` takes, in words (every message that refuses a size names them).
 SIZE_FORMS = (f"bytes (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), a llama.cpp preset "
-              f"({', '.join(SIZE_PRESETS)}) or smallest (the smallest file within policy.ppl_budget)")
+              f"({', '.join(SIZE_PRESETS)}), a compressed-tensors scheme ({', '.join(CT_SIZE_SCHEMES)}) or smallest "
+              "(the smallest file within policy.ppl_budget)")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -387,7 +391,7 @@ def parse_size(text: str) -> tuple[str, float | str]:
     t = str(text).strip()
     if t.lower() == "smallest":
         return "smallest", None
-    if t.upper() in SIZE_PRESETS:
+    if t.upper() in SIZE_PRESETS or t.upper() in CT_SIZE_SCHEMES:
         return "preset", t.upper()
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*bpw", t, flags=re.I)
     if m:

@@ -16,7 +16,7 @@ class PlannerStatistics:
 def planner_statistics(model, windows, batch_size: int = 4) -> PlannerStatistics:
     """One backward pass and one forward pass over ``windows`` (token ids, one row per window)."""
     from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
-    from compressor.pipeline.size.prices import gguf_namer
+    from compressor.pipeline.size.gguf_target import gguf_namer
     from compressor.policy.quantplan import sites
 
     fisher = output_fisher(model, windows, batch_size=batch_size)

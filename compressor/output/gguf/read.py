@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -70,62 +69,22 @@ def llama_cpp_window_nll(path: Path, tokens: torch.Tensor, seq_len: int, stride:
     return scores.nll, scores.tokens
 
 
-@dataclass
-class WindowScores:
-    """A GGUF's per-window scores in llama.cpp: what the size gate pairs, window by window, with the original."""
-
-    nll: list[float]
-    """Summed NLL of each window's scored tokens."""
-    tokens: list[int]
-    """Scored tokens per window."""
-    kl: list[float] | None = None
-    """Summed KL(original ‖ file) per window (the teacher's top-k and tail, as the gate's KL), with a teacher."""
-    agree: list[float] | None = None
-    """Tokens per window whose most likely next token is the original's."""
-    token_kl: np.ndarray | None = field(default=None, repr=False)
-    """Every scored token's KL, in window order: the median and the 99th percentile."""
-
-    def kl_summary(self) -> dict:
-        """Mean, median and 99th-percentile KL per token and the same-top-token rate (``llama-perplexity
-        --kl-divergence``'s figures); {} without a teacher."""
-        if self.kl is None:
-            return {}
-        n = sum(self.tokens)
-        return {"kl_mean": sum(self.kl) / n, "kl_median": float(np.median(self.token_kl)),
-                "kl_p99": float(np.quantile(self.token_kl, 0.99)), "same_top_token": sum(self.agree) / n}
-
-
-def read_scores(path: Path, tokens: torch.Tensor, seq_len: int, stride: int, teacher=None) -> WindowScores:
+def read_scores(path: Path, tokens: torch.Tensor, seq_len: int, stride: int, teacher=None):
     """The GGUF at ``path`` in llama.cpp on ``tokens``' windows: per window its NLL and, with ``teacher``
     (the original's :class:`~compressor.evaluation.evaluate.TeacherCache` on the same tokens and windows),
-    its KL from the original and agreeing tokens."""
-    from compressor.evaluation.evaluate import kl_terms, windows
+    its KL from the original and agreeing tokens (:func:`~compressor.evaluation.evaluate.window_scores`)."""
+    from compressor.evaluation.evaluate import window_scores
 
-    ids_all = tokens.flatten().tolist()
     llm = _load(path, seq_len)
-    out = WindowScores([], [], *(([], [], []) if teacher is not None else ()))
+
+    def logits(ids: list[int], k: int) -> torch.Tensor:
+        llm.reset()
+        llm.eval(ids)
+        return torch.from_numpy(np.asarray(llm.scores[len(ids) - 1 - k: len(ids) - 1], dtype=np.float32))
     try:
-        for w, (begin, end, scored) in enumerate(windows(len(ids_all), seq_len, stride)):
-            ids = ids_all[begin:end]
-            llm.reset()
-            llm.eval(ids)
-            k = min(scored, len(ids) - 1)
-            logp = torch.log_softmax(torch.from_numpy(np.asarray(llm.scores[len(ids) - 1 - k: len(ids) - 1],
-                                                                 dtype=np.float32)).double(), dim=-1)
-            target = torch.tensor(ids[len(ids) - k:])
-            out.nll.append(float(-logp.gather(-1, target[:, None]).sum()))
-            out.tokens.append(k)
-            if teacher is not None:
-                kl = kl_terms(logp.float(), teacher, w).double()
-                out.kl.append(float(kl.sum()))
-                out.agree.append(float((logp.argmax(-1) == teacher.topk_idx[int(teacher.offsets[w]):
-                                                                             int(teacher.offsets[w + 1]), 0]).sum()))
-                out.token_kl.append(kl.numpy())
+        return window_scores(logits, tokens, seq_len, stride, teacher)
     finally:
         llm.close()
-    if teacher is not None:
-        out.token_kl = np.concatenate(out.token_kl)
-    return out
 
 
 def _load(path: Path, seq_len: int):

@@ -2,10 +2,12 @@
 
 plan → allocate → write → gate → back off, in one package:
 
-* :mod:`.budget` — the size resolved for this model: the F16 file written once (the file a deployer
-  would quantize), llama.cpp's preset of that name made from it, and the exact bytes of any plan;
+* :mod:`.target` — what a size plans into, one registered entry per format: :mod:`.gguf_target` (GGML
+  types for llama.cpp) and :mod:`.ctensors_target` (integer schemes of a compressed-tensors checkpoint);
+* :mod:`.budget` — the size resolved for this model: for a GGUF the F16 file written once (the file a
+  deployer would quantize), llama.cpp's preset of that name made from it, and the exact bytes of any plan;
 * :mod:`.prices` — one backward pass and the input moments of every linear layer, then every tensor
-  priced in every GGML type its rows take (cached with the statistics);
+  priced in every option of the target (cached with the statistics);
 * :mod:`.planner` — the least predicted loss within a byte budget (:mod:`compressor.policy.quantplan`);
 * :mod:`.stage` — the loop: each plan written and measured by its writer where it runs (llama.cpp),
   judged by the gate's rule (:mod:`.gate`), ``smallest`` searched with the gate's own search.
@@ -33,28 +35,27 @@ from compressor.recipe.schema import OutputConfig, Recipe
 
 logger = logging.getLogger(__name__)
 
-#: The formats a size plans: the file a deployer ships, and nothing else unless the recipe lists more.
-SIZED_FORMATS = ("gguf",)
-
-
 def default_formats(oc: OutputConfig) -> list[str] | None:
-    """``output.formats`` when the recipe names a size and no formats: ``[gguf]``. None without a size."""
-    return list(SIZED_FORMATS) if oc.size is not None else None
+    """``output.formats`` when the recipe names a size and no formats: the format whose anchor the size names
+    (``W4A16``: compressed-tensors), else ``[gguf]``. None without a size."""
+    from compressor.pipeline.size.target import default_format
+
+    return [default_format(oc.size)] if oc.size is not None else None
 
 
 def check(recipe: Recipe, model_type: str, src, *, given=None) -> None:
-    """What a size needs, before the model loads: a sized format in ``output.formats``, a model held in
-    memory, and an architecture the GGUF can be planned for (its source's own, or one the writer maps)."""
+    """What a size needs, before the model loads: one sized format in ``output.formats`` (the one the size's
+    name belongs to), a model held in memory, and an architecture that format can be planned for."""
+    from compressor.pipeline.size.target import target_for
+
     oc = recipe.output
     if oc.size is None:
         return
-    if not set(SIZED_FORMATS) & set(oc.formats):
-        raise InputError(f"output.size: {oc.size} is the size of the GGUF file, but output.formats is {oc.formats}; "
-                         "add gguf to output.formats (or remove output.size)")
+    target = target_for(oc.formats, oc.size)
     if recipe.model.offload != "none" and given is None:
         raise InputError("output.size prices every weight from one backward pass over the whole model, which an "
                          f"onloaded model (model.offload: {recipe.model.offload}) does not hold; use model.offload: none")
-    why = size_refusal(recipe, model_type, src)
+    why = target.refusal(model_type, src)
     if why:
         raise InputError(f"output.size: {why}; remove output.size to write only a Hugging Face folder "
                          "(output.formats: [hf])")
@@ -70,23 +71,21 @@ def check_output(recipe: Recipe, *, writes: bool) -> None:
 
 
 def size_refusal(recipe: Recipe, model_type: str, src) -> str | None:
-    """Why a size cannot be planned for this architecture and source (None when it can): a GGUF source is
-    re-quantized in its own architecture, which any llama.cpp-loadable model type with a tensor-name map
-    allows; a Hugging Face source needs the writer's own mapping."""
-    from compressor.output.gguf import REQUANTIZE_ARCH, arch_refusal, runtime_missing
+    """Why a size cannot be planned for this architecture and source (None when it can, or without a size)."""
+    from compressor.pipeline.size.target import target_for
 
     if recipe.output.size is None:
         return None
-    if src.gguf_file:
-        return runtime_missing() or (None if model_type in REQUANTIZE_ARCH else arch_refusal(model_type))
-    return arch_refusal(model_type) or runtime_missing()
+    return target_for(recipe.output.formats, recipe.output.size).refusal(model_type, src)
 
 
 def writer_refusal(recipe: Recipe, name: str, why: str | None, model_type: str, src) -> str | None:
-    """A writer's refusal, as a size plan sees it: a GGUF source is re-quantized in its own architecture, so
-    the gguf writer's architecture table does not apply (:func:`check` says what does)."""
-    if why and name in SIZED_FORMATS and recipe.output.size is not None and src.gguf_file:
-        return None
+    """A writer's refusal, as a size plan sees it: the planned format's target decides (a GGUF source is
+    re-quantized in its own architecture, so the gguf writer's architecture table does not apply)."""
+    from compressor.pipeline.size.target import targets
+
+    if why and recipe.output.size is not None and name in targets():
+        return targets()[name]().writer_refusal(why, src)
     return why
 
 
@@ -118,28 +117,30 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
     pipeline's write and verify stages for ``request`` as it stands (each attempt sets its plan on it), the
     staging folder they made. The F16 and the preset live in a work folder beside the output, removed on
     every exit (and reclaimed after a kill)."""
-    from compressor.pipeline.size.budget import measure_budget, workdir_for
+    from compressor.pipeline.size.budget import workdir_for
     from compressor.pipeline.size.planner import Planner
     from compressor.pipeline.size.prices import measure_and_price
     from compressor.pipeline.size.rounding import Compensator
     from compressor.pipeline.size.stage import SizeRun, check_floor
+    from compressor.pipeline.size.target import target_for
 
     if recipe.output.size is None:
         return None
     workdir = workdir_for(checked.out)
     try:
         t0 = time.perf_counter()
-        budget = measure_budget(recipe.output.size, request, workdir)
+        target = target_for(recipe.output.formats, recipe.output.size)
+        budget = target.budget(recipe.output.size, request, workdir)
         timings = {"budget_s": time.perf_counter() - t0}
         logger.info("output.size %s: %s bytes (%s%s bytes are not weights)", budget.size, f"{budget.limit:,}",
                     f"llama.cpp's {budget.preset['name']} from the same F16; " if budget.preset else "",
                     f"{budget.overhead:,}")
-        units, priced, cached = measure_and_price(recipe, request.model, windows, timings)
+        units, priced, cached = measure_and_price(recipe, request.model, windows, timings, target)
         planner = Planner(units, priced, budget)
         check_floor(planner, budget)
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
-        compensator = Compensator(request, priced, windows, recipe.calibration.batch_size, timings)
-        run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator,
+        compensator = Compensator(request, priced, windows, recipe.calibration.batch_size, timings, target)
+        run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator, target,
                       head={"prices_from_cache": cached, "timings": timings, "rounding": recipe.output.rounding})
         return run.search()
     finally:

@@ -17,23 +17,11 @@ they would otherwise ship. A budget the recipe sets is held.
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
 from compressor.evaluation.evaluate import (
     gate_check, ratio_mean_se, scored_evaluation, upper_quantile, window_evaluation,
 )
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import PolicyConfig
-
-
-def measure_preset(preset: dict, domains: list[dict]) -> dict:
-    """The preset file in llama.cpp on each gate domain's windows (``name → WindowScores``, with the KL from
-    the original where the domain carries its teacher)."""
-    from compressor.output.gguf import read
-
-    return {d["name"]: read.read_scores(Path(preset["path"]), d["tokens"], d["seq_len"], d["stride"],
-                                        d.get("teacher"))
-            for d in domains}
 
 
 def explicit_budget(pol: PolicyConfig) -> bool:

@@ -3,7 +3,8 @@
 One backward pass gives the loss-gradient second moment F of every linear layer's outputs
 (:func:`compressor.engine.tensorstats.output_fisher`); forward passes give each layer's input second
 moment Ĥ, in groups of layers that fit in memory (:func:`moment_groups`); each tensor is then priced in
-every GGML type its rows take (:mod:`compressor.policy.quantplan`). The prices are cached with the
+every option of the size's target format (:meth:`~compressor.pipeline.size.target.SizeTarget.price_all`:
+every GGML type its rows take, or every integer scheme). The prices are cached with the
 statistics (``measure.cache``): a second size of the same model and calibration text costs no pass.
 """
 
@@ -16,10 +17,8 @@ import time
 
 import torch
 
-from compressor.core.errors import InputError
 from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
-from compressor.policy.quantplan import (DEFAULT_TYPES, MAX_PRICED_ELEMENTS, Priced, from_tensors, price_all, sites,
-                                          to_tensors)
+from compressor.policy.quantplan import Priced, from_tensors, sites, to_tensors
 from compressor.recipe.schema import Recipe
 
 logger = logging.getLogger(__name__)
@@ -61,53 +60,32 @@ def moment_groups(model, names: list[str], budget: int | None = None) -> list[li
     return groups
 
 
-def gguf_namer(model) -> callable:
-    """Hugging Face parameter name → GGUF tensor name (gguf-py's map for the model's architecture)."""
-    import gguf
-
-    from compressor.output.gguf import REQUANTIZE_ARCH
-
-    cfg = getattr(model.config, "text_config", None) or model.config
-    model_type = str(cfg.model_type).removeprefix("compressed_")
-    if model_type not in REQUANTIZE_ARCH:
-        raise InputError(f"output.size: no GGUF tensor names are mapped for model type {model_type!r} "
-                         f"(mapped: {', '.join(sorted(REQUANTIZE_ARCH))})")
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, REQUANTIZE_ARCH[model_type]), cfg.num_hidden_layers)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-
-    def name(hf: str) -> str | None:
-        out = names.get_name(hf, try_suffixes=(".weight", ".bias"))
-        return None if out is None or (tied and out == "output.weight") else out
-    return name
-
-
 #: Bump when what a priced option means changes: cached prices of another version are not read.
-PRICES_VERSION = 3
+PRICES_VERSION = 4
 
 
-def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dict):
-    """Every tensor's options (bytes, predicted cost) and importance matrix: from the statistics cache when
-    the same model, calibration windows and pricing settings were priced before (``measure.cache``), else
-    measured (a backward pass, then input moments in groups of layers) and priced."""
+def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dict, target):
+    """Every tensor's options in ``target``'s format (bytes, predicted cost) and importance matrix: from the
+    statistics cache when the same model, calibration windows and pricing settings were priced before
+    (``measure.cache``), else measured (a backward pass, then input moments in groups of layers) and priced."""
     from compressor.engine import cache
 
     key = None
     if recipe.measure.cache:
-        settings = {"prices": PRICES_VERSION, "types": [t.name for t in DEFAULT_TYPES],
-                    "max_elements": MAX_PRICED_ELEMENTS, "batch_size": recipe.calibration.batch_size,
-                    "rounding": recipe.output.rounding}
+        settings = {"prices": PRICES_VERSION, **target.cache_settings(), "format": target.format,
+                    "batch_size": recipe.calibration.batch_size, "rounding": recipe.output.rounding}
         data_fp = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
         key = "prices-" + cache.stats_key(cache.model_fingerprint(model), data_fp, settings)
         hit = cache.get(key)
         if hit is not None:
             logger.info("size plan: prices of every tensor type from the cache (%s)", key)
-            units, priced = from_tensors(hit[0], json.loads(hit[1]["prices"]))
+            units, priced = from_tensors(hit[0], json.loads(hit[1]["prices"]), target.payload)
             return units, priced, True
     bs = recipe.calibration.batch_size
     t0 = time.perf_counter()
     fisher = output_fisher(model, windows, batch_size=bs)
     timings["statistics_s"] = time.perf_counter() - t0
-    units, priced, namer = {}, [], gguf_namer(model)
+    units, priced, namer = {}, [], target.namer(model)
     for group in moment_groups(model, linear_names(model)):
         t0 = time.perf_counter()
         moments = input_moments(model, windows, group, batch_size=bs)
@@ -115,7 +93,7 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
         t0 = time.perf_counter()
         these = sites(model, fisher, moments, namer, modules=set(group))
         del moments
-        units.update(price_all(these, rounding=recipe.output.rounding))
+        units.update(target.price_all(these, recipe.output.rounding))
         priced += [Priced.of(s) for s in these]
         del these  # the statistics go with the sites, before the next group's moments are measured
         timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0

@@ -3,8 +3,10 @@
 Prices are computed on a sample of rows (:mod:`.prices`); once a plan is chosen, each tensor whose option is
 GPTQ (:attr:`~compressor.policy.quantplan.SizePlan.compensated`) is rounded over all its rows with its layer's
 input second moment Ĥ, measured again in groups of layers that fit in memory (the pricing pass does not keep
-them: Qwen2.5-1.5B's take 9.8 GB). The bytes go on :attr:`SizePlan.stored` in the file's row order, and the
-writer stores them as they are. Each (tensor, type) is rounded once per run, whatever the search tries.
+them: Qwen2.5-1.5B's take 9.8 GB), by the size target's rounding
+(:meth:`~compressor.pipeline.size.target.SizeTarget.round_full`). What it returns goes on
+:attr:`SizePlan.stored` (a GGUF's raw bytes in the file's row order; an integer scheme's codes and scales), and
+the writer stores it as it is. Each (tensor, type) is rounded once per run, whatever the search tries.
 """
 
 from __future__ import annotations
@@ -12,10 +14,8 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
-from compressor.core.ggml import GGMLType
 from compressor.core.progress import progress
 from compressor.engine.tensorstats import input_moments
 from compressor.pipeline.size.prices import moment_groups
@@ -28,13 +28,11 @@ class Compensator:
     """Full-row GPTQ bytes of the tensors a plan compensates (:meth:`fill`), each (tensor, type) once."""
 
     def __init__(self, request, priced: list[Priced], windows: torch.Tensor, batch_size: int,
-                 timings: dict) -> None:
-        from compressor.output.gguf import file_arch
-
+                 timings: dict, target) -> None:
         self.request, self.windows, self.batch_size, self.timings = request, windows, batch_size, timings
         self.priced = {p.name: p for p in priced}
-        self.arch = file_arch(request)
-        self._done: dict[tuple[str, str], np.ndarray] = {}
+        self.target = target
+        self._done: dict[tuple[str, str], object] = {}
 
     def fill(self, size_plan: SizePlan) -> None:
         """Put every compensated tensor's bytes on ``size_plan.stored``."""
@@ -56,9 +54,6 @@ class Compensator:
         return module
 
     def _round(self, need: list[tuple[str, str]]) -> None:
-        from compressor.fitting.gridround import gptq_quantize
-        from compressor.output.gguf import to_file_rows
-
         model = self.request.model
         by_module: dict[str, list[tuple[str, str]]] = {}
         for name, t in need:
@@ -71,8 +66,7 @@ class Compensator:
                 h = moments[module].float()
                 for name, t in by_module[module]:
                     weight = model.get_submodule(self.priced[name].module).weight.detach().float()
-                    raw = gptq_quantize(weight, h, GGMLType[t], self.priced[name].imatrix)
-                    self._done[name, t] = to_file_rows(name, raw, self.arch, model.config)
+                    self._done[name, t] = self.target.round_full(name, t, weight, h, self.priced[name], self.request)
                     bar.update(1)
             del moments
         bar.close()

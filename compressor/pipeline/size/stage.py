@@ -20,7 +20,7 @@ from typing import Callable
 from compressor.core.errors import GateFailed, InputError
 from compressor.evaluation.evaluate import gate_budget, gate_ppl_limit
 from compressor.output.base import VerificationError
-from compressor.pipeline.size.gate import judge, measure_preset, message, preset_rows
+from compressor.pipeline.size.gate import judge, message, preset_rows
 from compressor.pipeline.size.budget import Budget
 from compressor.pipeline.size.planner import Planner
 from compressor.policy.quantplan import SizePlan
@@ -49,6 +49,8 @@ class SizeRun:
     """The pipeline's write and verify stages for :attr:`request`: the staging folder, its formats checked."""
     compensator: object = None
     """Rounds the compensated tensors of a chosen plan over all their rows (:mod:`.rounding`)."""
+    target: object = None
+    """The format planned (:class:`~compressor.pipeline.size.target.SizeTarget`)."""
     head: dict = field(default_factory=dict)
     """What the report's ``size_plan`` says before any plan: the budget, prices, timings."""
     target_nll: float | None = None
@@ -104,7 +106,7 @@ class SizeRun:
                     f"{size_plan.tensor_bytes / 1e6:.2f} MB", 100 * math.expm1(size_plan.predicted_nll_increase),
                     size_plan.to_json()["types_used"])
         tmp = self.write()
-        check = self.report["verification"]["gguf"]
+        check = self.report["verification"][self.target.format]
         try:
             self._measure(check, size_plan)
         except BaseException:
@@ -129,7 +131,7 @@ class SizeRun:
         check.update(quant="plan", budget_bytes=self.budget.limit, planned_file_bytes=expected,
                      predicted_relative_change=math.expm1(size_plan.predicted_nll_increase))
         if check["file_bytes"] > self.budget.limit:
-            raise VerificationError(f"the planned GGUF is {check['file_bytes']:,} bytes, over its budget of "
+            raise VerificationError(f"the planned file is {check['file_bytes']:,} bytes, over its budget of "
                                     f"{self.budget.limit:,} (planned {expected:,}); nothing was published")
         if check["file_bytes"] != expected:
             logger.warning("size plan: the file is %d bytes, %d planned", check["file_bytes"], expected)
@@ -137,7 +139,7 @@ class SizeRun:
         if preset is None:
             return
         if self.preset_scores is None:
-            self.preset_scores = measure_preset(preset, self.request.options.get("gate_domains") or [])
+            self.preset_scores = self.target.measure_anchor(self, preset)
         preset_rows(check, preset, self.preset_scores)
 
     def _take(self, best: Attempt | None) -> Path:
@@ -149,7 +151,7 @@ class SizeRun:
             self._refuse()
         kept, check, size_plan, message = best.outcome
         self.request.size_plan = size_plan
-        self.report["verification"]["gguf"] = check
+        self.report["verification"][self.target.format] = check
         self.report["message"] = message
         self.report["size_plan"] = self.to_json(size_plan)
         tmp = staging_folder(self.checked.out)

@@ -1,0 +1,240 @@
+"""The compressed-tensors size target: every linear layer's integer scheme, for plain transformers and vLLM.
+
+Options are the schemes compressed-tensors describes and vLLM serves (:data:`~compressor.fitting.intround.SCHEMES`:
+int4 with a scale per 128 or per 32 inputs, int8 per 128) or the layer left in the saved dtype. The layers
+vLLM fuses (q/k/v, gate/up: :data:`~compressor.output.ctensors.FUSED_SIBLINGS`) take one scheme together, so
+they are one unit of the allocation; embeddings and the output head stay in the saved dtype, as llm-compressor
+leaves them. Each option is priced by the rounding it will get — GPTQ through the layer's Ĥ onto the scheme's
+grid (``output.rounding: gptq``) or round-to-nearest — in closed form, ``½ Σ_o F_o (ΔW Ĥ ΔWᵀ)_oo``.
+
+Sizes count the bytes of the tensors the checkpoint stores (:meth:`IntScheme.nbytes`; the safetensors JSON
+index, a few kB, aside), so a plan's bytes are exact before it is written. ``W4A16`` (``W8A16``,
+``W4A16_G32``) is that uniform scheme's size for this model, and the anchor measured beside the file is that
+uniform checkpoint itself, rounded by the same GPTQ — what llm-compressor's ``GPTQModifier`` writes for the
+scheme. A size in bytes or bits per weight is measured beside the largest uniform scheme that fits it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from compressor.pipeline.size.budget import Budget, Layout
+from compressor.pipeline.size.target import SizeTarget, register_target
+from compressor.policy.options import Option
+from compressor.policy.quantplan import Choice
+from compressor.recipe.schema import CT_SIZE_SCHEMES
+
+logger = logging.getLogger(__name__)
+
+#: Joins the module names of a fused unit (``model.layers.0.self_attn.q_proj+k_proj+v_proj``).
+JOIN = "+"
+#: What a layer left in the saved dtype is called in a plan.
+FLOAT = "unquantized"
+
+
+def units_of(model: nn.Module) -> dict[str, list[str]]:
+    """Allocation unit → its linear layers: the fused siblings of one parent together, every other
+    quantizable linear alone (in module order)."""
+    from compressor.output.ctensors import linear_names
+
+    return _group(dict.fromkeys(linear_names(model)))
+
+
+def members(unit: str) -> list[str]:
+    """The module names of a unit (:func:`units_of`)."""
+    first, *rest = unit.split(JOIN)
+    parent = first.rpartition(".")[0]
+    return [first] + [f"{parent}.{leaf}" for leaf in rest]
+
+
+def _dtype(request) -> torch.dtype:
+    return request.dtype or request.model.dtype
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def option_bytes(scheme: str, shape: tuple[int, int], dtype: torch.dtype) -> int:
+    """Stored bytes of an ``[out, in]`` weight in ``scheme`` (:data:`FLOAT`: the saved dtype)."""
+    from compressor.fitting.intround import get_scheme
+
+    s = get_scheme(None if scheme == FLOAT else scheme)
+    return shape[0] * shape[1] * _itemsize(dtype) if s is None else s.nbytes(*shape, dtype)
+
+
+@register_target
+class CompressedTensorsTarget(SizeTarget):
+    format = "compressed-tensors"
+    presets = CT_SIZE_SCHEMES
+    what = "the compressed-tensors checkpoint"
+
+    def __init__(self) -> None:
+        self.dtype = torch.bfloat16
+
+    def refusal(self, model_type: str, src) -> str | None:
+        from compressor.output.ctensors import CompressedTensorsWriter
+
+        return CompressedTensorsWriter().unsupported(model_type, "none")
+
+    def namer(self, model) -> Callable[[str], str | None]:
+        """A linear layer's weight is planned under its own module name (fused siblings are joined when
+        priced); embeddings and the output head are not planned."""
+        planned = {f"{m}.weight": m for unit in units_of(model).values() for m in unit}
+        return planned.get
+
+    def price_all(self, sites: list, rounding: str) -> dict:
+        """Every layer priced in every scheme its rows take (GPTQ through Ĥ, or to nearest, as ``rounding``
+        says), then the fused siblings summed into one unit per scheme they all take."""
+        from compressor.core.progress import progress
+
+        by_module = {}
+        for site in progress(sites, desc="price: integer schemes", unit="layer"):
+            by_module[site.name] = price_layer(site, rounding, self.dtype)
+        units: dict[str, list[Option]] = {}
+        for unit, parts in _group({n: None for n in by_module}).items():
+            common = set.intersection(*(set(by_module[p]) for p in parts))
+            units[unit] = [Option(unit, s, sum(by_module[p][s][0] for p in parts),
+                                  sum(by_module[p][s][1] for p in parts),
+                                  payload=Choice(s, False, rounding == "gptq" and s != FLOAT))
+                           for s in sorted(common, key=lambda s: by_module[parts[0]][s][0])]
+        return units
+
+    def payload(self, name: str, weighted: bool, compensated: bool) -> Choice:
+        return Choice(name, weighted, compensated)
+
+    def cache_settings(self) -> dict:
+        from compressor.fitting.intround import SCHEMES
+        from compressor.policy.quantplan import MAX_PRICED_ELEMENTS
+
+        return {"schemes": sorted(SCHEMES), "saved_dtype": str(self.dtype), "max_elements": MAX_PRICED_ELEMENTS}
+
+    def budget(self, size: str, request, workdir: Path) -> Budget:
+        """The bytes of the tensors the checkpoint stores: every planned unit in the saved dtype as the layout's
+        "F16", everything else fixed; a scheme's name is that uniform checkpoint's bytes."""
+        from compressor.recipe.schema import parse_size
+
+        self.dtype = _dtype(request)
+        model = request.model
+        units = units_of(model)
+        shapes = {u: [tuple(model.get_submodule(m).weight.shape) for m in ms] for u, ms in units.items()}
+        planned = {u: sum(option_bytes(FLOAT, s, self.dtype) for s in ss) for u, ss in shapes.items()}
+        in_units = {id(model.get_submodule(m).weight) for ms in units.values() for m in ms}
+        saved = model.state_dict(keep_vars=True)
+        tensors = {id(t): t for t in [*model.parameters(), *(b for n, b in model.named_buffers() if n in saved)]}
+        fixed = sum(t.numel() * (_itemsize(self.dtype) if t.is_floating_point() else t.element_size())
+                    for i, t in tensors.items() if i not in in_units)
+        layout = Layout(data_offset=0, alignment=1, fixed_bytes=fixed, planned=planned,
+                        file_bytes=fixed + sum(planned.values()))
+
+        def uniform(scheme: str) -> int:
+            return fixed + sum(option_bytes(scheme if all(_fits(scheme, s) for s in ss) else FLOAT, s, self.dtype)
+                               for ss in shapes.values() for s in ss)
+        kind, value = parse_size(size)
+        preset = None
+        if kind == "preset":
+            limit = uniform(value)
+            preset = _anchor(value, limit)
+        elif kind == "smallest":
+            limit = layout.file_bytes
+        else:
+            weights = sum(t.numel() for t in tensors.values() if t.is_floating_point())
+            limit = int(value * weights / 8) if kind == "bpw" else int(value)
+            fitting = [(uniform(s), s) for s in self.presets if uniform(s) <= limit]
+            preset = _anchor(max(fitting)[1], max(fitting)[0]) if fitting else None
+        return Budget(size, limit, layout, preset)
+
+    def round_full(self, name: str, option: str, weight, h, priced, request):
+        """GPTQ of every layer of the unit onto ``option``'s grid through the unit's shared Ĥ (fused siblings
+        read the same input), scales in the saved dtype: ``module → Rounded``."""
+        from compressor.fitting.gridround import factor
+        from compressor.fitting.intround import gptq
+
+        fac = factor(h)
+        return {m: gptq(request.model.get_submodule(m).weight.detach(), fac, option, scale_dtype=self.dtype)
+                for m in members(name)}
+
+    def measure_anchor(self, run, preset: dict) -> dict:
+        """The uniform checkpoint of ``preset['name']``: planned, rounded by the run's own rounding, written
+        and reloaded by plain transformers like the file, scored on the gate's windows, then removed."""
+        from compressor.output.base import get_writer
+        from compressor.output.ctensors import score_folder
+        from compressor.policy.quantplan import SizePlan
+
+        scheme = preset["name"]
+        chosen = {u: next((o for o in opts if o.name == scheme), max(opts, key=lambda o: o.size))
+                  for u, opts in run.planner.units.items()}
+        plan = SizePlan({u: o.name for u, o in chosen.items()}, {}, sum(int(o.size) for o in chosen.values()),
+                        preset["file_bytes"], sum(o.cost for o in chosen.values()),
+                        compensated={u for u, o in chosen.items() if o.payload.compensated})
+        run.compensator.fill(plan)
+        folder = run.workdir / f"anchor-{scheme}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        request = _with_plan(run.request, plan)
+        try:
+            get_writer(self.format).write(request, folder)
+            return score_folder(folder, run.request.options.get("gate_domains") or [], run.request.model.dtype)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fits(scheme: str, shape: tuple[int, int]) -> bool:
+    from compressor.fitting.intround import get_scheme
+
+    return get_scheme(scheme).fits(shape[1])
+
+
+def _anchor(scheme: str, nbytes: int) -> dict:
+    return {"name": scheme, "file_bytes": nbytes,
+            "made_by": f"compressor: every linear layer in {scheme} (embeddings and output head in the saved dtype), "
+                       "rounded as the plan is — what llm-compressor's GPTQModifier writes for that scheme"}
+
+
+def _with_plan(request, plan):
+    import dataclasses
+
+    return dataclasses.replace(request, size_plan=plan, extra_files={})
+
+
+def _group(names: dict[str, None]) -> dict[str, list[str]]:
+    """Module names (in order) → units: fused siblings of one parent joined (:data:`JOIN`)."""
+    from compressor.output.ctensors import FUSED_SIBLINGS
+
+    fused = {leaf: parts for parts in FUSED_SIBLINGS for leaf in parts}
+    out: dict[str, list[str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        parts = fused.get(leaf)
+        if parts is None:
+            out[name] = [name]
+            continue
+        present = [p for p in parts if f"{parent}.{p}" in names]
+        key = f"{parent}.{present[0]}" + "".join(f"{JOIN}{p}" for p in present[1:])
+        out.setdefault(key, []).append(name)
+    return out
+
+
+def price_layer(site, rounding: str, dtype: torch.dtype) -> dict[str, tuple[int, float]]:
+    """One layer's options: scheme → (stored bytes, predicted loss increase), each scheme its rows take
+    rounded as ``rounding`` says (GPTQ through the layer's Ĥ, sharing one factor; or to nearest), and the
+    saved dtype at no cost."""
+    from compressor.fitting.gridround import factor
+    from compressor.fitting.intround import SCHEMES, gptq, rtn
+
+    shape = tuple(site.weight.shape)
+    w = site.priced_weight()
+    out = {FLOAT: (option_bytes(FLOAT, shape, dtype), 0.0)}
+    fac = factor(site.h) if rounding == "gptq" and site.h is not None else None
+    for name, s in SCHEMES.items():
+        if not s.fits(shape[1]):
+            continue
+        r = gptq(w, fac, s, scale_dtype=dtype) if fac is not None else rtn(w, s, scale_dtype=dtype)
+        out[name] = (s.nbytes(*shape, dtype), max(site.cost(r.weight - w.float()), 0.0))
+    return out

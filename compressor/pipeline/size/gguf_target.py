@@ -1,0 +1,104 @@
+"""The GGUF size target: every weight matrix's GGML type, for an unmodified llama.cpp.
+
+Options are ggml's types (:mod:`compressor.policy.quantplan`), rounded by ggml's own quantizer with the
+run's importance matrix or by error-compensating rounding onto its scales (:mod:`compressor.fitting.gridround`);
+the budget is read off the F16 file written once (:mod:`.budget`), and the anchor is llama.cpp's preset of the
+size made from that F16 by llama.cpp's own quantizer, measured in llama.cpp on the same windows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from compressor.core.errors import InputError
+from compressor.pipeline.size.target import SizeTarget, register_target
+from compressor.recipe.schema import SIZE_PRESETS
+
+
+@register_target
+class GGUFTarget(SizeTarget):
+    format = "gguf"
+    presets = SIZE_PRESETS
+    what = "the GGUF file"
+
+    def __init__(self) -> None:
+        self._arch: str | None = None
+
+    def refusal(self, model_type: str, src) -> str | None:
+        """A GGUF source is re-quantized in its own architecture, which any llama.cpp-loadable model type with
+        a tensor-name map allows; a Hugging Face source needs the writer's own mapping."""
+        from compressor.output.gguf import REQUANTIZE_ARCH, arch_refusal, runtime_missing
+
+        if src.gguf_file:
+            return runtime_missing() or (None if model_type in REQUANTIZE_ARCH else arch_refusal(model_type))
+        return arch_refusal(model_type) or runtime_missing()
+
+    def writer_refusal(self, why: str | None, src) -> str | None:
+        """A GGUF source is re-quantized in its own architecture: the writer's architecture table does not
+        apply (:meth:`refusal` says what does)."""
+        return None if src.gguf_file else why
+
+    def namer(self, model) -> Callable[[str], str | None]:
+        return gguf_namer(model)
+
+    def price_all(self, sites: list, rounding: str) -> dict:
+        from compressor.policy.quantplan import price_all
+
+        return price_all(sites, rounding=rounding)
+
+    def payload(self, name: str, weighted: bool, compensated: bool):
+        from compressor.core.ggml import GGMLType
+        from compressor.policy.quantplan import Choice
+
+        return Choice(GGMLType[name], weighted, compensated)
+
+    def cache_settings(self) -> dict:
+        from compressor.policy.quantplan import DEFAULT_TYPES, MAX_PRICED_ELEMENTS
+
+        return {"types": [t.name for t in DEFAULT_TYPES], "max_elements": MAX_PRICED_ELEMENTS}
+
+    def budget(self, size: str, request, workdir: Path):
+        from compressor.pipeline.size.budget import measure_budget
+
+        return measure_budget(size, request, workdir)
+
+    def round_full(self, name: str, option: str, weight, h, priced, request):
+        """GPTQ onto the type's importance-weighted scales, its raw bytes in the file's row order."""
+        from compressor.core.ggml import GGMLType
+        from compressor.fitting.gridround import gptq_quantize
+        from compressor.output.gguf import file_arch, to_file_rows
+
+        if self._arch is None:
+            self._arch = file_arch(request)
+        raw = gptq_quantize(weight, h, GGMLType[option], priced.imatrix)
+        return to_file_rows(name, raw, self._arch, request.model.config)
+
+    def measure_anchor(self, run, preset: dict) -> dict:
+        """The preset file in llama.cpp on each gate domain's windows (with the KL from the original where the
+        domain carries its teacher)."""
+        from compressor.output.gguf import read
+
+        return {d["name"]: read.read_scores(Path(preset["path"]), d["tokens"], d["seq_len"], d["stride"],
+                                            d.get("teacher"))
+                for d in run.request.options.get("gate_domains") or []}
+
+
+def gguf_namer(model) -> Callable[[str], str | None]:
+    """Hugging Face parameter name → GGUF tensor name (gguf-py's map for the model's architecture)."""
+    import gguf
+
+    from compressor.output.gguf import REQUANTIZE_ARCH
+
+    cfg = getattr(model.config, "text_config", None) or model.config
+    model_type = str(cfg.model_type).removeprefix("compressed_")
+    if model_type not in REQUANTIZE_ARCH:
+        raise InputError(f"output.size: no GGUF tensor names are mapped for model type {model_type!r} "
+                         f"(mapped: {', '.join(sorted(REQUANTIZE_ARCH))})")
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, REQUANTIZE_ARCH[model_type]), cfg.num_hidden_layers)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+
+    def name(hf: str) -> str | None:
+        out = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        return None if out is None or (tied and out == "output.weight") else out
+    return name

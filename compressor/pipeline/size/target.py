@@ -1,0 +1,121 @@
+"""What a size plans *into*: one registered :class:`SizeTarget` per format a size can plan.
+
+The size stage (plan → allocate → write → gate → back off) is the same for every file a user ships; what
+differs by format is a short list, and each format says it once, in its own module:
+
+* which architectures it can plan (:meth:`SizeTarget.refusal`) and which weights it plans (:meth:`namer`);
+* the options of a weight — a GGML type, an integer scheme — with their exact bytes and closed-form
+  predicted cost (:meth:`price_all`), and the full-row error-compensating rounding of a chosen one
+  (:meth:`round_full`);
+* the budget: what a size's name means for this model and the exact bytes of a plan (:meth:`budget`);
+* the anchor measured beside the file: what the user would otherwise ship at that size
+  (:meth:`measure_anchor` — llama.cpp's preset for a GGUF; the uniform scheme for compressed-tensors).
+
+The writer of the same format writes the plan (:attr:`WriteRequest.size_plan`) and measures the file where
+it runs (its ``verification`` entry: ``quant: plan`` and per gate domain its window scores). A new format
+is a new module with one ``@register_target`` class, imported in :func:`targets`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import torch
+
+from compressor.core.errors import InputError
+from compressor.policy.options import Option
+
+TARGETS: dict[str, type["SizeTarget"]] = {}
+
+
+class SizeTarget:
+    """One format a size plans. Subclasses set :attr:`format` (the writer's name) and :attr:`presets`."""
+
+    format: ClassVar[str] = ""
+    presets: ClassVar[tuple[str, ...]] = ()
+    """Size names that mean "the size of this anchor for this model" (``Q4_K_M``, ``W4A16``)."""
+    what: ClassVar[str] = ""
+    """The file, in words, for messages ("the GGUF file")."""
+
+    def refusal(self, model_type: str, src) -> str | None:
+        """Why a size cannot be planned into this format for ``model_type`` from ``src`` (None: it can)."""
+        return None
+
+    def writer_refusal(self, why: str | None, src) -> str | None:
+        """This format's writer's refusal as a size plan sees it (default: as it is)."""
+        return why
+
+    def namer(self, model) -> Callable[[str], str | None]:
+        """Hugging Face parameter name → the planned tensor's name (None: not planned, kept as the writer
+        keeps it)."""
+        raise NotImplementedError
+
+    def price_all(self, sites: list, rounding: str) -> dict[str, list[Option]]:
+        """Every site's options: exact bytes and predicted loss increase, priced with the rounding each gets."""
+        raise NotImplementedError
+
+    def payload(self, name: str, weighted: bool, compensated: bool):
+        """A cached option's :class:`~compressor.policy.quantplan.Choice` from its name and flags."""
+        raise NotImplementedError
+
+    def cache_settings(self) -> dict:
+        """What the prices depend on besides the model and the calibration (part of their cache key)."""
+        return {"format": self.format}
+
+    def budget(self, size: str, request, workdir: Path):
+        """``size`` resolved for this model: a :class:`~compressor.pipeline.size.budget.Budget`."""
+        raise NotImplementedError
+
+    def round_full(self, name: str, option: str, weight: torch.Tensor, h: torch.Tensor, priced, request):
+        """A chosen compensated option over all rows of ``weight`` (GPTQ through ``h``): what the writer
+        stores as it is (:attr:`SizePlan.stored`)."""
+        raise NotImplementedError
+
+    def measure_anchor(self, run, preset: dict) -> dict:
+        """The anchor's scores per gate domain (``name → WindowScores``), made if need be (``run``: the
+        :class:`~compressor.pipeline.size.stage.SizeRun`)."""
+        raise NotImplementedError
+
+
+def register_target(cls: type[SizeTarget]) -> type[SizeTarget]:
+    """Class decorator: make ``cls`` the size target of ``cls.format``."""
+    if not cls.format:
+        raise ValueError(f"{cls.__name__} sets no format")
+    TARGETS[cls.format] = cls
+    return cls
+
+
+def targets() -> dict[str, type[SizeTarget]]:
+    """Every registered target (importing the modules that register them)."""
+    from compressor.pipeline.size import ctensors_target, gguf_target  # noqa: F401
+
+    return TARGETS
+
+
+def preset_format(size: str) -> str | None:
+    """The format whose anchor ``size`` names (None: a size in bytes, bits per weight, or ``smallest``)."""
+    name = str(size).strip().upper()
+    return next((f for f, cls in targets().items() if name in cls.presets), None)
+
+
+def target_for(formats: list[str], size: str) -> SizeTarget:
+    """The one target a recipe's ``output.formats`` plans, checked against the size's name."""
+    sized = [f for f in formats if f in targets()]
+    named = preset_format(size)
+    if not sized:
+        add = named or " or ".join(sorted(targets()))
+        raise InputError(f"output.size: {size} is the size of the file a deployer ships, but output.formats is "
+                         f"{formats}; add {add} to output.formats (or remove output.size)")
+    if len(sized) > 1:
+        raise InputError(f"output.size plans one file, but output.formats lists {', '.join(sized)}; keep one of "
+                         "them (a second run plans the other)")
+    if named is not None and named != sized[0]:
+        raise InputError(f"output.size: {size} is a {named} size, but the planned format is {sized[0]}; give one of "
+                         f"{', '.join(targets()[sized[0]].presets)}, bytes or bits per weight, or plan {named}")
+    return targets()[sized[0]]()
+
+
+def default_format(size: str) -> str:
+    """The format a size plans when the recipe names none: the one whose anchor the size names, else gguf."""
+    return preset_format(size) or "gguf"
