@@ -154,15 +154,16 @@ def handle(args) -> int:
 
 def _print_summary(r: dict, output) -> None:
     from compressor.engine.cache import human_bytes
+    from compressor.reports.render import planned_check
 
     ppl = r["perplexity"]
     kept = [d["index"] for d in r["blocks"] if d["decision"] == "kept"]
     print(f"status: {r['status']} — {r['message']}")
-    gguf = (r.get("verification") or {}).get("gguf") or {}
-    if gguf.get("quant") == "plan":  # output.size: the file is what was gated, in llama.cpp
-        _print_size_plan(r, gguf)
+    fmt, planned = planned_check(r)
+    if fmt is not None:  # output.size: the file is what was gated, where it runs
+        _print_size_plan(r, fmt, planned)
         if output is not None:
-            print(f"model:  {output / 'model.gguf'}")
+            print(f"model:  {output / 'model.gguf' if fmt == 'gguf' else output}")
             print(f"report: {output / 'report.json'}")
         return
     if r["status"] == "rejected" and not kept:
@@ -195,9 +196,7 @@ def _print_summary(r: dict, output) -> None:
             print(f"size: {human_bytes(same['output_bytes'])} against the source's {human_bytes(same['source_bytes'])} "
                   f"({same['ratio']:.3f}x; {same['what']})")
         gguf = (r.get("verification") or {}).get("gguf") or {}
-        if gguf.get("quant") == "plan":
-            _print_size_plan(r, gguf)
-        elif gguf.get("source_perplexity") is not None:
+        if gguf.get("source_perplexity") is not None:
             print(f"llama.cpp: perplexity {gguf['perplexity']:.4f} against the source GGUF's "
                   f"{gguf['source_perplexity']:.4f} ({100 * gguf['source_relative_change']:+.2f} %, same windows)")
         elif size.get("gguf_bytes") is not None:
@@ -244,14 +243,16 @@ def _num(v) -> str:
 
 
 
-def _print_size_plan(r: dict, gguf: dict) -> None:
-    """``output.size``: the planned GGUF beside llama.cpp's preset of that size, same windows, per domain."""
+def _print_size_plan(r: dict, fmt: str, gguf: dict) -> None:
+    """``output.size``: the planned file beside the anchor of that size (llama.cpp's preset; the uniform
+    scheme), same windows, per domain."""
     from compressor.engine.cache import human_bytes
 
     plan = r.get("size_plan") or {}
     types = ", ".join(f"{t} ×{n}" for t, n in plan.get("types_used", {}).items())
-    print(f"gguf: {human_bytes(gguf['file_bytes'])} (budget {human_bytes(gguf['budget_bytes'])}, output.size "
-          f"{plan.get('size')}); tensor types: {types}")
+    where = "llama.cpp" if fmt == "gguf" else "transformers"
+    print(f"{fmt}: {human_bytes(gguf['file_bytes'])} (budget {human_bytes(gguf['budget_bytes'])}, output.size "
+          f"{plan.get('size')}); {'tensor types' if fmt == 'gguf' else 'layer schemes'}: {types}")
     search = plan.get("search")
     if search:  # output.size: smallest — the plans the gate measured, smallest first
         tried = ", ".join(f"{a['file_bytes'] / 1e6:.1f} MB {'passed' if a['passed'] else 'over'}"
@@ -259,9 +260,10 @@ def _print_size_plan(r: dict, gguf: dict) -> None:
         print(f"smallest within the budget: planned for a predicted {100 * search['target_predicted_ppl_change']:+.2f} "
               f"%; files measured: {tried}")
     preset = gguf.get("preset")
+    anchor = (f"llama.cpp's {preset['name']} from the same F16" if fmt == "gguf" else
+              f"the uniform {preset['name']} checkpoint") if preset else ""
     print(f"predicted: {100 * gguf['predicted_relative_change']:+.2f} % perplexity"
-          + (f"; beside it: llama.cpp's {preset['name']} from the same F16, {human_bytes(preset['file_bytes'])}"
-             if preset else ""))
+          + (f"; beside it: {anchor}, {human_bytes(preset['file_bytes'])}" if preset else ""))
     for d in gguf.get("domains", []):
         bound = (f" ({d['confidence']:.0%} bound {100 * d['relative_delta_upper']:+.2f} %)"
                  if d.get("relative_delta_upper") is not None else "")
@@ -270,11 +272,11 @@ def _print_size_plan(r: dict, gguf: dict) -> None:
         beside = f" | {preset['name']}: {100 * d['preset_relative_change']:+.2f} %" if preset else ""
         if preset and d.get("preset_kl_mean") is not None:
             beside += f", KL {d['preset_kl_mean']:.4f}"
-        print(f"llama.cpp [{d['name']}]: perplexity {d['perplexity']:.4f}, {100 * d['relative_change']:+.2f} %{bound} "
+        print(f"{where} [{d['name']}]: perplexity {d['perplexity']:.4f}, {100 * d['relative_change']:+.2f} %{bound} "
               f"against the original's {d['reference_perplexity']:.4f}{kl}{beside}")
     if gguf.get("gate_rule") == "preset":
-        print(f"gate: over the default budget, written as at least as good as llama.cpp's {preset['name']} on every "
-              "domain (set policy.ppl_budget in the recipe to hold the file to it)")
+        print(f"gate: over the default budget, written as at least as good as {anchor} on every domain (set "
+              "policy.ppl_budget in the recipe to hold the file to it)")
 
 
 def _flag_path(value: str, flag: str) -> str:

@@ -455,6 +455,15 @@ class WindowScores:
     token_kl: object = field(default=None, repr=False)
     """Every scored token's KL (numpy), in window order: the median and the 99th percentile."""
 
+    def row(self, name: str, reference_ppl: float | None) -> dict:
+        """A gate domain's row of a measured file: its perplexity against the original's, the KL figures, and
+        these scores (``scores``: the size gate pairs them by window, then drops them)."""
+        ppl = math.exp(sum(self.nll) / sum(self.tokens))
+        return {"name": name, "perplexity": ppl, "scored_tokens": int(sum(self.tokens)),
+                "reference_perplexity": reference_ppl,
+                "relative_change": ppl / reference_ppl - 1.0 if reference_ppl else None, **self.kl_summary(),
+                "scores": self}
+
     def kl_summary(self) -> dict:
         """Mean, median and 99th-percentile KL per token and the same-top-token rate (``llama-perplexity
         --kl-divergence``'s figures); {} without a teacher."""
@@ -492,6 +501,19 @@ def window_scores(logits, tokens: torch.Tensor, seq_len: int, stride: int, teach
     if teacher is not None:
         out.token_kl = np.concatenate(out.token_kl)
     return out
+
+
+@torch.no_grad()
+def model_scores(model: nn.Module, tokens: torch.Tensor, seq_len: int, stride: int,
+                 teacher: "TeacherCache | None" = None) -> WindowScores:
+    """:func:`window_scores` of a transformers model (a reloaded checkpoint), one window at a time."""
+    device = model.get_input_embeddings().weight.device
+
+    def logits(ids: list[int], k: int) -> torch.Tensor:
+        out = model(input_ids=torch.tensor([ids], device=device)).logits[0, len(ids) - 1 - k: len(ids) - 1]
+        return out.float().cpu()
+    with _EvalMode(model):
+        return window_scores(logits, tokens, seq_len, stride, teacher)
 
 
 def kl_terms(student_logp: torch.Tensor, teacher: "TeacherCache", window: int) -> torch.Tensor:

@@ -4,6 +4,7 @@
 here with an ``@register_writer`` class (see :mod:`.base`), imported below.
 """
 
+from compressor.output import ctensors  # noqa: F401  (registers the compressed-tensors writer)
 from compressor.output import gguf  # noqa: F401  (registers the gguf writer)
 from compressor.output import hf  # noqa: F401  (registers the hf writer)
 from compressor.output import standard  # noqa: F401  (registers the hf-standard writer)

@@ -285,8 +285,10 @@ class OutputConfig(_Section):
     formats: list[str] = Field(
         default_factory=lambda: ["hf"], min_length=1,
         description="output formats written into the output folder, each verified before publishing: hf "
-        "(Hugging Face folder), gguf (one .gguf for llama.cpp/Ollama, checked in llama.cpp); not set: [hf, gguf] "
-        "for a GGUF source whose architecture the gguf writer takes, else [hf]",
+        "(Hugging Face folder), gguf (one .gguf for llama.cpp/Ollama, checked in llama.cpp), compressed-tensors "
+        "(int4/int8 weights loaded by plain transformers with the compressed-tensors package and served by vLLM; "
+        "docs/compressed-tensors.md); not set: [hf, gguf] for a GGUF source whose architecture the gguf writer "
+        "takes, else [hf] (with output.size: the format the size names)",
     )
     _defaulted: bool = PrivateAttr(False)
     """True when ``formats`` was filled in by the pipeline (not named by the recipe)."""
@@ -340,6 +342,17 @@ class OutputConfig(_Section):
             if self.gguf_quant != "source":
                 raise ValueError(f"output.size plans every tensor's type itself; remove output.gguf_quant: "
                                  f"{self.gguf_quant} (or output.size)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_folder_rule(self):
+        """Formats share one output folder: two that each write ``config.json`` and ``model.safetensors``
+        would overwrite each other."""
+        folders = [f for f in self.formats if f in ("hf", "hf-standard", "compressed-tensors")]
+        if "compressed-tensors" in folders and len(folders) > 1:
+            raise ValueError(f"output.formats: {', '.join(folders)} each write config.json and model.safetensors into "
+                             "the output folder; keep compressed-tensors alone (with gguf if you like), and write the "
+                             "Hugging Face folder in a second run to another output.path")
         return self
 
     @model_validator(mode="after")

@@ -240,7 +240,7 @@ def card_metadata(r: dict) -> str:
     name = public_name(r.get("output") or "model")
     results = []
     ev = r.get("evaluation") or {}
-    planned = (r.get("verification") or {}).get("gguf") if r.get("size_plan") else None
+    fmt, planned = planned_check(r)
     domains = ev.get("domains") or [{"name": public_name(r["perplexity"]["data"]), "dataset": r["perplexity"]["data"],
                                      "final": r["perplexity"]["final"]}]
     if planned:  # a size plan's card: the file's perplexity in llama.cpp, not the unchanged model's
@@ -257,8 +257,8 @@ def card_metadata(r: dict) -> str:
         results.append(EvalResult(task_type="text-generation", task_name=row["task"], dataset_type=row["task"],
                                   dataset_name=row["task"], metric_type=row["metric"], metric_name=row["metric"],
                                   metric_value=round(float(row["compressed"]), 4)))
-    data = ModelCardData(library_name="gguf" if planned else "transformers", pipeline_tag="text-generation",
-                         tags=["compressor", "gguf", "size-planned"] if planned else
+    data = ModelCardData(library_name="gguf" if fmt == "gguf" else "transformers", pipeline_tag="text-generation",
+                         tags=["compressor", fmt, "size-planned"] if planned else
                          ["compressor", "ffn-compression", "compressed"], license=m.get("license"),
                          base_model=m.get("base_model"), model_name=name, eval_results=results or None)
     return data.to_yaml()
@@ -310,7 +310,7 @@ def model_card(report: dict) -> str:
     """The ``README.md`` model card: Hub metadata (:func:`card_metadata`), what was done and measured,
     how to load it — for a size plan, the file's types and bytes and its change in llama.cpp beside the
     preset's. Names no local path and no ``pkg:`` source."""
-    return scrub_paths(_size_card(report) if report.get("size_plan") else _model_card(report))
+    return scrub_paths(_size_card(report) if planned_check(report)[0] else _model_card(report))
 
 
 def _kl_cell(d: dict, prefix: str) -> str:
@@ -318,9 +318,44 @@ def _kl_cell(d: dict, prefix: str) -> str:
     return "n/a" if kl is None else f"{kl:.4f}"
 
 
+def planned_check(r: dict) -> tuple[str | None, dict]:
+    """The size-planned file's verification entry (``quant: plan``) and its format; (None, {}) without one."""
+    for fmt, check in ((r.get("verification") or {}) if r.get("size_plan") else {}).items():
+        if isinstance(check, dict) and check.get("quant") == "plan":
+            return fmt, check
+    return None, {}
+
+
+#: What a size card says of each format a size plans: the file, where it was measured, the anchor beside it,
+#: and how to load it.
+_SIZE_CARD = {
+    "gguf": {
+        "file": "one GGUF file, `model.gguf`, of {bytes:,} bytes",
+        "choice": "every weight matrix's GGML type", "types": "Tensor types", "where": "in llama.cpp",
+        "anchor": "llama.cpp's {name}", "anchor_line": "llama.cpp's own {name} of the same F16 ({bytes:,} bytes, no "
+        "importance matrix)", "unchanged": "the GGUF's tensor types",
+        "load": '```bash\nllama-cli -m model.gguf -p "Once upon a time"\n```\n\n```python\nfrom llama_cpp import Llama\n'
+                'llm = Llama(model_path="model.gguf")\n```',
+    },
+    "compressed-tensors": {
+        "file": "a compressed-tensors checkpoint (`pack-quantized`) of {bytes:,} bytes of tensors",
+        "choice": "every linear layer's integer scheme (fused q/k/v and gate/up together)", "types": "Layer schemes",
+        "where": "in plain transformers after reloading the folder", "anchor": "uniform {name}",
+        "anchor_line": "the uniform {name} checkpoint of the same model ({bytes:,} bytes of tensors; every linear layer "
+        "in {name}, rounded the same way — what llm-compressor's GPTQModifier writes for that scheme)",
+        "unchanged": "the checkpoint's layer schemes",
+        "load": "```python\n# pip install compressed-tensors\nfrom transformers import AutoModelForCausalLM\n"
+                'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")\n```\n\n'
+                "```bash\nvllm serve path/to/this/folder\n```",
+    },
+}
+
+
 def _size_card(r: dict) -> str:
-    """The card of a size-planned GGUF: what was planned, the types chosen, what llama.cpp measured."""
-    plan, check = r["size_plan"], (r.get("verification") or {}).get("gguf") or {}
+    """The card of a size-planned file: what was planned, the types chosen, what was measured where it runs."""
+    fmt, check = planned_check(r)
+    text = _SIZE_CARD[fmt]
+    plan = r["size_plan"]
     m = r["model"]
     source = m.get("hub_id") or m.get("base_model") or m.get("base_model_name") or public_name(m["resolved"])
     types = ", ".join(f"{t} ×{n}" for t, n in sorted((plan.get("types_used") or {}).items(),
@@ -332,15 +367,15 @@ def _size_card(r: dict) -> str:
         + (f" {100 * d['preset_relative_change']:+.2f} % | {_kl_cell(d, 'preset_')} |" if preset else "")
         for d in check.get("domains", []) if d.get("relative_delta_upper") is not None)
     head = "| domain | perplexity | change | bound | mean KL |" + (
-        f" llama.cpp's {preset['name']} | its KL |" if preset else "")
+        f" {text['anchor'].format(name=preset['name'])} | its KL |" if preset else "")
     rule = "|---|---:|---:|---:|---:|" + ("---:|---:|" if preset else "")
-    preset_line = (f"Beside it, llama.cpp's own {preset['name']} of the same F16 ({preset['file_bytes']:,} bytes, "
-                   "no importance matrix), measured on the same windows.\n" if preset else "")
+    preset_line = (f"Beside it, {text['anchor_line'].format(name=preset['name'], bytes=preset['file_bytes'])}, "
+                   "measured on the same windows.\n" if preset else "")
     if check.get("gate_rule") == "preset":
         preset_line += ("The file is over the default budget and was written because it is at least as good as that "
-                        "preset on every domain (paired by window, at the gate's confidence).\n")
-    hf = ("\nThe Hugging Face folder beside it holds the original weights, unchanged (a size plan changes only "
-          "the GGUF's tensor types).\n" if "hf" in ((r.get("recipe") or {}).get("output") or {}).get("formats", [])
+                        "anchor on every domain (paired by window, at the gate's confidence).\n")
+    hf = (f"\nThe Hugging Face folder beside it holds the original weights, unchanged (a size plan changes only "
+          f"{text['unchanged']}).\n" if "hf" in ((r.get("recipe") or {}).get("output") or {}).get("formats", [])
           else "")
     return f"""---
 {card_metadata(r).strip()}
@@ -348,14 +383,14 @@ def _size_card(r: dict) -> str:
 
 # {public_name(r['output'] or 'model')}
 
-`{source}` as one GGUF file, `model.gguf`, of {check.get('file_bytes', 0):,} bytes, planned to
-`output.size: {plan['size']}` (budget {plan['budget_bytes']:,} bytes) by compressor {r['tool_version']}: every
-weight matrix's GGML type chosen for the least predicted loss, from one backward pass over the calibration text.
+`{source}` as {text['file'].format(bytes=check.get('file_bytes', 0))}, planned to
+`output.size: {plan['size']}` (budget {plan['budget_bytes']:,} bytes) by compressor {r['tool_version']}:
+{text['choice']} chosen for the least predicted loss, from one backward pass over the calibration text.
 
-Tensor types: {types}. Predicted perplexity change {100 * plan.get('predicted_ppl_change', 0.0):+.2f} %.
+{text['types']}: {types}. Predicted perplexity change {100 * plan.get('predicted_ppl_change', 0.0):+.2f} %.
 
-Measured in llama.cpp against the original model's perplexity ({check.get('confidence', 0.9):.0%} upper bound,
-paired by window) and its next-token distributions (mean KL divergence per token, nats):
+Measured {text['where']} against the original model's perplexity ({check.get('confidence', 0.9):.0%} upper
+bound, paired by window) and its next-token distributions (mean KL divergence per token, nats):
 
 {head}
 {rule}
@@ -364,14 +399,7 @@ paired by window) and its next-token distributions (mean KL divergence per token
 {preset_line}{hf}
 ## Load
 
-```bash
-llama-cli -m model.gguf -p "Once upon a time"
-```
-
-```python
-from llama_cpp import Llama
-llm = Llama(model_path="model.gguf")
-```
+{text['load']}
 
 Every tensor, its type, bytes and predicted cost: `report.json` (`size_plan.tensors`).
 Recipe: `recipe.yaml` (sha256 `{r['recipe_sha256'][:16]}…`).

@@ -26,11 +26,7 @@ def planned_check(path: Path, request: WriteRequest, options: dict) -> dict:
     measured = []
     for d in _gate_domains(request, options):
         scores = read.read_scores(path, d["tokens"], d["seq_len"], d["stride"], d.get("teacher"))
-        ppl, n = math.exp(sum(scores.nll) / sum(scores.tokens)), int(sum(scores.tokens))
-        ref = d.get("reference_ppl", request.expected_ppl)
-        measured.append({"name": d["name"], "perplexity": ppl, "scored_tokens": n, "reference_perplexity": ref,
-                         "relative_change": ppl / ref - 1.0 if ref else None, **scores.kl_summary(),
-                         "scores": scores})
+        measured.append(scores.row(d["name"], d.get("reference_ppl", request.expected_ppl)))
     first = measured[0]
     check = {"runtime": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, **read.gguf_summary(path),
              "quant": "plan", "perplexity": first["perplexity"], "scored_tokens": first["scored_tokens"],

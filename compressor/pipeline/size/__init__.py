@@ -32,6 +32,7 @@ from compressor.evaluation.evaluate import Evaluator, gate_ppl_limit
 from compressor.output.base import WriteRequest
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import OutputConfig, Recipe
+from compressor.pipeline.size import ctensors_target, gguf_target  # noqa: F401  (register the size targets)
 
 logger = logging.getLogger(__name__)
 

@@ -32,25 +32,19 @@ from compressor.recipe.schema import CT_SIZE_SCHEMES
 
 logger = logging.getLogger(__name__)
 
-#: Joins the module names of a fused unit (``model.layers.0.self_attn.q_proj+k_proj+v_proj``).
-JOIN = "+"
 #: What a layer left in the saved dtype is called in a plan.
 FLOAT = "unquantized"
+#: GPTQ as llm-compressor's ``GPTQModifier`` runs it by default (``actorder: static``): columns in descending
+#: diag Ĥ, every group's scale from the original weights first, so the file needs no ``g_idx``.
+GPTQ_ORDER = {"act_order": True, "static_groups": True}
 
 
 def units_of(model: nn.Module) -> dict[str, list[str]]:
     """Allocation unit → its linear layers: the fused siblings of one parent together, every other
     quantizable linear alone (in module order)."""
-    from compressor.output.ctensors import linear_names
+    from compressor.output.ctensors import fused_units, linear_names
 
-    return _group(dict.fromkeys(linear_names(model)))
-
-
-def members(unit: str) -> list[str]:
-    """The module names of a unit (:func:`units_of`)."""
-    first, *rest = unit.split(JOIN)
-    parent = first.rpartition(".")[0]
-    return [first] + [f"{parent}.{leaf}" for leaf in rest]
+    return fused_units(linear_names(model))
 
 
 def _dtype(request) -> torch.dtype:
@@ -93,18 +87,33 @@ class CompressedTensorsTarget(SizeTarget):
         """Every layer priced in every scheme its rows take (GPTQ through Ĥ, or to nearest, as ``rounding``
         says), then the fused siblings summed into one unit per scheme they all take."""
         from compressor.core.progress import progress
+        from compressor.output.ctensors import fused_units
 
         by_module = {}
         for site in progress(sites, desc="price: integer schemes", unit="layer"):
             by_module[site.name] = price_layer(site, rounding, self.dtype)
         units: dict[str, list[Option]] = {}
-        for unit, parts in _group({n: None for n in by_module}).items():
+        for unit, parts in fused_units(by_module).items():
             common = set.intersection(*(set(by_module[p]) for p in parts))
             units[unit] = [Option(unit, s, sum(by_module[p][s][0] for p in parts),
                                   sum(by_module[p][s][1] for p in parts),
                                   payload=Choice(s, False, rounding == "gptq" and s != FLOAT))
                            for s in sorted(common, key=lambda s: by_module[parts[0]][s][0])]
         return units
+
+    def priced(self, sites: list) -> list:
+        """One entry per unit: its first layer (whose input the unit shares: its Ĥ rounds them all), the rows of
+        all its layers."""
+        from compressor.output.ctensors import fused_units
+        from compressor.policy.quantplan import Priced
+
+        by = {s.name: s for s in sites}
+        out = []
+        for unit, parts in fused_units(by).items():
+            first = by[parts[0]]
+            rows = sum(by[p].weight.shape[0] for p in parts)
+            out.append(Priced(unit, first.module, (rows, first.weight.shape[1]), first.imatrix))
+        return out
 
     def payload(self, name: str, weighted: bool, compensated: bool) -> Choice:
         return Choice(name, weighted, compensated)
@@ -118,6 +127,8 @@ class CompressedTensorsTarget(SizeTarget):
     def budget(self, size: str, request, workdir: Path) -> Budget:
         """The bytes of the tensors the checkpoint stores: every planned unit in the saved dtype as the layout's
         "F16", everything else fixed; a scheme's name is that uniform checkpoint's bytes."""
+        from compressor.core.params import count_params
+        from compressor.output.ctensors import linear_bytes, tensor_bytes
         from compressor.recipe.schema import parse_size
 
         self.dtype = _dtype(request)
@@ -125,11 +136,8 @@ class CompressedTensorsTarget(SizeTarget):
         units = units_of(model)
         shapes = {u: [tuple(model.get_submodule(m).weight.shape) for m in ms] for u, ms in units.items()}
         planned = {u: sum(option_bytes(FLOAT, s, self.dtype) for s in ss) for u, ss in shapes.items()}
-        in_units = {id(model.get_submodule(m).weight) for ms in units.values() for m in ms}
-        saved = model.state_dict(keep_vars=True)
-        tensors = {id(t): t for t in [*model.parameters(), *(b for n, b in model.named_buffers() if n in saved)]}
-        fixed = sum(t.numel() * (_itemsize(self.dtype) if t.is_floating_point() else t.element_size())
-                    for i, t in tensors.items() if i not in in_units)
+        floats = {m: None for ms in units.values() for m in ms}
+        fixed = tensor_bytes(model, floats, self.dtype) - linear_bytes(model, floats, self.dtype)
         layout = Layout(data_offset=0, alignment=1, fixed_bytes=fixed, planned=planned,
                         file_bytes=fixed + sum(planned.values()))
 
@@ -144,8 +152,7 @@ class CompressedTensorsTarget(SizeTarget):
         elif kind == "smallest":
             limit = layout.file_bytes
         else:
-            weights = sum(t.numel() for t in tensors.values() if t.is_floating_point())
-            limit = int(value * weights / 8) if kind == "bpw" else int(value)
+            limit = int(value * count_params(model) / 8) if kind == "bpw" else int(value)
             fitting = [(uniform(s), s) for s in self.presets if uniform(s) <= limit]
             preset = _anchor(max(fitting)[1], max(fitting)[0]) if fitting else None
         return Budget(size, limit, layout, preset)
@@ -155,10 +162,12 @@ class CompressedTensorsTarget(SizeTarget):
         read the same input), scales in the saved dtype: ``module → Rounded``."""
         from compressor.fitting.gridround import factor
         from compressor.fitting.intround import gptq
+        from compressor.output.ctensors import unit_members
 
-        fac = factor(h)
-        return {m: gptq(request.model.get_submodule(m).weight.detach(), fac, option, scale_dtype=self.dtype)
-                for m in members(name)}
+        fac = factor(h, act_order=True)  # kept without the float weight (the writer decodes it): 6 GB for 1.5B
+        return {m: gptq(request.model.get_submodule(m).weight.detach(), fac, option, scale_dtype=self.dtype,
+                        **GPTQ_ORDER)._replace(weight=None)
+                for m in unit_members(name)}
 
     def measure_anchor(self, run, preset: dict) -> dict:
         """The uniform checkpoint of ``preset['name']``: planned, rounded by the run's own rounding, written
@@ -203,24 +212,6 @@ def _with_plan(request, plan):
     return dataclasses.replace(request, size_plan=plan, extra_files={})
 
 
-def _group(names: dict[str, None]) -> dict[str, list[str]]:
-    """Module names (in order) → units: fused siblings of one parent joined (:data:`JOIN`)."""
-    from compressor.output.ctensors import FUSED_SIBLINGS
-
-    fused = {leaf: parts for parts in FUSED_SIBLINGS for leaf in parts}
-    out: dict[str, list[str]] = {}
-    for name in names:
-        parent, _, leaf = name.rpartition(".")
-        parts = fused.get(leaf)
-        if parts is None:
-            out[name] = [name]
-            continue
-        present = [p for p in parts if f"{parent}.{p}" in names]
-        key = f"{parent}.{present[0]}" + "".join(f"{JOIN}{p}" for p in present[1:])
-        out.setdefault(key, []).append(name)
-    return out
-
-
 def price_layer(site, rounding: str, dtype: torch.dtype) -> dict[str, tuple[int, float]]:
     """One layer's options: scheme → (stored bytes, predicted loss increase), each scheme its rows take
     rounded as ``rounding`` says (GPTQ through the layer's Ĥ, sharing one factor; or to nearest), and the
@@ -231,10 +222,10 @@ def price_layer(site, rounding: str, dtype: torch.dtype) -> dict[str, tuple[int,
     shape = tuple(site.weight.shape)
     w = site.priced_weight()
     out = {FLOAT: (option_bytes(FLOAT, shape, dtype), 0.0)}
-    fac = factor(site.h) if rounding == "gptq" and site.h is not None else None
+    fac = factor(site.h, act_order=True) if rounding == "gptq" and site.h is not None else None
     for name, s in SCHEMES.items():
         if not s.fits(shape[1]):
             continue
-        r = gptq(w, fac, s, scale_dtype=dtype) if fac is not None else rtn(w, s, scale_dtype=dtype)
+        r = gptq(w, fac, s, scale_dtype=dtype, **GPTQ_ORDER) if fac is not None else rtn(w, s, scale_dtype=dtype)
         out[name] = (s.nbytes(*shape, dtype), max(site.cost(r.weight - w.float()), 0.0))
     return out

@@ -18,7 +18,7 @@ import time
 import torch
 
 from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
-from compressor.policy.quantplan import Priced, from_tensors, sites, to_tensors
+from compressor.policy.quantplan import from_tensors, sites, to_tensors
 from compressor.recipe.schema import Recipe
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
         these = sites(model, fisher, moments, namer, modules=set(group))
         del moments
         units.update(target.price_all(these, recipe.output.rounding))
-        priced += [Priced.of(s) for s in these]
+        priced += target.priced(these)
         del these  # the statistics go with the sites, before the next group's moments are measured
         timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
     if key is not None:

@@ -13,7 +13,7 @@ differs by format is a short list, and each format says it once, in its own modu
 
 The writer of the same format writes the plan (:attr:`WriteRequest.size_plan`) and measures the file where
 it runs (its ``verification`` entry: ``quant: plan`` and per gate domain its window scores). A new format
-is a new module with one ``@register_target`` class, imported in :func:`targets`.
+is a new module with one ``@register_target`` class, imported by the package (``size/__init__.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ class SizeTarget:
         """Every site's options: exact bytes and predicted loss increase, priced with the rounding each gets."""
         raise NotImplementedError
 
+    def priced(self, sites: list) -> list:
+        """What planning keeps of the priced sites, one :class:`~compressor.policy.quantplan.Priced` per unit
+        of the allocation (default: per site)."""
+        from compressor.policy.quantplan import Priced
+
+        return [Priced.of(s) for s in sites]
+
     def payload(self, name: str, weighted: bool, compensated: bool):
         """A cached option's :class:`~compressor.policy.quantplan.Choice` from its name and flags."""
         raise NotImplementedError
@@ -87,9 +94,7 @@ def register_target(cls: type[SizeTarget]) -> type[SizeTarget]:
 
 
 def targets() -> dict[str, type[SizeTarget]]:
-    """Every registered target (importing the modules that register them)."""
-    from compressor.pipeline.size import ctensors_target, gguf_target  # noqa: F401
-
+    """Every registered target (the package imports the modules that register them)."""
     return TARGETS
 
 

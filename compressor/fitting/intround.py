@@ -1,0 +1,292 @@
+"""Integer weight grids as compressed-tensors stores them and vLLM serves them, and rounding onto them.
+
+A scheme (:class:`IntScheme`) is what a ``config_groups`` entry of a compressed-tensors checkpoint says
+about a weight: ``num_bits``-bit signed integers, symmetric, one scale per ``group_size`` consecutive
+inputs of a row (or per row). The presets mirror the library's own (``W4A16``, ``W8A16``: int, symmetric,
+group 128, in compressed-tensors 0.20) plus ``W4A16_G32``; ``None`` means "left in the float dtype".
+
+Rounding follows the library's rules exactly, so the codes computed here are the codes its
+``pack-quantized`` compressor stores:
+
+* scale = absmax of the group / ((qmax − qmin) / 2) (``calculate_qparams`` with the memoryless min-max
+  observer llm-compressor uses for weights: absmax / 7.5 for int4, / 127.5 for int8), rounded to the
+  dtype the scales are stored in, an all-zero group given the dtype's eps;
+* code = clamp(round_half_even(w / scale), qmin, qmax); the value is code · scale.
+
+:func:`rtn` rounds each weight to its nearest code. :func:`gptq` re-chooses the codes column by column
+and moves each column's rounding error onto the columns not yet rounded through the layer's input second
+moment Ĥ (GPTQ, Frantar et al. 2022; lazy batch updates through the Cholesky factor of the damped Ĥ⁻¹,
+shared with :mod:`compressor.fitting.gridround`). A group's scale is fixed from the updated weights when
+its first column is reached, so no ``g_idx`` is needed in the file.
+
+    s = SCHEMES["W4A16"]
+    r = gptq(W, H, s)                                  # r.weight: the values the file decodes to
+    err = output_error(W, r.weight, H)                 # Σ_rows ΔW Ĥ ΔWᵀ
+    s.nbytes(*W.shape, torch.bfloat16)                 # bytes of the stored tensors
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from compressor.fitting.gridround import BLOCK, DAMP, Factor, factor, output_error
+
+__all__ = ["IntScheme", "Rounded", "SCHEMES", "UNQUANTIZED", "get_scheme", "gptq", "output_error", "rtn",
+           "scales_of", "weight_bytes"]
+
+#: Names that mean "leave this layer in the float dtype" (``None`` does too).
+UNQUANTIZED = ("none", "unquantized")
+
+#: Bytes of ``weight_shape``: the compressor stores the original ``[out, in]`` as an int64 tensor.
+_SHAPE_BYTES = 2 * 8
+
+
+@dataclass(frozen=True)
+class IntScheme:
+    """A signed integer weight grid as a compressed-tensors ``QuantizationArgs`` describes it."""
+
+    name: str
+    """The name recipes and the ``ct_schemes`` map use (``W4A16``…)."""
+    num_bits: int
+    """Bits per code, 2 to 8 (what ``pack-quantized`` packs into int32 words)."""
+    group_size: int | None
+    """Inputs sharing one scale; None: one scale per output row (``strategy: channel``)."""
+    symmetric: bool = True
+    """Only symmetric grids (no zero point) are written; vLLM's W4A16/W8A16 kernels take those."""
+
+    def __post_init__(self):
+        if not isinstance(self.num_bits, int) or not 2 <= self.num_bits <= 8:
+            raise ValueError(f"IntScheme {self.name!r}: num_bits must be an int from 2 to 8, got {self.num_bits!r}")
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
+            raise ValueError(f"IntScheme {self.name!r}: group_size must be a positive int or None (one scale per "
+                             f"row), got {self.group_size!r}")
+        if not self.symmetric:
+            raise ValueError(f"IntScheme {self.name!r}: symmetric must be True; asymmetric grids (zero points) are "
+                             "not written")
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    def fits(self, in_features: int) -> bool:
+        """Whether rows of ``in_features`` inputs split into whole groups."""
+        return self.group_size is None or in_features % self.group_size == 0
+
+    def groups(self, in_features: int) -> int:
+        """Scales per row."""
+        if not self.fits(in_features):
+            raise ValueError(f"{self.name}: group {self.group_size} does not divide rows of {in_features} inputs")
+        return 1 if self.group_size is None else in_features // self.group_size
+
+    def nbytes(self, out_features: int, in_features: int, scale_dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of the tensors ``pack-quantized`` stores for an ``[out, in]`` weight: ``weight_packed``
+        (int32, ``ceil(in · bits / 32)`` words per row), ``weight_scale`` (``[out, groups]`` in
+        ``scale_dtype``, the dtype the rest of the checkpoint is saved in) and ``weight_shape`` (two int64).
+        A bias is stored apart, unquantized. The safetensors header (a JSON index) is not counted."""
+        packed = out_features * math.ceil(in_features * self.num_bits / 32) * 4
+        scales = out_features * self.groups(in_features) * _itemsize(scale_dtype)
+        return packed + scales + _SHAPE_BYTES
+
+    def bits_per_weight(self, out_features: int, in_features: int,
+                        scale_dtype: torch.dtype = torch.bfloat16) -> float:
+        """:meth:`nbytes` in bits per weight element."""
+        return 8 * self.nbytes(out_features, in_features, scale_dtype) / (out_features * in_features)
+
+    def to_args(self):
+        """The library's ``QuantizationArgs`` for the weights (needs ``compressed-tensors``)."""
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
+
+        return QuantizationArgs(
+            num_bits=self.num_bits, type=QuantizationType.INT, symmetric=self.symmetric,
+            strategy=QuantizationStrategy.GROUP if self.group_size else QuantizationStrategy.CHANNEL,
+            group_size=self.group_size, dynamic=False)
+
+    def to_scheme(self, targets: list[str], format: str | None = "pack-quantized"):
+        """The library's ``QuantizationScheme`` (weights only, activations left in 16 bits) for ``targets``."""
+        from compressed_tensors.quantization import QuantizationScheme
+
+        return QuantizationScheme(targets=list(targets), weights=self.to_args(), format=format)
+
+
+#: The schemes a recipe may name. W4A16 and W8A16 are compressed-tensors' presets of those names
+#: (tests/test_ctensors.py checks them against ``preset_name_to_scheme``).
+SCHEMES: dict[str, IntScheme] = {s.name: s for s in (
+    IntScheme("W4A16", 4, 128),
+    IntScheme("W4A16_G32", 4, 32),
+    IntScheme("W8A16", 8, 128),
+)}
+
+
+def get_scheme(name: str | IntScheme | None) -> IntScheme | None:
+    """The scheme called ``name`` (an :class:`IntScheme` passes through); None for None, ``"none"`` or
+    ``"unquantized"``. ``ValueError`` lists the names that exist."""
+    if name is None or isinstance(name, IntScheme):
+        return name
+    if str(name).lower() in UNQUANTIZED:
+        return None
+    found = SCHEMES.get(str(name).upper())
+    if found is None:
+        raise ValueError(f"unknown integer weight scheme {name!r}; known: {', '.join(SCHEMES)}, or None / "
+                         f"{' / '.join(repr(u) for u in UNQUANTIZED)} for a layer left in the float dtype")
+    return found
+
+
+def weight_bytes(scheme: IntScheme | str | None, out_features: int, in_features: int,
+                 dtype: torch.dtype = torch.bfloat16) -> int:
+    """Stored bytes of an ``[out, in]`` weight under ``scheme`` (None: unquantized, in ``dtype``)."""
+    s = get_scheme(scheme)
+    return out_features * in_features * _itemsize(dtype) if s is None else s.nbytes(out_features, in_features, dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Rounded(NamedTuple):
+    """A weight rounded onto a scheme's grid."""
+
+    weight: torch.Tensor
+    """float32 ``[out, in]``: ``ints · scales``, the values the checkpoint decodes to (exact: a code of at
+    most 8 bits times a scale of at most 16 significant bits fits float32)."""
+    scales: torch.Tensor
+    """``[out, groups]`` in the scale dtype: the stored ``weight_scale``."""
+    ints: torch.Tensor
+    """int8 ``[out, in]``: the codes, in ``[qmin, qmax]``."""
+
+
+def _as_float32(weight) -> np.ndarray:
+    w = weight.detach().cpu().float().numpy() if isinstance(weight, torch.Tensor) else np.asarray(weight, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("weight has non-finite values")
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def _check(scheme: IntScheme, n: int) -> IntScheme:
+    s = get_scheme(scheme)
+    if s is None:
+        raise ValueError("an unquantized layer has no grid to round onto")
+    if not s.fits(n):
+        raise ValueError(f"{s.name}: group {s.group_size} does not divide rows of {n} inputs; pick a scheme whose "
+                         "group divides the row, or leave the layer unquantized")
+    return s
+
+
+def scales_of(weight, scheme: IntScheme, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``[out, groups]`` scales in ``scale_dtype`` by compressed-tensors' rule (module docstring)."""
+    w = _as_float32(weight)
+    s = _check(scheme, w.shape[1])
+    return _scales(w.reshape(w.shape[0], s.groups(w.shape[1]), -1), s, scale_dtype)
+
+
+def _scales(groups: np.ndarray, scheme: IntScheme, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Scales of ``groups`` (``[..., group_size]`` float32, reduced over the last axis), in ``scale_dtype``."""
+    absmax = torch.from_numpy(np.abs(groups).max(axis=-1))
+    half_range = torch.tensor((scheme.qmax - scheme.qmin) / 2, dtype=torch.float32)
+    s = (absmax / half_range).to(scale_dtype)
+    return torch.where(s == 0, torch.tensor(torch.finfo(scale_dtype).eps, dtype=scale_dtype), s)
+
+
+def _codes(w: np.ndarray, s: np.ndarray, scheme: IntScheme) -> np.ndarray:
+    """The library's ``quantize``: clamp(round_half_even(w / s)); float32 division, as torch computes it."""
+    return np.clip(np.round(w / s), scheme.qmin, scheme.qmax)
+
+
+def rtn(weight, scheme: IntScheme | str, *, scale_dtype: torch.dtype = torch.bfloat16) -> Rounded:
+    """Round-to-nearest onto ``scheme``'s grid with the library's scales: what llm-compressor's
+    ``QuantizationModifier`` (no GPTQ) stores for a weight of these values.
+
+    >>> r = rtn(torch.randn(8, 256), "W4A16")
+    >>> r.ints.shape, r.scales.shape
+    (torch.Size([8, 256]), torch.Size([8, 2]))
+    """
+    w = _as_float32(weight)
+    s = _check(get_scheme(scheme), w.shape[1])
+    rows, n = w.shape
+    g = w.reshape(rows, s.groups(n), -1)
+    scales = _scales(g, s, scale_dtype)
+    sv = scales.float().numpy()[..., None]
+    q = _codes(g, sv, s)
+    return Rounded(torch.from_numpy((q * sv).reshape(rows, n).astype(np.float32)), scales,
+                   torch.from_numpy(q.reshape(rows, n).astype(np.int8)))
+
+
+def gptq(weight, h, scheme: IntScheme | str, *, damp: float = DAMP, block: int = BLOCK,
+         scale_dtype: torch.dtype = torch.bfloat16, static_groups: bool = False,
+         act_order: bool = False) -> Rounded:
+    """GPTQ onto ``scheme``'s grid: ``weight`` ``[out, in]``, ``h`` its input second moment Ĥ ``[in, in]``
+    (any positive multiple: the damping is relative) or a :func:`~compressor.fitting.gridround.factor` of it
+    made with the same ``damp`` and ``act_order`` (one solve shared by every scheme a layer is tried in).
+
+    Columns are rounded in order (``act_order``: in descending diag Ĥ, which needs ``static_groups``), each
+    column's error spread over the later ones through the Cholesky factor of the damped Ĥ⁻¹, ``block``
+    columns between two lazy updates of the rest. A group's scales are fixed from the *updated* weights
+    of the whole group when its first column is reached (with every earlier column's correction, so the
+    result does not depend on ``block``); ``static_groups``: every scale from the original weights first,
+    as llm-compressor does. A per-row scheme takes its scales from the original weights. An input column
+    that never fires (Ĥ_jj = 0) neither gives nor takes corrections: it is rounded to nearest (GPTQ zeroes
+    it; a column silent on the calibration text may fire on other text). With Ĥ = I the result is
+    :func:`rtn`'s.
+
+    >>> W = torch.randn(8, 256)
+    >>> bool((gptq(W, torch.eye(256), "W4A16").ints == rtn(W, "W4A16").ints).all())
+    True
+    """
+    w = _as_float32(weight)
+    rows, n = w.shape
+    s = _check(get_scheme(scheme), n)
+    if not block >= 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    if act_order and not static_groups and s.group_size is not None:
+        raise ValueError("act_order with grouped scales needs static_groups=True: scales fixed at a group's first "
+                         "column of a permuted order would need a g_idx in the file")
+    f = h if isinstance(h, Factor) else factor(h, damp=damp, act_order=act_order)
+    if f.u.shape != (n, n):
+        raise ValueError(f"h must be [{n}, {n}] for rows of {n} inputs, got {f.u.shape}")
+    if (f.damp, f.act_order) != (float(damp), bool(act_order)):
+        raise ValueError(f"the factor was made with damp={f.damp}, act_order={f.act_order}; this call asks for "
+                         f"damp={damp}, act_order={act_order}")
+    gs = s.group_size or n
+    groups = n // gs
+    o = f.order
+    Wt = np.ascontiguousarray(w[:, o].T)  # [n, rows] in rounding order: a column is a contiguous row
+    gidx = o // gs  # each position's group, in original column numbering
+    S = np.empty((groups, rows), dtype=np.float32)
+    fixed = static_groups or s.group_size is None
+    if fixed:
+        S[:] = _scales(w.reshape(rows, groups, gs), s, scale_dtype).float().numpy().T
+    U = f.u
+    Ut = np.ascontiguousarray(U.T)
+    Q = np.empty((n, rows), dtype=np.float32)
+    err = np.empty((block, rows), dtype=np.float32)
+    for i1 in range(0, n, block):
+        i2 = min(i1 + block, n)
+        for j in range(i1, i2):
+            if not fixed and j % gs == 0:
+                # the whole group as updated so far: earlier batches' lazy updates are in Wt, this batch's
+                # corrections (columns i1..j-1) are gathered here
+                G = Wt[j:j + gs] - Ut[j:j + gs, i1:j] @ err[:j - i1]
+                S[gidx[j]] = _scales(G.T[None], s, scale_dtype).float().numpy()[0]
+            w_j = Wt[j] - Ut[j, i1:j] @ err[:j - i1]
+            sc = S[gidx[j]]
+            q = _codes(w_j, sc, s)
+            Q[j] = q
+            err[j - i1] = (w_j - q * sc) / U[j, j]
+        if i2 < n:
+            Wt[i2:] -= U[i1:i2, i2:].T @ err[:i2 - i1]
+    inv = np.argsort(o)
+    ints = Q[inv].T  # [rows, n] in original column order
+    scales = torch.from_numpy(np.ascontiguousarray(S.T)).to(scale_dtype)
+    sv = np.repeat(scales.float().numpy(), gs, axis=1)
+    return Rounded(torch.from_numpy((ints * sv).astype(np.float32)), scales,
+                   torch.from_numpy(ints.astype(np.int8)))

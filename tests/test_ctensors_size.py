@@ -1,0 +1,135 @@
+"""``output.size`` planning a compressed-tensors checkpoint (:mod:`compressor.pipeline.size.ctensors_target`).
+
+End to end on a tiny llama whose linears take the 128-input groups: ``output.size: W4A16`` writes a folder
+plain transformers loads with no flags, no larger than the uniform W4A16 checkpoint of the same model (to
+the byte, the tensors' bytes being known before writing), its plan (a scheme per fused unit) in the report,
+measured after reloading on every gate domain with the KL from the original, and the uniform W4A16
+checkpoint measured beside it. What cannot be planned is refused before loading, naming the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("compressed_tensors")
+
+from test_gguf import TEXT, gw, needs_llama_cpp, tiny, tokenizer  # noqa: E402,F401  (tokenizer: a fixture)
+
+import compressor  # noqa: E402
+from compressor.core.errors import RecipeError  # noqa: E402
+from compressor.output.base import WriteRequest  # noqa: E402
+
+
+def _source(tmp_path, tokenizer):
+    """A tiny llama (hidden 128, FFN 256: every scheme's groups divide its rows) as an F16 GGUF, and text."""
+    needs_llama_cpp()
+    from compressor.inputs.load import ResolvedSource
+
+    src = tmp_path / "src"
+    src.mkdir()
+    model = tiny("llama", hidden_size=128, intermediate_size=256, head_dim=32)
+    ids = torch.tensor(tokenizer(TEXT).input_ids[:256])
+    gw.GGUFWriter().write(WriteRequest(model=model, tokenizer=tokenizer, compression={}, dtype=torch.float32,
+                                       source=ResolvedSource("/nonexistent", None, True), probe_tokens=ids,
+                                       options={"quant": "f16", "file": "tiny.gguf"}), src)
+    words = TEXT.split()
+    for name, seed in (("cal.txt", 0), ("eval.txt", 1), ("code.txt", 2)):
+        rng = np.random.default_rng(seed)
+        (tmp_path / name).write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(500)) + "\n")
+    return src / "tiny.gguf"
+
+
+def _recipe(tmp_path, source, out: str, size: str, policy: dict | None = None, **output):
+    return compressor.recipe_from_dict({
+        "model": {"source": str(source)},
+        "calibration": {"dataset": str(tmp_path / "cal.txt"), "max_tokens": 2048, "seq_len": 32},
+        "evaluation": [{"dataset": str(tmp_path / "eval.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
+                       {"dataset": str(tmp_path / "code.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64}],
+        "policy": policy or {"ppl_budget": 5.0}, "measure": {"cache": False},
+        "output": {"path": str(tmp_path / out), "size": size, "formats": ["compressed-tensors"], **output},
+    })
+
+
+def _tensor_bytes(folder) -> int:
+    """Bytes of the tensors in a folder's safetensors files, read from their headers (the JSON index aside)."""
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def test_a_w4a16_size_writes_a_planned_checkpoint_that_plain_transformers_loads(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    src = _source(tmp_path, tokenizer)
+    res = compressor.run(_recipe(tmp_path, src, "out", "W4A16"))
+    assert res.exit_code == 0, res.report.get("message")
+    check, plan = res.report["verification"]["compressed-tensors"], res.report["size_plan"]
+    # the bytes: known before writing, no more than the uniform W4A16 checkpoint's, equal to the files' tensors
+    assert check["file_bytes"] == plan["planned_file_bytes"] == _tensor_bytes(res.output)
+    assert check["file_bytes"] <= plan["budget_bytes"] == plan["preset"]["file_bytes"]
+    assert check["disk_bytes"] > check["file_bytes"]
+    # a scheme per unit: q/k/v and gate/up planned together
+    units = {row["tensor"] for row in plan["tensors"]}
+    assert any("q_proj+k_proj+v_proj" in u for u in units) and any("gate_proj+up_proj" in u for u in units)
+    assert set(plan["types_used"]) <= {"W4A16", "W4A16_G32", "W8A16", "unquantized"}
+    # measured after reloading, on both domains, with the KL and the uniform checkpoint beside it
+    assert [d["name"] for d in check["domains"]] == ["eval", "code"]
+    for d in check["domains"]:
+        assert d["kl_mean"] > 0 and d["preset_kl_mean"] > 0 and d["preset_relative_change"] is not None
+    assert check["preset"]["name"] == "W4A16"
+    cfg = json.loads((res.output / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "pack-quantized" and "auto_map" not in cfg
+    model = AutoModelForCausalLM.from_pretrained(res.output)
+    assert type(model).__module__.startswith("transformers.")
+    out = model.generate(torch.tensor([tokenizer(TEXT).input_ids[:8]]), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == 12
+    assert "compressed-tensors" in (res.output / "README.md").read_text()
+
+
+def test_a_size_below_every_layer_at_its_smallest_scheme_is_refused_with_the_exact_floor(tmp_path, tokenizer):
+    src = _source(tmp_path, tokenizer)
+    with pytest.raises(compressor.InputError, match="cannot be met.*give a size of at least"):
+        compressor.run(_recipe(tmp_path, src, "out", "1000"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("size, formats, match", [
+    ("W4A16", ["gguf"], "is a compressed-tensors size"),
+    ("Q4_K_M", ["compressed-tensors"], "is a gguf size"),
+    ("W4A16", ["hf"], "add compressed-tensors to output.formats"),
+])
+def test_a_size_the_format_does_not_take_is_refused_naming_the_fix(tmp_path, size, formats, match):
+    from compressor.pipeline.size.target import target_for
+
+    with pytest.raises(compressor.InputError, match=match):
+        target_for(formats, size)
+
+
+def test_compressed_tensors_beside_a_hugging_face_folder_is_refused():
+    with pytest.raises(RecipeError, match="keep compressed-tensors alone"):
+        compressor.recipe_from_dict({"output": {"formats": ["hf", "compressed-tensors"]}})
+
+
+def test_a_scheme_size_defaults_to_the_compressed_tensors_format():
+    from compressor.pipeline.size import default_formats
+
+    r = compressor.recipe_from_dict({"output": {"size": "w4a16"}})
+    assert default_formats(r.output) == ["compressed-tensors"]
+    assert default_formats(compressor.recipe_from_dict({"output": {"size": "Q4_K_M"}}).output) == ["gguf"]
+
+
+def test_without_the_library_the_size_is_refused_naming_the_extra(monkeypatch):
+    from compressor.output import ctensors
+    from compressor.pipeline.size.target import target_for
+
+    monkeypatch.setattr(ctensors, "library_missing", lambda: "not importable: pip install 'compressor[compressed-tensors]'")
+    why = target_for(["compressed-tensors"], "W4A16").refusal("llama", None)
+    assert "compressor[compressed-tensors]" in why
