@@ -335,7 +335,7 @@ def test_gptq_codes_are_the_stored_codes_and_a_bad_file_is_caught(tmp_path):
     tensors = stored(tmp_path / "out")
     for name in names[:4] + names[-1:]:
         w = model.get_submodule(name).weight
-        r = (gptq(w, hessians[name], "W4A16_G32", scale_dtype=torch.bfloat16) if name in hessians
+        r = (gptq(w, hessians[name], "W4A16_G32", scale_dtype=torch.bfloat16, **ctensors.GPTQ_ORDER) if name in hessians
              else rtn(w, "W4A16_G32", scale_dtype=torch.bfloat16))
         codes = unpack_from_int32(tensors[name + ".weight_packed"], 4, torch.Size(w.shape))
         assert torch.equal(codes, r.ints) and torch.equal(tensors[name + ".weight_scale"], r.scales)

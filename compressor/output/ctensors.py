@@ -65,6 +65,9 @@ DEFAULT_SCHEME = "W4A16"
 #: Sibling projections vLLM fuses into one layer (its ``packed_modules_mapping``: ``qkv_proj``,
 #: ``gate_up_proj``); it refuses a fused layer whose parts carry different schemes.
 FUSED_SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: GPTQ as llm-compressor's ``GPTQModifier`` runs it by default (``actorder: static``): columns in descending
+#: diag Ĥ, every group's scale from the original weights first, so the file needs no ``g_idx``.
+GPTQ_ORDER = {"act_order": True, "static_groups": True}
 #: ``replacement.kind`` values whose model is its base class (after :func:`standard_model` for prune).
 _PLAIN_KINDS = ("prune", "none")
 
@@ -253,7 +256,8 @@ def round_layers(model: nn.Module, schemes: dict[str, IntScheme | None], hessian
             w = model.get_submodule(name).weight.detach()
             h = hessians.get(name)
             try:
-                out[name] = rtn(w, s, scale_dtype=scale_dtype) if h is None else gptq(w, h, s, scale_dtype=scale_dtype)
+                out[name] = (rtn(w, s, scale_dtype=scale_dtype) if h is None else
+                             gptq(w, h, s, scale_dtype=scale_dtype, **GPTQ_ORDER))
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
             bar.update(1)

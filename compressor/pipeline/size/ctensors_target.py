@@ -34,9 +34,7 @@ logger = logging.getLogger(__name__)
 
 #: What a layer left in the saved dtype is called in a plan.
 FLOAT = "unquantized"
-#: GPTQ as llm-compressor's ``GPTQModifier`` runs it by default (``actorder: static``): columns in descending
-#: diag Ĥ, every group's scale from the original weights first, so the file needs no ``g_idx``.
-GPTQ_ORDER = {"act_order": True, "static_groups": True}
+
 
 
 def units_of(model: nn.Module) -> dict[str, list[str]]:
@@ -162,7 +160,7 @@ class CompressedTensorsTarget(SizeTarget):
         read the same input), scales in the saved dtype: ``module → Rounded``."""
         from compressor.fitting.gridround import factor
         from compressor.fitting.intround import gptq
-        from compressor.output.ctensors import unit_members
+        from compressor.output.ctensors import GPTQ_ORDER, unit_members
 
         fac = factor(h, act_order=True)  # kept without the float weight (the writer decodes it): 6 GB for 1.5B
         return {m: gptq(request.model.get_submodule(m).weight.detach(), fac, option, scale_dtype=self.dtype,
@@ -218,6 +216,7 @@ def price_layer(site, rounding: str, dtype: torch.dtype) -> dict[str, tuple[int,
     saved dtype at no cost."""
     from compressor.fitting.gridround import factor
     from compressor.fitting.intround import SCHEMES, gptq, rtn
+    from compressor.output.ctensors import GPTQ_ORDER
 
     shape = tuple(site.weight.shape)
     w = site.priced_weight()
