@@ -133,3 +133,15 @@ def test_without_the_library_the_size_is_refused_naming_the_extra(monkeypatch):
     monkeypatch.setattr(ctensors, "library_missing", lambda: "not importable: pip install 'compressor[compressed-tensors]'")
     why = target_for(["compressed-tensors"], "W4A16").refusal("llama", None)
     assert "compressor[compressed-tensors]" in why
+
+
+def test_a_scheme_size_takes_the_same_bits_with_a_group_that_divides_the_rows():
+    """SmolLM2's 576 inputs take no group of 128 (llm-compressor's W4A16 refuses the model): the W4A16 size
+    and its anchor give such a unit int4 with groups of 64, and int8 one scale per row."""
+    from compressor.pipeline.size.ctensors_target import FLOAT, in_family
+
+    assert in_family("W4A16", [(576, 1536)]) == "W4A16"
+    assert in_family("W4A16", [(576, 576), (192, 576)]) == "W4A16_G64"
+    assert in_family("W4A16", [(64, 96)]) == "W4A16_G32"
+    assert in_family("W8A16", [(1536, 576)]) == "W8A16_CH"
+    assert in_family("W4A16", [(8, 20)]) == FLOAT

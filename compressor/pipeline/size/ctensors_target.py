@@ -140,8 +140,7 @@ class CompressedTensorsTarget(SizeTarget):
                         file_bytes=fixed + sum(planned.values()))
 
         def uniform(scheme: str) -> int:
-            return fixed + sum(option_bytes(scheme if all(_fits(scheme, s) for s in ss) else FLOAT, s, self.dtype)
-                               for ss in shapes.values() for s in ss)
+            return fixed + sum(option_bytes(in_family(scheme, ss), s, self.dtype) for ss in shapes.values() for s in ss)
         kind, value = parse_size(size)
         preset = None
         if kind == "preset":
@@ -171,12 +170,15 @@ class CompressedTensorsTarget(SizeTarget):
         """The uniform checkpoint of ``preset['name']``: planned, rounded by the run's own rounding, written
         and reloaded by plain transformers like the file, scored on the gate's windows, then removed."""
         from compressor.output.base import get_writer
-        from compressor.output.ctensors import score_folder
+        from compressor.output.ctensors import score_folder, unit_members
         from compressor.policy.quantplan import SizePlan
 
         scheme = preset["name"]
-        chosen = {u: next((o for o in opts if o.name == scheme), max(opts, key=lambda o: o.size))
-                  for u, opts in run.planner.units.items()}
+        model = run.request.model
+        chosen = {}
+        for u, opts in run.planner.units.items():
+            name = in_family(scheme, [tuple(model.get_submodule(m).weight.shape) for m in unit_members(u)])
+            chosen[u] = next(o for o in opts if o.name == name)
         plan = SizePlan({u: o.name for u, o in chosen.items()}, {}, sum(int(o.size) for o in chosen.values()),
                         preset["file_bytes"], sum(o.cost for o in chosen.values()),
                         compensated={u for u, o in chosen.items() if o.payload.compensated})
@@ -192,16 +194,22 @@ class CompressedTensorsTarget(SizeTarget):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _fits(scheme: str, shape: tuple[int, int]) -> bool:
-    from compressor.fitting.intround import get_scheme
+def in_family(scheme: str, shapes: list[tuple[int, int]]) -> str:
+    """The scheme a unit of ``shapes`` takes in a checkpoint named ``scheme``: the first of its family
+    (:data:`~compressor.fitting.intround.FAMILIES`) whose group divides every row, else the saved dtype."""
+    from compressor.fitting.intround import FAMILIES, SCHEMES
 
-    return get_scheme(scheme).fits(shape[1])
+    return next((f for f in FAMILIES[scheme] if all(SCHEMES[f].fits(s[1]) for s in shapes)), FLOAT)
 
 
 def _anchor(scheme: str, nbytes: int) -> dict:
+    from compressor.fitting.intround import FAMILIES
+
+    also = f" (or {', '.join(FAMILIES[scheme][1:])} where its group does not divide a layer's rows)" if len(
+        FAMILIES[scheme]) > 1 else ""
     return {"name": scheme, "file_bytes": nbytes,
-            "made_by": f"compressor: every linear layer in {scheme} (embeddings and output head in the saved dtype), "
-                       "rounded as the plan is — what llm-compressor's GPTQModifier writes for that scheme"}
+            "made_by": f"compressor: every linear layer in {scheme}{also}, embeddings and output head in the saved "
+                       "dtype, rounded as the plan is — what llm-compressor's GPTQModifier writes for that scheme"}
 
 
 def _with_plan(request, plan):
