@@ -376,7 +376,7 @@ def test_what_cannot_be_written_is_refused_by_name(monkeypatch):
     assert writer.check_options({"ct_schemes": {"model.layers.0.mlp.up_proj": "W4A16"}}) is None
 
     model = model_of("llama", intermediate=192)  # down_proj rows of 192: no group of 128
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*192.*W4A16\).*W4A16_G64, W4A16_G32, W8A16_CH"):
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*192.*W4A16\).*W4A16_G64, W4A16_G32, W4A16_CH, W8A16_CH"):
         ctensors.layer_schemes(model, {"ct_scheme": "W4A16"})
     assert ctensors.layer_schemes(model, {"ct_scheme": "W4A16_G32"})
     split = {n: "W4A16_G32" for n in ctensors.linear_names(model)} | {"model.layers.1.self_attn.k_proj": None}

@@ -22,6 +22,7 @@ from test_gguf import TEXT, gw, needs_llama_cpp, tiny, tokenizer  # noqa: E402,F
 
 import compressor  # noqa: E402
 from compressor.core.errors import RecipeError  # noqa: E402
+from compressor.fitting.intround import SCHEMES  # noqa: E402
 from compressor.output.base import WriteRequest  # noqa: E402
 
 
@@ -79,7 +80,7 @@ def test_a_w4a16_size_writes_a_planned_checkpoint_that_plain_transformers_loads(
     # a scheme per unit: q/k/v and gate/up planned together
     units = {row["tensor"] for row in plan["tensors"]}
     assert any("q_proj+k_proj+v_proj" in u for u in units) and any("gate_proj+up_proj" in u for u in units)
-    assert set(plan["types_used"]) <= {"W4A16", "W4A16_G32", "W8A16", "unquantized"}
+    assert set(plan["types_used"]) <= {*SCHEMES, "unquantized"}
     # measured after reloading, on both domains, with the KL and the uniform checkpoint beside it
     assert [d["name"] for d in check["domains"]] == ["eval", "code"]
     for d in check["domains"]:

@@ -120,11 +120,13 @@ class IntScheme:
 #: The schemes a recipe may name. W4A16 and W8A16 are compressed-tensors' presets of those names
 #: (tests/test_ctensors.py checks them against ``preset_name_to_scheme``); the others are the group sizes
 #: vLLM's W4A16/W8A16 kernels also take (64, 32, one scale per row), for rows 128 does not divide (SmolLM2's
-#: 576 inputs: llm-compressor's W4A16 refuses that model) and for finer scales where they pay.
+#: 576 inputs: llm-compressor's W4A16 refuses that model), for finer scales where they pay, and (one int4 scale
+#: per row, 4.0 bits) for the bytes a size plan moves to the layers that need them.
 SCHEMES: dict[str, IntScheme] = {s.name: s for s in (
     IntScheme("W4A16", 4, 128),
     IntScheme("W4A16_G64", 4, 64),
     IntScheme("W4A16_G32", 4, 32),
+    IntScheme("W4A16_CH", 4, None),
     IntScheme("W8A16", 8, 128),
     IntScheme("W8A16_CH", 8, None),
 )}
@@ -132,7 +134,8 @@ SCHEMES: dict[str, IntScheme] = {s.name: s for s in (
 #: largest group that divides them, in this order (what llm-compressor's W4A16 would need a group_size for).
 FAMILIES: dict[str, tuple[str, ...]] = {
     "W4A16": ("W4A16", "W4A16_G64", "W4A16_G32"), "W4A16_G64": ("W4A16_G64", "W4A16_G32"),
-    "W4A16_G32": ("W4A16_G32",), "W8A16": ("W8A16", "W8A16_CH"), "W8A16_CH": ("W8A16_CH",)}
+    "W4A16_G32": ("W4A16_G32",), "W4A16_CH": ("W4A16_CH",), "W8A16": ("W8A16", "W8A16_CH"),
+    "W8A16_CH": ("W8A16_CH",)}
 
 
 def get_scheme(name: str | IntScheme | None) -> IntScheme | None:

@@ -500,8 +500,11 @@ def score_folder(folder: Path, domains: list[dict], dtype: torch.dtype) -> dict:
 
 
 def _gptq_layers(request: WriteRequest, schemes: dict[str, IntScheme | None]) -> int:
-    """Quantized layers given an Ĥ (rounded by GPTQ)."""
-    return len(set(request.options.get("ct_hessians") or {}) & {n for n, s in schemes.items() if s is not None})
+    """Quantized layers rounded by GPTQ: given an Ĥ, or rounded so by the size stage."""
+    by_gptq = set(request.options.get("ct_hessians") or {})
+    if request.size_plan is not None:
+        by_gptq |= {m for _, rounded in request.size_plan.stored.values() for m in rounded}
+    return len(by_gptq & {n for n, s in schemes.items() if s is not None})
 
 
 @torch.no_grad()

@@ -133,9 +133,9 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         target = target_for(recipe.output.formats, recipe.output.size)
         budget = target.budget(recipe.output.size, request, workdir)
         timings = {"budget_s": time.perf_counter() - t0}
-        logger.info("output.size %s: %s bytes (%s%s bytes are not weights)", budget.size, f"{budget.limit:,}",
-                    f"llama.cpp's {budget.preset['name']} from the same F16; " if budget.preset else "",
-                    f"{budget.overhead:,}")
+        logger.info("output.size %s: %s bytes of %s (%s%s bytes are not planned)", budget.size,
+                    f"{budget.limit:,}", target.what, f"measured beside {budget.preset['name']}; " if budget.preset
+                    else "", f"{budget.overhead:,}")
         units, priced, cached = measure_and_price(recipe, request.model, windows, timings, target)
         planner = Planner(units, priced, budget)
         check_floor(planner, budget)

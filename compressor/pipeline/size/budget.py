@@ -28,6 +28,8 @@ from compressor.recipe.schema import parse_size
 
 logger = logging.getLogger(__name__)
 
+#: How the anchor of a GGUF size is made.
+PRESET_MADE_BY = "llama.cpp llama_model_quantize from the same F16, no importance matrix"
 #: What the F16 budget file is written with: the model's own tensors (a GGUF source's, re-read), in F16.
 F16_OPTIONS = {"quant": "f16", "from_source": True}
 
@@ -117,7 +119,7 @@ def measure_budget(size: str, request: WriteRequest, workdir: Path) -> Budget:
     if kind == "preset":
         path = workdir / f"{value}.gguf"
         quantize_file(f16, path, PRESETS[value])
-        preset = {"name": value, "path": str(path), "file_bytes": path.stat().st_size}
+        preset = {"name": value, "path": str(path), "file_bytes": path.stat().st_size, "made_by": PRESET_MADE_BY}
         limit = preset["file_bytes"]
     elif kind == "smallest":
         limit = layout.file_bytes  # at most the F16 file; the plan itself is searched
@@ -161,7 +163,7 @@ def largest_preset(f16: Path, limit: int, layout: Layout, workdir: Path) -> dict
         path = workdir / f"{name}.gguf"
         quantize_file(f16, path, PRESETS[name])
         if path.stat().st_size <= limit:
-            return {"name": name, "path": str(path), "file_bytes": path.stat().st_size,
+            return {"name": name, "path": str(path), "file_bytes": path.stat().st_size, "made_by": PRESET_MADE_BY,
                     "chosen": "the largest llama.cpp preset that fits the size"}
         path.unlink()
         tries += 1

@@ -70,6 +70,9 @@ class CompressedTensorsTarget(SizeTarget):
     def __init__(self) -> None:
         self.dtype = torch.bfloat16
 
+    def anchor_called(self, name: str) -> str:
+        return f"the uniform {name} checkpoint"
+
     def refusal(self, model_type: str, src) -> str | None:
         from compressor.output.ctensors import CompressedTensorsWriter
 

@@ -1,13 +1,15 @@
 """The size gate: the written file, measured by its writer where it runs, judged by the gate's rule.
 
 The writer measures (:meth:`compressor.output.base.Writer.verify`: per window of every gate domain, the
-summed NLL in llama.cpp and the KL from the original's teacher); this module decides, once, through
+summed NLL where the file runs — llama.cpp, or plain transformers — and the KL from the original's teacher);
+this module decides, once, through
 :func:`compressor.evaluation.evaluate.gate_check` — the upper confidence bound of the change against the
 original (transformers; paired by window) within ``policy.ppl_budget`` (``policy.metric: kl``:
 ``policy.kl_budget``) less ``policy.headroom`` on every domain.
 
-llama.cpp's preset of the size (named, or the largest that fits a size in bytes or bits per weight) is
-measured on the same windows and reported beside the file. **A size run delivers:** when the recipe does not
+The size target's anchor (llama.cpp's preset of the size for a GGUF, the uniform scheme's checkpoint for
+compressed-tensors; named, or the largest that fits a size in bytes or bits per weight) is measured on the same
+windows and reported beside the file. **A size run delivers:** when the recipe does not
 set the budget itself, a file over the default budget still passes when it is at least as good as that preset
 on every domain, at the gate's confidence (the upper bound of the paired per-window difference, file minus
 preset, in the gate's metric, is at most 0) — the user asked for a size, and gets a file no worse than what
@@ -26,7 +28,7 @@ from compressor.recipe.schema import PolicyConfig
 
 def explicit_budget(pol: PolicyConfig) -> bool:
     """Whether the recipe set the gate's budget itself (held as it is), or left the default (a size run then
-    also passes a file at least as good as llama.cpp's preset)."""
+    also passes a file at least as good as the anchor beside it)."""
     return ("kl_budget" if pol.metric == "kl" else "ppl_budget") in pol.model_fields_set
 
 
@@ -47,8 +49,8 @@ def judge(check: dict, result: CompressionResult, pol: PolicyConfig, preset: dic
         better = [_against(d, preset[d["name"]], pol) for d in check["domains"]]
         if all(better):
             ok, check["gate_rule"] = True, "preset"
-            why = (f"over the default budget ({why}), but at least as good as llama.cpp's {check['preset']['name']} "
-                   "on every domain; set the budget in the recipe to hold the file to it")
+            why = (f"over the default budget ({why}), but at least as good as {check['preset']['called']} on every "
+                   "domain; set the budget in the recipe to hold the file to it")
     for d in check["domains"]:
         d.pop("scores", None)
     check["gate_passed"] = ok or not pol.gate
@@ -82,7 +84,7 @@ def _against(d: dict, preset, pol: PolicyConfig) -> bool:
     return upper <= 0.0
 
 
-def preset_rows(check: dict, preset: dict, scores: dict) -> None:
+def preset_rows(check: dict, preset: dict, scores: dict, called: str) -> None:
     """The preset's perplexity, change and KL beside the file's, per domain and (the first domain) in
     ``check['preset']``."""
     for d in check["domains"]:
@@ -95,8 +97,7 @@ def preset_rows(check: dict, preset: dict, scores: dict) -> None:
     first = check["domains"][0]
     check["preset"] = {"name": preset["name"], "file_bytes": preset["file_bytes"],
                        "perplexity": first["preset_perplexity"], "relative_change": first["preset_relative_change"],
-                       "kl_mean": first.get("preset_kl_mean"),
-                       "made_by": "llama.cpp llama_model_quantize from the same F16, no importance matrix"}
+                       "kl_mean": first.get("preset_kl_mean"), "called": called, "made_by": preset.get("made_by")}
 
 
 def message(check: dict, pol: PolicyConfig) -> str:
@@ -104,7 +105,7 @@ def message(check: dict, pol: PolicyConfig) -> str:
     preset's beside it, and the rule the file passed by."""
     preset = check.get("preset")
     changes = "; ".join(f"{d['name']} {_shown(d, '')} ({pol.confidence:.0%} bound "
-                        f"{_bound(d, pol)}" + (f"; llama.cpp's {preset['name']}: {_shown(d, 'preset_')})"
+                        f"{_bound(d, pol)}" + (f"; {preset['called']}: {_shown(d, 'preset_')})"
                                                if preset else ")") for d in check["domains"])
     if pol.metric == "kl":
         rule = f"KL budget {pol.kl_budget:.4f} nats/token"
@@ -112,10 +113,10 @@ def message(check: dict, pol: PolicyConfig) -> str:
         rule = f"budget {pol.ppl_budget:+.0%} ({pol.budget_mode}"
         rule += f"{f', the bound held to {1 - pol.headroom:.0%} of it' if pol.headroom else ''})"
     if check.get("gate_rule") == "preset":
-        rule += (f" — over it, passed as at least as good as llama.cpp's {preset['name']} on every domain "
+        rule += (f" — over it, passed as at least as good as {preset['called']} on every domain "
                  "(the budget is the default; set it in the recipe to hold the file to it)")
-    return (f"GGUF of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); in llama.cpp against the "
-            f"original: {changes}; {rule}")
+    return (f"{check.get('planned_format', 'gguf')} of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); "
+            f"in {check.get('runtime', 'llama.cpp')} against the original: {changes}; {rule}")
 
 
 def _shown(d: dict, prefix: str) -> str:

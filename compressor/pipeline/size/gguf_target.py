@@ -25,6 +25,9 @@ class GGUFTarget(SizeTarget):
     def __init__(self) -> None:
         self._arch: str | None = None
 
+    def anchor_called(self, name: str) -> str:
+        return f"llama.cpp's {name}"
+
     def refusal(self, model_type: str, src) -> str | None:
         """A GGUF source is re-quantized in its own architecture, which any llama.cpp-loadable model type with
         a tensor-name map allows; a Hugging Face source needs the writer's own mapping."""

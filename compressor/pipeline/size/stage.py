@@ -128,7 +128,8 @@ class SizeRun:
     def _measure(self, check: dict, size_plan: SizePlan) -> None:
         """Bytes against the budget (exact: the plan's are known before writing), and the preset beside the file."""
         expected = self.planner.file_bytes(size_plan)
-        check.update(quant="plan", budget_bytes=self.budget.limit, planned_file_bytes=expected,
+        check.update(quant="plan", planned_format=self.target.format, budget_bytes=self.budget.limit,
+                     planned_file_bytes=expected,
                      predicted_relative_change=math.expm1(size_plan.predicted_nll_increase))
         if check["file_bytes"] > self.budget.limit:
             raise VerificationError(f"the planned file is {check['file_bytes']:,} bytes, over its budget of "
@@ -140,7 +141,7 @@ class SizeRun:
             return
         if self.preset_scores is None:
             self.preset_scores = self.target.measure_anchor(self, preset)
-        preset_rows(check, preset, self.preset_scores)
+        preset_rows(check, preset, self.preset_scores, self.target.anchor_called(preset["name"]))
 
     def _take(self, best: Attempt | None) -> Path:
         """The chosen attempt's folder back at the staging name, and the report describing it."""

@@ -38,6 +38,10 @@ class SizeTarget:
     what: ClassVar[str] = ""
     """The file, in words, for messages ("the GGUF file")."""
 
+    def anchor_called(self, name: str) -> str:
+        """The anchor of size ``name``, in words ("llama.cpp's Q4_K_M")."""
+        return name
+
     def refusal(self, model_type: str, src) -> str | None:
         """Why a size cannot be planned into this format for ``model_type`` from ``src`` (None: it can)."""
         return None
