@@ -68,6 +68,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -563,6 +564,48 @@ def _summary(result: dict) -> list[dict]:
     return rows
 
 
+def cmd_compressor_uniform(args) -> None:
+    """compressor's uniform checkpoint of one scheme, kept as a folder to score: every linear layer in it (the
+    same bits with the largest group that divides its rows where 128 does not, as the size plan's anchor),
+    rounded by compressor's GPTQ through Ĥ from the calibration windows — what the planned mix is measured
+    against in the run, here scored on the benchmark's text. Runs in this project's venv."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compressor.engine.tensorstats import input_moments
+    from compressor.inputs.load import ResolvedSource
+    from compressor.output import WriteRequest, get_writer
+    from compressor.output.ctensors import fused_units, linear_names
+    from compressor.pipeline.size.ctensors_target import in_family
+
+    start, t0 = ct.load_average(), time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.source)
+    windows = torch.load(args.calib)
+    names = linear_names(model)
+    schemes = {}
+    for parts in fused_units(names).values():
+        scheme = in_family(args.scheme, [tuple(model.get_submodule(p).weight.shape) for p in parts])
+        schemes.update(dict.fromkeys(parts, scheme))
+    hessians = input_moments(model, windows, names, batch_size=8)
+    request = WriteRequest(model=model, tokenizer=tokenizer, compression={}, dtype=torch.bfloat16,
+                           source=ResolvedSource(str(args.source), None, True), probe_tokens=windows[0],
+                           probe_seq_len=windows.shape[1], probe_stride=windows.shape[1],
+                           options={"ct_schemes": schemes, "ct_hessians": hessians})
+    out = Path(args.output)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    writer = get_writer("compressed-tensors")
+    writer.write(request, out)
+    check = writer.verify(request, out)
+    arm = {"method": f"compressor uniform {args.scheme}: GPTQ (act-order, static groups) through Ĥ of the "
+                     "calibration windows, compressor's compressed-tensors writer", "schemes": check["schemes"],
+           "wall_s": time.perf_counter() - t0, "load_average_start": start, "load_average_end": ct.load_average(),
+           "reload_check": {k: check[k] for k in ("max_abs_logit_diff", "logit_tolerance", "passed")}}
+    Path(f"{out}.arm.json").write_text(json.dumps(arm, indent=2) + "\n")
+    logger.info("compressor uniform %s: %s in %.1f s", args.scheme, check["schemes"], arm["wall_s"])
+
+
 # ------------------------------------------------------------------------------------------------- main
 
 
@@ -612,6 +655,12 @@ def parse_args(argv=None):
                    help="wait up to this many seconds for other processes to leave the CPU first (0: do not)")
     venvs(p)
 
+    p = sub.add_parser("compressor-uniform", help="compressor's uniform checkpoint of one scheme (this venv)")
+    p.add_argument("source")
+    p.add_argument("calib", help="the windows file from `calib`")
+    p.add_argument("output", help="the folder; FOLDER.arm.json beside it records the run")
+    p.add_argument("--scheme", default="W4A16")
+
     p = sub.add_parser("evaluate", help="score folders against the original (runs in the eval venv)")
     p.add_argument("original", help="the original folder (bf16, from `source`)")
     p.add_argument("--folder", action="append", metavar="LABEL=PATH", help="a folder to score (repeatable)")
@@ -649,7 +698,7 @@ def main(argv=None) -> None:
     log_to_stderr()
     args = parse_args(argv)
     {"setup": cmd_setup, "source": cmd_source, "calib": cmd_calib, "llmcompressor": cmd_llmcompressor,
-     "evaluate": cmd_evaluate}[args.step](args)
+     "compressor-uniform": cmd_compressor_uniform, "evaluate": cmd_evaluate}[args.step](args)
 
 
 if __name__ == "__main__":
