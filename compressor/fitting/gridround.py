@@ -286,6 +286,18 @@ def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool 
     return Factor(order.numpy(), U.float().numpy(), float(damp), bool(act_order))
 
 
+def factor_for(h, n: int, *, damp: float, act_order: bool) -> Factor:
+    """``h`` as a :class:`Factor` for rows of ``n`` inputs: made here from Ĥ, or checked when given (one solve
+    shared by every type or scheme a layer is tried in must have been made with the same settings)."""
+    f = h if isinstance(h, Factor) else factor(h, damp=damp, act_order=act_order)
+    if f.u.shape != (n, n):
+        raise ValueError(f"h must be [{n}, {n}] for rows of {n} inputs, got {f.u.shape}")
+    if (f.damp, f.act_order) != (float(damp), bool(act_order)):
+        raise ValueError(f"the factor was made with damp={f.damp}, act_order={f.act_order}; this call asks for "
+                         f"damp={damp}, act_order={act_order}")
+    return f
+
+
 def _as_numpy(x: np.ndarray | torch.Tensor) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
@@ -314,12 +326,7 @@ def gptq_quantize(weight: np.ndarray | torch.Tensor, h: np.ndarray | torch.Tenso
         raise ValueError("weight has non-finite values")
     if not block >= 1:
         raise ValueError(f"block must be >= 1, got {block}")
-    f = h if isinstance(h, Factor) else factor(h, damp=damp, act_order=act_order)
-    if f.u.shape != (n, n):
-        raise ValueError(f"h must be [{n}, {n}] for rows of {n}, got {f.u.shape}")
-    if (f.damp, f.act_order) != (float(damp), bool(act_order)):
-        raise ValueError(f"the factor was made with damp={f.damp}, act_order={f.act_order}; "
-                         f"this call asks for damp={damp}, act_order={act_order}")
+    f = factor_for(h, n, damp=damp, act_order=act_order)
     raw = ggml.quantize(W, t, imatrix)
     base, step = lay.grid(raw, n)
     o = f.order

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from compressor.fitting.gridround import BLOCK, DAMP, Factor, factor, output_error
+from compressor.fitting.gridround import BLOCK, DAMP, factor_for, output_error
 
 __all__ = ["FAMILIES", "IntScheme", "Rounded", "SCHEMES", "UNQUANTIZED", "get_scheme", "gptq", "output_error", "rtn",
            "scales_of", "weight_bytes"]
@@ -262,12 +262,7 @@ def gptq(weight, h, scheme: IntScheme | str, *, damp: float = DAMP, block: int =
     if act_order and not static_groups and s.group_size is not None:
         raise ValueError("act_order with grouped scales needs static_groups=True: scales fixed at a group's first "
                          "column of a permuted order would need a g_idx in the file")
-    f = h if isinstance(h, Factor) else factor(h, damp=damp, act_order=act_order)
-    if f.u.shape != (n, n):
-        raise ValueError(f"h must be [{n}, {n}] for rows of {n} inputs, got {f.u.shape}")
-    if (f.damp, f.act_order) != (float(damp), bool(act_order)):
-        raise ValueError(f"the factor was made with damp={f.damp}, act_order={f.act_order}; this call asks for "
-                         f"damp={damp}, act_order={act_order}")
+    f = factor_for(h, n, damp=damp, act_order=act_order)
     gs = s.group_size or n
     groups = n // gs
     o = f.order

@@ -537,6 +537,6 @@ def _card(card: str, counts: dict[str, int]) -> str:
     note = (f"Saved in the compressed-tensors `{PACK_FORMAT}` format (linear layers: {schemes}): plain transformers "
             "loads it with the `compressed-tensors` package installed (`pip install compressed-tensors`), no custom "
             "code and no flags; vLLM serves it as it is (`vllm serve path/to/this/folder`).\n\n## Load\n")
-    return (card.replace("## Load\n", note, 1)
-            .replace(', trust_remote_code=True)', ')')
-            .replace("\n# or, with compressor installed: `import compressor` after transformers and drop both flags", ""))
+    from compressor.output.standard import plain_load_card
+
+    return plain_load_card(card, note)

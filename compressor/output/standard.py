@@ -193,6 +193,12 @@ def _plain_card(card: str, class_name: str, width_attr: str, width: int) -> str:
     note = (f"Saved as the base class `{class_name}` with `{width_attr}: {width}` in every layer "
             "(`output.architecture: standard`): no custom code, no `auto_map`; plain transformers, vLLM, TGI "
             "and MLX load it as it is.\n\n## Load\n")
+    return plain_load_card(card, note)
+
+
+def plain_load_card(card: str, note: str) -> str:
+    """A model card whose Load section says ``note`` and loads with no flag and no compressor (a folder of the
+    base class: no custom code)."""
     return (card.replace("## Load\n", note, 1)
             .replace(', trust_remote_code=True)', ')')
             .replace("\n# or, with compressor installed: `import compressor` after transformers and drop both flags", ""))
