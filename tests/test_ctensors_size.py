@@ -146,3 +146,11 @@ def test_a_scheme_size_takes_the_same_bits_with_a_group_that_divides_the_rows():
     assert in_family("W4A16", [(64, 96)]) == "W4A16_G32"
     assert in_family("W8A16", [(1536, 576)]) == "W8A16_CH"
     assert in_family("W4A16", [(8, 20)]) == FLOAT
+
+
+def test_an_architecture_whose_layers_the_writer_cannot_map_is_refused_before_loading():
+    from compressor.pipeline.size.target import target_for
+
+    why = target_for(["compressed-tensors"], "W4A16").refusal("gpt2", None)
+    assert "Conv1D" in why and "output.formats: [hf]" in why
+    assert target_for(["compressed-tensors"], "W4A16").refusal("qwen2", None) is None

@@ -65,6 +65,9 @@ class ArchSpec:
     load (``deci``); set whenever :attr:`gguf_native` is."""
     gguf_refusal: str = NO_GGUF
     """Why the type is not written as GGUF, with what it lacks, when :attr:`gguf_native` is None."""
+    int_refusal: str | None = None
+    """Why the type's projections cannot take compressed-tensors integer schemes (None: they are ``nn.Linear``,
+    which the library's schemes target)."""
     note: str = ""
 
 
@@ -87,6 +90,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         blocks=("transformer.h", "h"), ffn_up=("c_fc",), ffn_down="c_proj", act_attrs=("activation_function",),
         pre_ffn_norm="ln_2", width_attr="n_inner",
         gguf_refusal="its FFN is a plain GELU MLP (no gate); llama.cpp's gpt2 has one width for all layers",
+        int_refusal="its projections are transformers' Conv1D, not nn.Linear, which compressed-tensors' schemes "
+                    "target (llm-compressor refuses it likewise)",
     ),
     "gpt_neox": ArchSpec(
         blocks=("gpt_neox.layers", "layers"), ffn_up=("dense_h_to_4h",), ffn_down="dense_4h_to_h",

@@ -365,6 +365,12 @@ class CompressedTensorsWriter(Writer):
     def unsupported(self, model_type: str, kind: str) -> str | None:
         if (why := library_missing()) is not None:
             return why
+        from compressor.core.archs import ARCHITECTURES
+
+        spec = ARCHITECTURES.get(model_type)
+        if spec is not None and spec.int_refusal:
+            return (f"model type {model_type!r} cannot be written as compressed-tensors: {spec.int_refusal}; use "
+                    "output.formats: [hf] (or gguf) for this model")
         if kind not in _PLAIN_KINDS:
             return (f"the compressed-tensors format stores the base model's own class, which has no place for "
                     f"{kind} replacements: only kind prune (saved at the pruned width) or none; use kind: prune, or "
