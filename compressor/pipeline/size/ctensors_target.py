@@ -49,16 +49,11 @@ def _dtype(request) -> torch.dtype:
     return request.dtype or request.model.dtype
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def option_bytes(scheme: str, shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Stored bytes of an ``[out, in]`` weight in ``scheme`` (:data:`FLOAT`: the saved dtype)."""
-    from compressor.fitting.intround import get_scheme
+    from compressor.fitting.intround import weight_bytes
 
-    s = get_scheme(None if scheme == FLOAT else scheme)
-    return shape[0] * shape[1] * _itemsize(dtype) if s is None else s.nbytes(*shape, dtype)
+    return weight_bytes(None if scheme == FLOAT else scheme, *shape, dtype)
 
 
 @register_target
