@@ -95,6 +95,30 @@ def test_a_w4a16_size_writes_a_planned_checkpoint_that_plain_transformers_loads(
     assert "compressed-tensors" in (res.output / "README.md").read_text()
 
 
+def test_the_plan_and_the_uniform_anchor_are_rounded_in_one_pass_over_the_calibration(tmp_path, tokenizer,
+                                                                                      monkeypatch):
+    """Rounding measures each layer's Ĥ once for the file and its anchor together (Qwen2.5-1.5B: a pass of
+    several minutes), and every (unit, scheme) of either is rounded once."""
+    from compressor.pipeline.size import rounding
+    from compressor.pipeline.size.ctensors_target import CompressedTensorsTarget
+
+    passes, rounded = [], []
+    real_moments, real_round = rounding.input_moments, CompressedTensorsTarget.round_full
+    monkeypatch.setattr(rounding, "input_moments", lambda *a, **k: passes.append(a[2]) or real_moments(*a, **k))
+    monkeypatch.setattr(CompressedTensorsTarget, "round_full",
+                        lambda self, name, option, *a: rounded.append((name, option)) or real_round(self, name,
+                                                                                                  option, *a))
+    src = _source(tmp_path, tokenizer)
+    res = compressor.run(_recipe(tmp_path, src, "out", "W4A16"))
+    assert res.exit_code == 0, res.report.get("message")
+    layers = [m for group in passes for m in group]
+    assert len(layers) == len(set(layers)), "a layer's moments were measured twice"
+    assert len(rounded) == len(set(rounded))
+    planned = {(row["tensor"], row["type"]) for row in res.report["size_plan"]["tensors"]}
+    anchor = {(u, "W4A16") for u, _ in planned}
+    assert planned | anchor >= set(rounded) >= anchor  # the anchor's units were rounded in that pass too
+
+
 def test_a_size_below_every_layer_at_its_smallest_scheme_is_refused_with_the_exact_floor(tmp_path, tokenizer):
     src = _source(tmp_path, tokenizer)
     with pytest.raises(compressor.InputError, match="cannot be met.*give a size of at least"):
@@ -154,3 +178,17 @@ def test_an_architecture_whose_layers_the_writer_cannot_map_is_refused_before_lo
     why = target_for(["compressed-tensors"], "W4A16").refusal("gpt2", None)
     assert "Conv1D" in why and "output.formats: [hf]" in why
     assert target_for(["compressed-tensors"], "W4A16").refusal("qwen2", None) is None
+
+
+def test_the_run_time_estimate_counts_gptq_pricing_and_rounding(tmp_path):
+    """Qwen2.5-1.5B's compressed-tensors size was estimated at 32 min and took 57: GPTQ was not counted."""
+    from compressor.pipeline import size
+
+    model = tiny("llama", hidden_size=128, intermediate_size=256, head_dim=32)
+    kwargs = dict(model=model, cal=2048, evals=2048, fwd=1e-4, params=sum(p.numel() for p in model.parameters()))
+    gptq = size.estimate(_recipe(tmp_path, tmp_path / "m.gguf", "out", "W4A16"), **kwargs)
+    nearest = size.estimate(_recipe(tmp_path, tmp_path / "m.gguf", "out", "W4A16", rounding="nearest"), **kwargs)
+    gguf = size.estimate(_recipe(tmp_path, tmp_path / "m.gguf", "out", "Q4_K_M", formats=["gguf"]), **kwargs)
+    assert gptq["rounding"] > 0 and "rounding" not in nearest
+    assert gptq["pricing"] > nearest["pricing"]
+    assert gptq["rounding"] > gguf["rounding"]  # the uniform anchor is rounded too; llama.cpp makes the GGUF's

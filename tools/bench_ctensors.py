@@ -568,30 +568,47 @@ def cmd_compressor_uniform(args) -> None:
     """compressor's uniform checkpoint of one scheme, kept as a folder to score: every linear layer in it (the
     same bits with the largest group that divides its rows where 128 does not, as the size plan's anchor),
     rounded by compressor's GPTQ through Ĥ from the calibration windows — what the planned mix is measured
-    against in the run, here scored on the benchmark's text. Runs in this project's venv."""
+    against in the run, here scored on the benchmark's text. Ĥ is measured and each unit rounded in groups of
+    layers whose moments fit in memory, as the size stage does (Qwen2.5-1.5B's moments at once take 9.8 GB),
+    and the codes reach the writer as a size plan's do. Runs in this project's venv."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from compressor.engine.tensorstats import input_moments
+    from compressor.fitting.gridround import factor
+    from compressor.fitting.intround import SCHEMES, gptq
     from compressor.inputs.load import ResolvedSource
     from compressor.output import WriteRequest, get_writer
-    from compressor.output.ctensors import fused_units, linear_names
+    from compressor.output.ctensors import GPTQ_ORDER, fused_units, linear_names
     from compressor.pipeline.size.ctensors_target import in_family
+    from compressor.pipeline.size.prices import moment_groups
+    from compressor.policy.quantplan import SizePlan
 
     start, t0 = ct.load_average(), time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.source)
     windows = torch.load(args.calib)
     names = linear_names(model)
-    schemes = {}
-    for parts in fused_units(names).values():
-        scheme = in_family(args.scheme, [tuple(model.get_submodule(p).weight.shape) for p in parts])
-        schemes.update(dict.fromkeys(parts, scheme))
-    hessians = input_moments(model, windows, names, batch_size=8)
+    units = fused_units(names)
+    types = {u: in_family(args.scheme, [tuple(model.get_submodule(p).weight.shape) for p in parts])
+             for u, parts in units.items()}
+    stored = {}
+    for group in moment_groups(model, names):
+        moments = input_moments(model, windows, group, batch_size=8)
+        for unit, parts in units.items():
+            if parts[0] in group and types[unit] in SCHEMES:
+                fac = factor(moments[parts[0]], act_order=True)
+                stored[unit] = (types[unit], {m: gptq(model.get_submodule(m).weight.detach(), fac, types[unit],
+                                                      scale_dtype=torch.bfloat16, **GPTQ_ORDER)._replace(weight=None)
+                                              for m in parts})
+        del moments
+    plan = SizePlan(types, {}, 0, 0, 0.0, compensated=set(stored))
+    plan.stored = stored
     request = WriteRequest(model=model, tokenizer=tokenizer, compression={}, dtype=torch.bfloat16,
                            source=ResolvedSource(str(args.source), None, True), probe_tokens=windows[0],
-                           probe_seq_len=windows.shape[1], probe_stride=windows.shape[1],
-                           options={"ct_schemes": schemes, "ct_hessians": hessians})
+                           probe_seq_len=windows.shape[1], probe_stride=windows.shape[1], size_plan=plan,
+                           options={"gate_domains": [{"name": "probe", "tokens": windows[0],
+                                                      "seq_len": windows.shape[1], "stride": windows.shape[1]}]})
     out = Path(args.output)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -34,6 +34,7 @@ recorded with the change quantizing made (judged, if at all, by the stage that c
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import json
 import logging
@@ -477,6 +478,10 @@ class CompressedTensorsWriter(Writer):
         if request.size_plan is not None:  # measured where it runs, for the size stage's gate
             check.update(quant="plan", disk_bytes=check["file_bytes"], file_bytes=stored_bytes,
                          domains=_score(reloaded, _gate_domains(request)))
+        # freed now: reference cycles in a reloaded model wait for a full collection, and the next model (the
+        # anchor; Qwen2.5-1.5B: 7 GB in float32) must not be loaded beside it
+        del reloaded
+        gc.collect()
         return check
 
 
@@ -502,7 +507,10 @@ def score_folder(folder: Path, domains: list[dict], dtype: torch.dtype) -> dict:
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    return {row["name"]: row["scores"] for row in _score(reloaded, domains)}
+    scores = {row["name"]: row["scores"] for row in _score(reloaded, domains)}
+    del reloaded  # as in verify: before another model is loaded
+    gc.collect()
+    return scores
 
 
 def _gptq_layers(request: WriteRequest, schemes: dict[str, IntScheme | None]) -> int:

@@ -64,21 +64,36 @@ class Site:
     row_weight: torch.Tensor | None = None
     lookup_freq: torch.Tensor | None = None
     """An embedding's token frequencies (its lookup role), or None."""
+    folds: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Ĥ of each half of the calibration windows (:attr:`h` is their mean), or None: what prices a rounding
+    fitted to Ĥ (GPTQ) on tokens the fit did not see (:meth:`fit_pairs`)."""
 
-    def row_costs(self, delta: torch.Tensor) -> torch.Tensor:
-        """Predicted loss increase of each priced row's error ``delta`` ([len(rows), n])."""
+    def row_costs(self, delta: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        """Predicted loss increase of each priced row's error ``delta`` ([len(rows), n]), under ``h`` (default
+        :attr:`h`)."""
         idx = self.rows if self.rows is not None else torch.arange(delta.shape[0])
         out = torch.zeros(delta.shape[0], dtype=torch.float64)
-        if self.h is not None:
-            out += 0.5 * self.f[idx].double() * ((delta @ self.h) * delta).sum(1).double()
+        h = self.h if h is None else h
+        if h is not None:
+            out += 0.5 * self.f[idx].double() * ((delta @ h) * delta).sum(1).double()
         if self.extra is not None:
             out += self.extra(delta, idx)
         return out
 
-    def cost(self, delta: torch.Tensor) -> float:
+    def cost(self, delta: torch.Tensor, h: torch.Tensor | None = None) -> float:
         """Predicted loss increase of an error ``delta`` of the priced rows (all rows, or the sample)."""
-        per_row = self.row_costs(delta)
+        per_row = self.row_costs(delta, h)
         return float(per_row.sum() if self.row_weight is None else (per_row * self.row_weight).sum())
+
+    def fit_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(Ĥ a rounding is fitted to, Ĥ its error is priced under)``; a fitted option's price is the mean over
+        the pairs. With :attr:`folds`, cross-fitted — fitted on each half, priced on the other: GPTQ priced on
+        the Ĥ it was fitted to is optimistic, most where it has most freedom to hide error in directions the
+        calibration did not excite (one scale per row; more inputs than tokens). Else ``[(h, h)]``."""
+        if self.folds is None:
+            return [(self.h, self.h)]
+        a, b = self.folds
+        return [(a, b), (b, a)]
 
     def priced_weight(self) -> torch.Tensor:
         return self.weight if self.rows is None else self.weight[self.rows]
@@ -164,10 +179,12 @@ def sample_rows(site: Site, limit: int | None = None, seed: int = 0) -> Site:
 
 
 def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
-          gguf_name: Callable[[str], str | None], modules: set[str] | None = None) -> list[Site]:
+          gguf_name: Callable[[str], str | None], modules: set[str] | None = None,
+          folds: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None) -> list[Site]:
     """Every 2-D weight the file stores (of ``modules`` only, when given: the token embedding counts as
     the output head's module), with what prices it. ``gguf_name`` maps a Hugging Face parameter name to
-    its planned tensor name (None: not planned, e.g. a tied output head, or what a format keeps as it is)."""
+    its planned tensor name (None: not planned, e.g. a tied output head, or what a format keeps as it is).
+    ``folds``: the moments of each half of the windows (``moments`` their mean), for :attr:`Site.folds`."""
     out: list[Site] = []
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -193,15 +210,20 @@ def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
                 h, f = moments[hname].float(), fisher.grad_sq[hname]
                 imat = imat + float(f.mean()) * torch.diagonal(h)
             out.append(Site(name, module_name, w, h, f if f is not None else torch.zeros(w.shape[0]),
-                            _imatrix(imat), extra=lookup, lookup_freq=freq))
+                            _imatrix(imat), extra=lookup, lookup_freq=freq,
+                            folds=_folds(folds, names[id(head)]) if tied else None))
         elif isinstance(module, nn.Linear) and not (tied and module is head):
             name = gguf_name(f"{module_name}.weight")
             if name is None:
                 continue
             h = moments[module_name].float()
             out.append(Site(name, module_name, module.weight.detach().float(), h, fisher.grad_sq[module_name],
-                            _imatrix(torch.diagonal(h))))
+                            _imatrix(torch.diagonal(h)), folds=_folds(folds, module_name)))
     return [sample_rows(s) for s in out]
+
+
+def _folds(folds, module_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if folds is None else (folds[0][module_name].float(), folds[1][module_name].float())
 
 
 def _imatrix(w: torch.Tensor) -> np.ndarray:
@@ -252,7 +274,7 @@ def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str
         tried = [(site.cost(torch.from_numpy(roundtrip(w, t, m)) - site.priced_weight()), m is not None, False)
                  for m in variants(site, t)]
         if compensate is not None and compensates(t) and min(c[0] for c in tried) > 0:
-            tried.append((site.cost(torch.from_numpy(compensate(t)) - site.priced_weight()), True, True))
+            tried.append((compensate(t), True, True))
         cost, weights, compensated = min(tried, key=lambda c: c[0])
         opts.append(Option(site.name, t.name, n_rows * bytes_per_row(t, n), max(cost, 0.0),
                            payload=Choice(t, weights, compensated)))
@@ -274,20 +296,22 @@ def compensates(t: GGMLType) -> bool:
     return BLOCKS[t][0] > 1 and bits_per_weight(t) < COMPENSATED_BELOW_BPW and gridround.supports(t) is None
 
 
-def _compensator(site: Site) -> Callable[[GGMLType], np.ndarray] | None:
-    """``t ->`` the priced rows rounded by GPTQ onto ``t``'s importance-weighted scales, dequantized (one
-    factor of Ĥ shared by every type); None for a site with no Ĥ (an untied embedding: a lookup)."""
+def _compensator(site: Site) -> Callable[[GGMLType], float] | None:
+    """``t ->`` the predicted cost of the priced rows rounded by GPTQ onto ``t``'s importance-weighted scales
+    (one factor of each fitted Ĥ shared by every type, :meth:`Site.fit_pairs`); None for a site with no Ĥ (an
+    untied embedding: a lookup)."""
     from compressor.fitting import gridround
 
     if site.h is None:
         return None
     w = site.priced_weight().numpy()
-    fac = gridround.factor(site.h)
+    pairs = [(gridround.factor(fit), priced) for fit, priced in site.fit_pairs()]
 
-    def rounded(t: GGMLType) -> np.ndarray:
-        raw = gridround.gptq_quantize(w, fac, t, site.imatrix)
-        return gridround.dequantize(raw, t, w.shape)
-    return rounded
+    def cost(t: GGMLType) -> float:
+        return sum(site.cost(torch.from_numpy(gridround.dequantize(gridround.gptq_quantize(w, fac, t, site.imatrix),
+                                                                   t, w.shape)) - site.priced_weight(), h)
+                   for fac, h in pairs) / len(pairs)
+    return cost
 
 
 def price_all(all_sites: list[Site], types: tuple[GGMLType, ...] = DEFAULT_TYPES,

@@ -157,17 +157,36 @@ def structural(recipe: Recipe) -> bool:
 
 def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float] | None:
     """Expected seconds of the size stage's parts (None without a size): baseline, the two statistics passes,
-    pricing (large tensors on a sample of rows), and the file and the preset checked in llama.cpp."""
+    pricing (large tensors on a sample of rows), error-compensating rounding (GPTQ's pricing, and the chosen
+    plan's, and the anchor's where the run makes it, over all rows), and the file and its anchor checked
+    where they run."""
+    from compressor.pipeline.size.target import target_for
     from compressor.policy.quantplan import MAX_PRICED_ELEMENTS
 
     if recipe.output.size is None:
         return None
-    priced = sum(min(p.numel(), MAX_PRICED_ELEMENTS) for p in {id(p): p for p in model.parameters()}.values()
-                 if p.dim() == 2)
-    return {"baseline": evals * fwd, "statistics": cal * fwd * SIZE_STATS_FACTOR,
-            "pricing": priced * 8 * PRICE_SECONDS, "write + verify": 4 * evals * fwd + params * 1e-7}
+    weights = [p for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2]
+    priced = sum(min(p.numel(), MAX_PRICED_ELEMENTS) for p in weights)
+    out = {"baseline": evals * fwd, "statistics": cal * fwd * SIZE_STATS_FACTOR,
+           "pricing": priced * 8 * PRICE_SECONDS, "write + verify": 4 * evals * fwd + params * 1e-7}
+    if recipe.output.rounding == "gptq":
+        target = target_for(recipe.output.formats, recipe.output.size)
+        linears = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        folds = 2 if target.heldout_prices else 1
+        # per layer: one Ĥ factor (in³) per fold, then GPTQ (rows·in²) per option on the priced rows; the
+        # rounding measures Ĥ again (a pass per group of layers whose moments fit: about two)
+        out["pricing"] += folds * sum(FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.gptq_options * i * i * min(
+            o, max(MAX_PRICED_ELEMENTS // i, 256)) for o, i in linears)
+        out["rounding"] = 2 * cal * fwd + sum(FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.full_roundings * o * i * i
+                                              for o, i in linears)
+    return out
 
 
+#: Seconds per ``rows·in²`` of GPTQ rounding and per ``in³`` of its Ĥ factor on the 2-core machine: on the
+#: off-grid Qwen2.5-Coder-1.5B, pricing six schemes took 8 min and rounding the plan 7.5 min besides its
+#: moments; SmolLM2-135M's GPTQ pricing of nine GGML types about 45 s.
+GPTQ_SECONDS = 5e-11
+FACTOR_SECONDS = 1e-11
 #: Seconds per weight per GGML type to price (quantize, decode, cost) on the 2-core machine: SmolLM2-135M's
 #: 108 M priced weights in about 8 types each took 46 s (``report.json`` → ``size_plan.timings``).
 PRICE_SECONDS = 5.3e-8

@@ -61,9 +61,13 @@ class CompressedTensorsTarget(SizeTarget):
     format = "compressed-tensors"
     presets = CT_SIZE_SCHEMES
     what = "the compressed-tensors checkpoint"
+    heldout_prices = True
+    gptq_options = 6  # the integer schemes (SCHEMES)
+    full_roundings = 2  # the plan and the uniform anchor
 
     def __init__(self) -> None:
         self.dtype = torch.bfloat16
+        self._factor: tuple = (None, None)
 
     def anchor_called(self, name: str) -> str:
         return f"the uniform {name} checkpoint"
@@ -159,27 +163,37 @@ class CompressedTensorsTarget(SizeTarget):
         from compressor.fitting.intround import gptq
         from compressor.output.ctensors import GPTQ_ORDER, unit_members
 
-        fac = factor(h, act_order=True)  # kept without the float weight (the writer decodes it): 6 GB for 1.5B
+        if self._factor[0] is not h:  # the plan's and the anchor's options of a unit share one solve
+            self._factor = (h, factor(h, act_order=True))
+        fac = self._factor[1]  # Rounded kept without the float weight (the writer decodes it): 6 GB for 1.5B
         return {m: gptq(request.model.get_submodule(m).weight.detach(), fac, option, scale_dtype=self.dtype,
                         **GPTQ_ORDER)._replace(weight=None)
                 for m in unit_members(name)}
 
-    def measure_anchor(self, run, preset: dict) -> dict:
-        """The uniform checkpoint of ``preset['name']``: planned, rounded by the run's own rounding, written
-        and reloaded by plain transformers like the file, scored on the gate's windows, then removed."""
-        from compressor.output.base import get_writer
-        from compressor.output.ctensors import score_folder, unit_members
+    def anchor_plan(self, run, preset: dict):
+        """The uniform checkpoint of ``preset['name']`` as a plan of the run's options (each unit in the first
+        scheme of the family its rows take)."""
+        from compressor.output.ctensors import unit_members
         from compressor.policy.quantplan import SizePlan
 
-        scheme = preset["name"]
         model = run.request.model
         chosen = {}
         for u, opts in run.planner.units.items():
-            name = in_family(scheme, [tuple(model.get_submodule(m).weight.shape) for m in unit_members(u)])
+            name = in_family(preset["name"], [tuple(model.get_submodule(m).weight.shape) for m in unit_members(u)])
             chosen[u] = next(o for o in opts if o.name == name)
-        plan = SizePlan({u: o.name for u, o in chosen.items()}, {}, sum(int(o.size) for o in chosen.values()),
+        return SizePlan({u: o.name for u, o in chosen.items()}, {}, sum(int(o.size) for o in chosen.values()),
                         preset["file_bytes"], sum(o.cost for o in chosen.values()),
                         compensated={u for u, o in chosen.items() if o.payload.compensated})
+
+    def measure_anchor(self, run, preset: dict) -> dict:
+        """The uniform checkpoint of ``preset['name']``: planned, rounded by the run's own rounding (in the pass
+        that rounded the file, :meth:`anchor_plan`), written and reloaded by plain transformers like the file,
+        scored on the gate's windows, then removed."""
+        from compressor.output.base import get_writer
+        from compressor.output.ctensors import score_folder
+
+        scheme = preset["name"]
+        plan = run.anchor_plan()
         run.compensator.fill(plan)
         folder = run.workdir / f"anchor-{scheme}"
         shutil.rmtree(folder, ignore_errors=True)
@@ -227,10 +241,15 @@ def price_layer(site, rounding: str, dtype: torch.dtype) -> dict[str, tuple[int,
     shape = tuple(site.weight.shape)
     w = site.priced_weight()
     out = {FLOAT: (option_bytes(FLOAT, shape, dtype), 0.0)}
-    fac = factor(site.h, act_order=True) if rounding == "gptq" and site.h is not None else None
+    gptq_on = rounding == "gptq" and site.h is not None
+    pairs = [(factor(fit, act_order=True), priced) for fit, priced in site.fit_pairs()] if gptq_on else []
     for name, s in SCHEMES.items():
         if not s.fits(shape[1]):
             continue
-        r = gptq(w, fac, s, scale_dtype=dtype, **GPTQ_ORDER) if fac is not None else rtn(w, s, scale_dtype=dtype)
-        out[name] = (s.nbytes(*shape, dtype), max(site.cost(r.weight - w.float()), 0.0))
+        if pairs:
+            cost = sum(site.cost(gptq(w, fac, s, scale_dtype=dtype, **GPTQ_ORDER).weight - w.float(), h)
+                       for fac, h in pairs) / len(pairs)
+        else:
+            cost = site.cost(rtn(w, s, scale_dtype=dtype).weight - w.float())
+        out[name] = (s.nbytes(*shape, dtype), max(cost, 0.0))
     return out

@@ -21,6 +21,7 @@ class GGUFTarget(SizeTarget):
     format = "gguf"
     presets = SIZE_PRESETS
     what = "the GGUF file"
+    gptq_options = 9  # the offered types below COMPENSATED_BELOW_BPW that take it
 
     def __init__(self) -> None:
         self._arch: str | None = None

@@ -41,15 +41,15 @@ def moments_budget() -> int:
     return max(MOMENTS_BUDGET_BYTES, avail // 3)
 
 
-def moment_groups(model, names: list[str], budget: int | None = None) -> list[list[str]]:
-    """``names`` (in module order) cut into consecutive groups whose moments fit ``budget`` (default:
-    :func:`moments_budget`); modules of one parent (q/k/v, gate/up, which share their input) stay in one
-    group."""
+def moment_groups(model, names: list[str], budget: int | None = None, copies: int = 1) -> list[list[str]]:
+    """``names`` (in module order) cut into consecutive groups whose moments (``copies`` matrices per input)
+    fit ``budget`` (default: :func:`moments_budget`); modules of one parent (q/k/v, gate/up, which share
+    their input) stay in one group."""
     budget = moments_budget() if budget is None else budget
     groups: list[list[str]] = [[]]
     used, parent = 0, None
     for n in names:
-        size = 4 * model.get_submodule(n).in_features ** 2
+        size = 4 * copies * model.get_submodule(n).in_features ** 2
         p = n.rsplit(".", 1)[0]
         if groups[-1] and used + size > budget and p != parent:
             groups.append([])
@@ -73,7 +73,8 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     key = None
     if recipe.measure.cache:
         settings = {"prices": PRICES_VERSION, **target.cache_settings(), "format": target.format,
-                    "batch_size": recipe.calibration.batch_size, "rounding": recipe.output.rounding}
+                    "batch_size": recipe.calibration.batch_size, "rounding": recipe.output.rounding,
+                    "heldout": target.heldout_prices}
         data_fp = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
         key = "prices-" + cache.stats_key(cache.model_fingerprint(model), data_fp, settings)
         hit = cache.get(key)
@@ -86,13 +87,18 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     fisher = output_fisher(model, windows, batch_size=bs)
     timings["statistics_s"] = time.perf_counter() - t0
     units, priced, namer = {}, [], target.namer(model)
-    for group in moment_groups(model, linear_names(model)):
+    crossfit = target.heldout_prices and recipe.output.rounding == "gptq" and windows.shape[0] >= 2
+    for group in moment_groups(model, linear_names(model), copies=3 if crossfit else 1):
         t0 = time.perf_counter()
-        moments = input_moments(model, windows, group, batch_size=bs)
+        if crossfit:
+            folds = fold_moments(model, windows, group, bs)
+            moments = mean_moments(*folds, windows.shape[0])
+        else:
+            folds, moments = None, input_moments(model, windows, group, batch_size=bs)
         timings["statistics_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        these = sites(model, fisher, moments, namer, modules=set(group))
-        del moments
+        these = sites(model, fisher, moments, namer, modules=set(group), folds=folds)
+        del moments, folds
         units.update(target.price_all(these, recipe.output.rounding))
         priced += target.priced(these)
         del these  # the statistics go with the sites, before the next group's moments are measured
@@ -101,3 +107,21 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
         tensors, meta = to_tensors(units, priced)
         cache.put(key, tensors, {"prices": json.dumps(meta)})
     return units, priced, False
+
+
+def fold_moments(model, windows: torch.Tensor, names: list[str], batch_size: int):
+    """The input moments of ``names`` over the even and over the odd calibration windows: two halves of the
+    text, each unseen by a fit to the other."""
+    return tuple(input_moments(model, windows[k::2], names, batch_size=batch_size) for k in (0, 1))
+
+
+def mean_moments(even: dict, odd: dict, n_windows: int) -> dict:
+    """Ĥ over all windows from its two halves' (each a mean over its windows' tokens), shared matrices kept
+    shared."""
+    n_even = (n_windows + 1) // 2
+    a, b = n_even / n_windows, (n_windows - n_even) / n_windows
+    made: dict[int, torch.Tensor] = {}
+    for name, h in even.items():
+        if id(h) not in made:
+            made[id(h)] = a * h + b * odd[name]
+    return {name: made[id(h)] for name, h in even.items()}

@@ -34,15 +34,17 @@ class Compensator:
         self.target = target
         self._done: dict[tuple[str, str], object] = {}
 
-    def fill(self, size_plan: SizePlan) -> None:
-        """Put every compensated tensor's bytes on ``size_plan.stored``."""
-        need = sorted({(n, size_plan.types[n]) for n in size_plan.compensated} - set(self._done))
+    def fill(self, *plans: SizePlan) -> None:
+        """Put every compensated tensor's bytes on each plan's ``stored``: what none was rounded in before, in
+        one pass over the calibration windows (a plan and the anchor beside it share Ĥ and its factor)."""
+        need = sorted({(n, p.types[n]) for p in plans for n in p.compensated} - set(self._done))
         if need:
             t0 = time.perf_counter()
             self._round(need)
             self.timings["compensated_rounding_s"] = self.timings.get("compensated_rounding_s", 0.0) + (
                 time.perf_counter() - t0)
-        size_plan.stored = {n: (size_plan.types[n], self._done[n, size_plan.types[n]]) for n in size_plan.compensated}
+        for p in plans:
+            p.stored = {n: (p.types[n], self._done[n, p.types[n]]) for n in p.compensated}
 
     def _moments_module(self, name: str) -> str:
         """The layer whose input second moment prices tensor ``name``: its own, or a tied embedding's head."""

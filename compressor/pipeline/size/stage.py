@@ -57,6 +57,14 @@ class SizeRun:
     records: list[dict] = field(default_factory=list)
     preset_scores: dict | None = None
     """The preset's scores per gate domain, measured once (every attempt is compared with the same file)."""
+    _anchor_plan: object = None
+
+    def anchor_plan(self):
+        """The anchor as a plan of this run's own options, made once (None when the target's anchor is a file
+        made elsewhere, as llama.cpp's preset is, or the size names none)."""
+        if self._anchor_plan is None and self.budget.preset is not None:
+            self._anchor_plan = self.target.anchor_plan(self, self.budget.preset)
+        return self._anchor_plan
 
     @property
     def budget(self) -> Budget:
@@ -99,8 +107,9 @@ class SizeRun:
     def attempt(self, tensor_bytes: float, variant: str = "none") -> Attempt:
         """Write the plan at ``tensor_bytes``, measure it where it runs, and judge it."""
         size_plan = self.planner.at(int(tensor_bytes))
-        if self.compensator is not None:
-            self.compensator.fill(size_plan)
+        if self.compensator is not None:  # the anchor's tensors, still to measure, rounded in the same pass
+            anchor = self.anchor_plan() if self.preset_scores is None else None
+            self.compensator.fill(size_plan, *([anchor] if anchor is not None else []))
         self.request.size_plan = size_plan
         logger.info("size plan: %s of tensor data, predicted perplexity %+.2f %%; types %s",
                     f"{size_plan.tensor_bytes / 1e6:.2f} MB", 100 * math.expm1(size_plan.predicted_nll_increase),

@@ -37,6 +37,14 @@ class SizeTarget:
     """Size names that mean "the size of this anchor for this model" (``Q4_K_M``, ``W4A16``)."""
     what: ClassVar[str] = ""
     """The file, in words, for messages ("the GGUF file")."""
+    gptq_options: ClassVar[int] = 0
+    """Options per weight priced with error-compensating rounding (for the run-time estimate)."""
+    full_roundings: ClassVar[int] = 1
+    """Chosen options per weight rounded over all rows by the run: the file's, and the anchor's if the run
+    makes it (for the run-time estimate)."""
+    heldout_prices: ClassVar[bool] = False
+    """Price error-compensating rounding cross-fitted on two halves of the calibration windows
+    (:meth:`~compressor.policy.quantplan.Site.fit_pairs`) rather than on the Ĥ it is fitted to."""
 
     def anchor_called(self, name: str) -> str:
         """The anchor of size ``name``, in words ("llama.cpp's Q4_K_M")."""
@@ -82,6 +90,11 @@ class SizeTarget:
         """A chosen compensated option over all rows of ``weight`` (GPTQ through ``h``): what the writer
         stores as it is (:attr:`SizePlan.stored`)."""
         raise NotImplementedError
+
+    def anchor_plan(self, run, preset: dict):
+        """The anchor as a :class:`~compressor.policy.quantplan.SizePlan` of the run's own options, when it is
+        one (its compensated tensors are then rounded in the same pass as the file's); default None."""
+        return None
 
     def measure_anchor(self, run, preset: dict) -> dict:
         """The anchor's scores per gate domain (``name → WindowScores``), made if need be (``run``: the
