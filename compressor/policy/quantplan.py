@@ -95,6 +95,18 @@ class Site:
         a, b = self.folds
         return [(a, b), (b, a)]
 
+    def fit_factors(self) -> list[tuple[object, torch.Tensor]]:
+        """:meth:`fit_pairs` with each fitted Ĥ as its GPTQ factor (act-order): made once per site, shared by
+        every option :meth:`fitted_cost` prices."""
+        from compressor.fitting.gridround import factor
+
+        return [(factor(fit), priced) for fit, priced in self.fit_pairs()]
+
+    def fitted_cost(self, factors: list[tuple[object, torch.Tensor]], error: Callable[[object], torch.Tensor]) -> float:
+        """Predicted cost of a rounding fitted to Ĥ: ``error(factor)`` is the priced rows' error when fitted
+        through ``factor``, priced under the Ĥ paired with it (:meth:`fit_factors`); the mean over the pairs."""
+        return sum(self.cost(error(fac), h) for fac, h in factors) / len(factors)
+
     def priced_weight(self) -> torch.Tensor:
         return self.weight if self.rows is None else self.weight[self.rows]
 
@@ -305,12 +317,11 @@ def _compensator(site: Site) -> Callable[[GGMLType], float] | None:
     if site.h is None:
         return None
     w = site.priced_weight().numpy()
-    pairs = [(gridround.factor(fit), priced) for fit, priced in site.fit_pairs()]
+    pairs = site.fit_factors()
 
     def cost(t: GGMLType) -> float:
-        return sum(site.cost(torch.from_numpy(gridround.dequantize(gridround.gptq_quantize(w, fac, t, site.imatrix),
-                                                                   t, w.shape)) - site.priced_weight(), h)
-                   for fac, h in pairs) / len(pairs)
+        return site.fitted_cost(pairs, lambda fac: torch.from_numpy(gridround.dequantize(
+            gridround.gptq_quantize(w, fac, t, site.imatrix), t, w.shape)) - site.priced_weight())
     return cost
 
 

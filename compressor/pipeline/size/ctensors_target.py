@@ -67,7 +67,6 @@ class CompressedTensorsTarget(SizeTarget):
 
     def __init__(self) -> None:
         self.dtype = torch.bfloat16
-        self._factor: tuple = (None, None)
 
     def anchor_called(self, name: str) -> str:
         return f"the uniform {name} checkpoint"
@@ -159,14 +158,12 @@ class CompressedTensorsTarget(SizeTarget):
     def round_full(self, name: str, option: str, weight, h, priced, request):
         """GPTQ of every layer of the unit onto ``option``'s grid through the unit's shared Ĥ (fused siblings
         read the same input), scales in the saved dtype: ``module → Rounded``."""
-        from compressor.fitting.gridround import factor
         from compressor.fitting.intround import gptq
         from compressor.output.ctensors import GPTQ_ORDER, unit_members
 
-        if self._factor[0] is not h:  # the plan's and the anchor's options of a unit share one solve
-            self._factor = (h, factor(h, act_order=True))
-        fac = self._factor[1]  # Rounded kept without the float weight (the writer decodes it): 6 GB for 1.5B
-        return {m: gptq(request.model.get_submodule(m).weight.detach(), fac, option, scale_dtype=self.dtype,
+        # h: Ĥ or its act-order factor (shared by every option of the unit); Rounded kept without the float
+        # weight (the writer decodes it): 6 GB for 1.5B
+        return {m: gptq(request.model.get_submodule(m).weight.detach(), h, option, scale_dtype=self.dtype,
                         **GPTQ_ORDER)._replace(weight=None)
                 for m in unit_members(name)}
 
@@ -234,7 +231,6 @@ def price_layer(site, rounding: str, dtype: torch.dtype) -> dict[str, tuple[int,
     """One layer's options: scheme → (stored bytes, predicted loss increase), each scheme its rows take
     rounded as ``rounding`` says (GPTQ through the layer's Ĥ, sharing one factor; or to nearest), and the
     saved dtype at no cost."""
-    from compressor.fitting.gridround import factor
     from compressor.fitting.intround import SCHEMES, gptq, rtn
     from compressor.output.ctensors import GPTQ_ORDER
 
@@ -242,13 +238,13 @@ def price_layer(site, rounding: str, dtype: torch.dtype) -> dict[str, tuple[int,
     w = site.priced_weight()
     out = {FLOAT: (option_bytes(FLOAT, shape, dtype), 0.0)}
     gptq_on = rounding == "gptq" and site.h is not None
-    pairs = [(factor(fit, act_order=True), priced) for fit, priced in site.fit_pairs()] if gptq_on else []
+    factors = site.fit_factors() if gptq_on else []
     for name, s in SCHEMES.items():
         if not s.fits(shape[1]):
             continue
-        if pairs:
-            cost = sum(site.cost(gptq(w, fac, s, scale_dtype=dtype, **GPTQ_ORDER).weight - w.float(), h)
-                       for fac, h in pairs) / len(pairs)
+        if factors:
+            cost = site.fitted_cost(factors, lambda f: gptq(w, f, s, scale_dtype=dtype,
+                                                            **GPTQ_ORDER).weight - w.float())
         else:
             cost = site.cost(rtn(w, s, scale_dtype=dtype).weight - w.float())
         out[name] = (s.nbytes(*shape, dtype), max(cost, 0.0))

@@ -18,6 +18,7 @@ import torch
 
 from compressor.core.progress import progress
 from compressor.engine.tensorstats import input_moments
+from compressor.fitting.gridround import factor
 from compressor.pipeline.size.prices import moment_groups
 from compressor.policy.quantplan import Priced, SizePlan
 
@@ -65,10 +66,13 @@ class Compensator:
         for group in moment_groups(model, order):
             moments = input_moments(model, self.windows, group, batch_size=self.batch_size)
             for module in group:
-                h = moments[module].float()
+                # one solve per layer, shared by every option of it rounded here (the plan's and the anchor's);
+                # the targets' GPTQ checks it was made with their settings (act-order, default damping)
+                fac = factor(moments[module].float())
                 for name, t in by_module[module]:
                     weight = model.get_submodule(self.priced[name].module).weight.detach().float()
-                    self._done[name, t] = self.target.round_full(name, t, weight, h, self.priced[name], self.request)
+                    self._done[name, t] = self.target.round_full(name, t, weight, fac, self.priced[name], self.request)
                     bar.update(1)
+                del fac
             del moments
         bar.close()

@@ -87,7 +87,8 @@ class SizeTarget:
         raise NotImplementedError
 
     def round_full(self, name: str, option: str, weight: torch.Tensor, h: torch.Tensor, priced, request):
-        """A chosen compensated option over all rows of ``weight`` (GPTQ through ``h``): what the writer
+        """A chosen compensated option over all rows of ``weight`` (GPTQ through ``h``, Ĥ's act-order
+        :func:`~compressor.fitting.gridround.factor`, one per layer shared by its options): what the writer
         stores as it is (:attr:`SizePlan.stored`)."""
         raise NotImplementedError
 
