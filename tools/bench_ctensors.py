@@ -571,44 +571,32 @@ def cmd_compressor_uniform(args) -> None:
     against in the run, here scored on the benchmark's text. Ĥ is measured and each unit rounded in groups of
     layers whose moments fit in memory, as the size stage does (Qwen2.5-1.5B's moments at once take 9.8 GB),
     and the codes reach the writer as a size plan's do. Runs in this project's venv."""
+    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compressor.engine.tensorstats import input_moments
-    from compressor.fitting.gridround import factor
-    from compressor.fitting.intround import SCHEMES, gptq
+    from compressor.fitting.intround import SCHEMES
     from compressor.inputs.load import ResolvedSource
     from compressor.output import WriteRequest, get_writer
-    from compressor.output.ctensors import GPTQ_ORDER, fused_units, linear_names
-    from compressor.pipeline.size.ctensors_target import in_family
-    from compressor.pipeline.size.prices import moment_groups
-    from compressor.policy.quantplan import SizePlan
+    from compressor.output.ctensors import fused_units, linear_names
+    from compressor.pipeline.size.ctensors_target import CompressedTensorsTarget, in_family
+    from compressor.pipeline.size.rounding import Compensator
+    from compressor.policy.quantplan import Priced, SizePlan
 
     start, t0 = ct.load_average(), time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.source)
     windows = torch.load(args.calib)
-    names = linear_names(model)
-    units = fused_units(names)
-    types = {u: in_family(args.scheme, [tuple(model.get_submodule(p).weight.shape) for p in parts])
-             for u, parts in units.items()}
-    stored = {}
-    for group in moment_groups(model, names):
-        moments = input_moments(model, windows, group, batch_size=8)
-        for unit, parts in units.items():
-            if parts[0] in group and types[unit] in SCHEMES:
-                fac = factor(moments[parts[0]], act_order=True)
-                stored[unit] = (types[unit], {m: gptq(model.get_submodule(m).weight.detach(), fac, types[unit],
-                                                      scale_dtype=torch.bfloat16, **GPTQ_ORDER)._replace(weight=None)
-                                              for m in parts})
-        del moments
-    plan = SizePlan(types, {}, 0, 0, 0.0, compensated=set(stored))
-    plan.stored = stored
+    units = fused_units(linear_names(model))
+    shapes = {u: [tuple(model.get_submodule(p).weight.shape) for p in parts] for u, parts in units.items()}
+    types = {u: in_family(args.scheme, ss) for u, ss in shapes.items()}
+    plan = SizePlan(types, {}, 0, 0, 0.0, compensated={u for u, t in types.items() if t in SCHEMES})
     request = WriteRequest(model=model, tokenizer=tokenizer, compression={}, dtype=torch.bfloat16,
                            source=ResolvedSource(str(args.source), None, True), probe_tokens=windows[0],
-                           probe_seq_len=windows.shape[1], probe_stride=windows.shape[1], size_plan=plan,
-                           options={"gate_domains": [{"name": "probe", "tokens": windows[0],
-                                                      "seq_len": windows.shape[1], "stride": windows.shape[1]}]})
+                           probe_seq_len=windows.shape[1], probe_stride=windows.shape[1], size_plan=plan)
+    # the size stage's own rounding of a chosen plan: Ĥ per group of layers that fit, one factor per unit
+    priced = [Priced(u, units[u][0], (sum(s[0] for s in ss), ss[0][1]), np.ones(1)) for u, ss in shapes.items()]
+    Compensator(request, priced, windows, 8, {}, CompressedTensorsTarget()).fill(plan)
     out = Path(args.output)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
