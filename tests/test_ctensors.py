@@ -230,7 +230,7 @@ def test_gptq_takes_a_shared_factor_and_refuses_a_mismatched_one():
 def mixed_map(model) -> dict:
     """Layer 0: attention W8A16, MLP W4A16_G32 but the down projection unquantized; the others W4A16."""
     out = {}
-    for name in ctensors.linear_names(model):
+    for name in ctensors.linear_names(model, head=False):
         if ".layers.0.self_attn." in name:
             out[name] = "W8A16"
         elif name.endswith("layers.0.mlp.down_proj"):
@@ -269,11 +269,14 @@ def library_fake_quantized(model, schemes: dict, dtype):
     ("llama", "W4A16", torch.float32),
     ("qwen2", "W8A16", torch.bfloat16),
     ("mistral", "mixed", torch.float16),
+    ("llama", "head", torch.bfloat16),  # the untied output head quantized too (a size plan may do so)
 ])
 def test_save_reload_logits_bytes_and_the_model_left_alone(tmp_path, model_type, how, dtype):
     model = model_of(model_type)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    options = {"ct_schemes": mixed_map(model)} if how == "mixed" else {"ct_scheme": how}
+    options = ({"ct_schemes": mixed_map(model)} if how == "mixed" else
+               {"ct_schemes": dict.fromkeys(ctensors.linear_names(model), "W4A16") | {"lm_head": "W8A16_CH"}}
+               if how == "head" else {"ct_scheme": how})
     request = request_for(model, dtype=dtype, **options)
     check = write_and_verify(request, tmp_path / "out")
     folder = tmp_path / "out"
@@ -289,8 +292,11 @@ def test_save_reload_logits_bytes_and_the_model_left_alone(tmp_path, model_type,
     cfg = json.loads((folder / "config.json").read_text())
     q = cfg["quantization_config"]
     assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized"
-    assert q["quantization_status"] == "compressed" and "lm_head" in q["ignore"] and "auto_map" not in cfg
+    assert q["quantization_status"] == "compressed" and "auto_map" not in cfg
+    assert ("lm_head" in q["ignore"]) == (how != "head")
+    assert ("lm_head" in schemes) == (ctensors.head_name(model) is not None)
     assert cfg["compression"]["format"] == ctensors.CTENSORS_FORMAT
+    assert cfg["compression"]["quantization"]["output_head"] == ("W8A16_CH" if how == "head" else "unquantized")
 
     # bytes: every layer's stored tensors are what the scheme's rule says
     tensors = stored(folder)
@@ -327,7 +333,7 @@ def test_save_reload_logits_bytes_and_the_model_left_alone(tmp_path, model_type,
 
 def test_gptq_codes_are_the_stored_codes_and_a_bad_file_is_caught(tmp_path):
     model = model_of("llama", seed=1)
-    names = ctensors.linear_names(model)
+    names = ctensors.linear_names(model, head=False)
     hessians = {n: correlated(model.get_submodule(n).in_features, seed=i) for i, n in enumerate(names[:4])}
     request = request_for(model, dtype=torch.bfloat16, ct_scheme="W4A16_G32", ct_hessians=hessians)
     check = write_and_verify(request, tmp_path / "out")
@@ -349,6 +355,43 @@ def test_gptq_codes_are_the_stored_codes_and_a_bad_file_is_caught(tmp_path):
     with pytest.raises(VerificationError, match="Δlogit"):
         get_writer("compressed-tensors").verify(request_for(model, dtype=torch.bfloat16, ct_scheme="W4A16_G32",
                                                             ct_hessians=hessians), tmp_path / "out")
+
+
+def test_the_reference_copy_shares_the_weights_it_replaces():
+    """The reload check's reference (the model rounded through the saved dtype) does not copy the quantized
+    layers' weights, which it replaces with the decoded ones (Qwen2.5-1.5B: 6 GB in float32, the margin between
+    a run and an out-of-memory kill), and rounds nothing of the model it was copied from."""
+    from compressor.output.hf import rounded_copy
+
+    model = model_of("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kept = [model.get_submodule(n).weight for n in ctensors.linear_names(model)]
+    ref = rounded_copy(model, torch.bfloat16, kept)
+    for n in ctensors.linear_names(model):
+        assert ref.get_submodule(n).weight is model.get_submodule(n).weight
+    emb = ref.get_input_embeddings().weight
+    assert emb is not model.get_input_embeddings().weight and emb.dtype == torch.float32
+    assert torch.equal(emb, before["model.embed_tokens.weight"].to(torch.bfloat16).float())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model: not rounded
+
+
+def test_a_tied_output_head_stays_with_the_embedding(tmp_path):
+    """A head whose weight is the input embedding's is no candidate (quantizing it would untie it): naming it is
+    refused, and the folder keeps it in the saved dtype under the config's ignore."""
+    cfg, cls = _config_and_class("llama")
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = HIDDEN, INTER, HIDDEN // cfg.num_attention_heads
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = cls(cfg).float().eval()
+    assert ctensors.head_name(model) is None and "lm_head" not in ctensors.linear_names(model)
+    with pytest.raises(ValueError, match=r"not quantizable.*\(lm_head\)"):
+        ctensors.layer_schemes(model, {"ct_schemes": {"lm_head": "W8A16"}})
+    check = write_and_verify(request_for(model, dtype=torch.bfloat16, ct_scheme="W8A16"), tmp_path / "out")
+    assert check["passed"] and check["schemes"] == {"W8A16": len(ctensors.linear_names(model))}
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert q["ignore"] == ["lm_head"] and not any(k.startswith("lm_head.") for k in stored(tmp_path / "out"))
+    quant = json.loads((tmp_path / "out" / "config.json").read_text())["compression"]["quantization"]
+    assert quant["output_head"] == "unquantized (tied to the embedding)"
 
 
 def test_tokenizer_and_card_go_with_the_weights(tmp_path):
@@ -379,11 +422,12 @@ def test_what_cannot_be_written_is_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*192.*W4A16\).*W4A16_G64, W4A16_G32, W4A16_CH, W8A16_CH"):
         ctensors.layer_schemes(model, {"ct_scheme": "W4A16"})
     assert ctensors.layer_schemes(model, {"ct_scheme": "W4A16_G32"})
-    split = {n: "W4A16_G32" for n in ctensors.linear_names(model)} | {"model.layers.1.self_attn.k_proj": None}
+    split = {n: "W4A16_G32" for n in ctensors.linear_names(model, head=False)}
+    split["model.layers.1.self_attn.k_proj"] = None
     with pytest.raises(ValueError, match="q_proj \\+ k_proj \\+ v_proj"):
         ctensors.layer_schemes(model, {"ct_scheme": "W4A16_G32", "ct_schemes": split})
-    with pytest.raises(ValueError, match="lm_head.*model.layers.0.self_attn.q_proj"):
-        ctensors.layer_schemes(model, {"ct_schemes": {"lm_head": "W8A16"}})
+    with pytest.raises(ValueError, match="model.embed_tokens.*model.layers.0.self_attn.q_proj"):
+        ctensors.layer_schemes(model, {"ct_schemes": {"model.embed_tokens": "W8A16"}})
     with pytest.raises(ValueError, match="nothing to quantize"):
         ctensors.layer_schemes(model, {"ct_schemes": {}})
 
@@ -409,7 +453,8 @@ def test_a_pruned_model_is_saved_as_its_base_class_at_the_pruned_width(tmp_path,
     real = ctensors.round_layers
     monkeypatch.setattr(ctensors, "round_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     check = write_and_verify(request_for(model, ct_scheme="W4A16"), tmp_path / "out")
-    assert check["passed"] and check["class"].endswith("LlamaForCausalLM") and check["schemes"] == {"W4A16": 21}
+    assert check["passed"] and check["class"].endswith("LlamaForCausalLM")
+    assert check["schemes"] == {"W4A16": 21, "unquantized": 1}  # the head, as llm-compressor leaves it
     assert len(calls) == 1  # verify took the write's codes: rounding (GPTQ: minutes) happens once
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["intermediate_size"] == 128 and cfg["architectures"] == ["LlamaForCausalLM"]

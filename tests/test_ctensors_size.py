@@ -80,6 +80,7 @@ def test_a_w4a16_size_writes_a_planned_checkpoint_that_plain_transformers_loads(
     # a scheme per unit: q/k/v and gate/up planned together
     units = {row["tensor"] for row in plan["tensors"]}
     assert any("q_proj+k_proj+v_proj" in u for u in units) and any("gate_proj+up_proj" in u for u in units)
+    assert "lm_head" in units  # an untied head is planned like a layer (output.ct_head: plan, the default)
     assert set(plan["types_used"]) <= {*SCHEMES, "unquantized"}
     # measured after reloading, on both domains, with the KL and the uniform checkpoint beside it
     assert [d["name"] for d in check["domains"]] == ["eval", "code"]
@@ -93,6 +94,21 @@ def test_a_w4a16_size_writes_a_planned_checkpoint_that_plain_transformers_loads(
     out = model.generate(torch.tensor([tokenizer(TEXT).input_ids[:8]]), max_new_tokens=4, do_sample=False)
     assert out.shape[1] == 12
     assert "compressed-tensors" in (res.output / "README.md").read_text()
+
+
+def test_ct_head_keep_leaves_the_output_head_in_the_saved_dtype(tmp_path, tokenizer):
+    """``output.ct_head: keep`` (a runtime that reads no quantized lm_head): the head is no unit of the plan, the
+    folder ignores it, and the budget (the uniform checkpoint's bytes, its head in bf16) is the same."""
+    src = _source(tmp_path, tokenizer)
+    res = compressor.run(_recipe(tmp_path, src, "out", "W4A16", ct_head="keep"))
+    assert res.exit_code == 0, res.report.get("message")
+    plan = res.report["size_plan"]
+    assert "lm_head" not in {row["tensor"] for row in plan["tensors"]}
+    assert "lm_head" in json.loads((res.output / "config.json").read_text())["quantization_config"]["ignore"]
+    planned = compressor.run(_recipe(tmp_path, src, "out2", "W4A16"))
+    assert planned.report["size_plan"]["budget_bytes"] == plan["budget_bytes"]
+    with pytest.raises(RecipeError, match="ct_head.*read only with output.size"):
+        compressor.recipe_from_dict({"model": {"source": str(src)}, "output": {"ct_head": "keep"}})
 
 
 def test_the_plan_and_the_uniform_anchor_are_rounded_in_one_pass_over_the_calibration(tmp_path, tokenizer,
@@ -115,7 +131,7 @@ def test_the_plan_and_the_uniform_anchor_are_rounded_in_one_pass_over_the_calibr
     assert len(layers) == len(set(layers)), "a layer's moments were measured twice"
     assert len(rounded) == len(set(rounded))
     planned = {(row["tensor"], row["type"]) for row in res.report["size_plan"]["tensors"]}
-    anchor = {(u, "W4A16") for u, _ in planned}
+    anchor = {(u, "W4A16") for u, _ in planned if u != "lm_head"}  # its head stays bf16, as llm-compressor leaves it
     assert planned | anchor >= set(rounded) >= anchor  # the anchor's units were rounded in that pass too
 
 

@@ -65,6 +65,7 @@ the CPU cores other processes used meanwhile.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -387,7 +388,7 @@ def cmd_evaluate(args) -> None:
     models, rows = {}, {}
     load_avg_start = ct.load_average()
     for label, folder in folders.items():
-        rows[label] = _describe(label, folder, arms.get(label), AutoModelForCausalLM)
+        rows[label] = _describe(label, folder, arms.get(label), AutoModelForCausalLM, tok)
         t0 = time.perf_counter()
         models[label] = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
         rows[label]["scoring_load_s"] = round(time.perf_counter() - t0, 2)
@@ -503,9 +504,13 @@ def _eval_texts(args, tok) -> dict:
     return out
 
 
-def _describe(label: str, folder: Path, arm: dict | None, auto) -> dict:
-    """A folder's bytes on disk, its quantization_config, and its weights' bytes in memory as a user
-    loads it (``from_pretrained(folder)``, nothing else given)."""
+#: What each folder, loaded as a user loads it, is asked to continue (greedy), to show that it generates.
+PROMPT = "The capital of France is"
+
+
+def _describe(label: str, folder: Path, arm: dict | None, auto, tok) -> dict:
+    """A folder's bytes on disk, its quantization_config, its weights' bytes in memory as a user loads it
+    (``from_pretrained(folder)``, nothing else given), and that load's greedy continuation of :data:`PROMPT`."""
     import torch
 
     config = json.loads((folder / "config.json").read_text())
@@ -520,7 +525,12 @@ def _describe(label: str, folder: Path, arm: dict | None, auto) -> dict:
            "bytes_in_memory": ct.module_bytes(model), "linear_modules": kinds,
            "default_load": {"dtype": str(model.dtype).removeprefix("torch."), "seconds": round(load_s, 2)},
            "quantization": ct.quantization_summary(config), "arm": arm}
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
+    row["generation"] = {"prompt": PROMPT, "greedy": tok.decode(out[0, ids.shape[1]:]), "new_tokens": 12}
     del model
+    gc.collect()  # a loaded model's reference cycles wait for a full collection; the scored models come next
     return row
 
 
@@ -587,7 +597,7 @@ def cmd_compressor_uniform(args) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.source)
     windows = torch.load(args.calib)
-    units = fused_units(linear_names(model))
+    units = fused_units(linear_names(model, head=False))  # llm-compressor's layout: the head in bf16
     shapes = {u: [tuple(model.get_submodule(p).weight.shape) for p in parts] for u, parts in units.items()}
     types = {u: in_family(args.scheme, ss) for u, ss in shapes.items()}
     plan = SizePlan(types, {}, 0, 0, 0.0, compensated={u for u, t in types.items() if t in SCHEMES})

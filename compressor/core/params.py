@@ -19,3 +19,9 @@ def count_params(module: nn.Module) -> int:
             storages.add(ptr)
         seen[id(p)] = p.numel()
     return sum(seen.values())
+
+
+def tied_head(model: nn.Module) -> bool:
+    """Whether the output head's weight is the input embedding's (one tensor stored once, two roles)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight

@@ -12,6 +12,10 @@ What each layer gets (``request.options``):
 * ``ct_schemes``: module name → scheme name (:data:`~compressor.fitting.intround.SCHEMES`) or None
   (left in the float dtype); a layer not named is left in the float dtype. Else
 * ``ct_scheme`` (default ``W4A16``) for every ``nn.Linear`` but the output head; embeddings never.
+
+An output head with a weight of its own (not tied to the input embedding) may be given a scheme in ``ct_schemes``
+(a size plan does so, ``output.ct_head: plan``): vLLM reads a quantized ``lm_head`` since its PR #37291; the uniform
+``ct_scheme`` leaves it in the float dtype, as llm-compressor's ``ignore=["lm_head"]`` does.
 * ``ct_hessians``: module name → that layer's input second moment Ĥ ``[in, in]``: the layer is rounded by
   GPTQ (:func:`~compressor.fitting.intround.gptq`), a layer without one to nearest.
 
@@ -94,14 +98,27 @@ def _require_library() -> None:
 
 
 def _embedding_names(model: nn.Module) -> set[str]:
-    """Module names of the input and output embeddings (never quantized here)."""
+    """Module names of the input and output embeddings."""
     ids = {id(m) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
     return {name for name, m in model.named_modules() if id(m) in ids}
 
 
-def linear_names(model: nn.Module) -> list[str]:
-    """Every ``nn.Linear`` a scheme may be given to: all of them but the embeddings and the output head."""
-    skip = _embedding_names(model)
+def head_name(model: nn.Module) -> str | None:
+    """The output head's module name when a scheme may be given to it: an ``nn.Linear`` whose weight is its
+    own (a head tied to the input embedding stays in the saved dtype with it); else None."""
+    from compressor.core.params import tied_head
+
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or tied_head(model):
+        return None
+    return next(name for name, m in model.named_modules() if m is head)
+
+
+def linear_names(model: nn.Module, head: bool = True) -> list[str]:
+    """Every ``nn.Linear`` a scheme may be given to: all of them but a tied output head (and, with ``head``
+    False, any output head)."""
+    keep = head_name(model) if head else None
+    skip = _embedding_names(model) - {keep}
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in skip]
 
 
@@ -116,12 +133,12 @@ def layer_schemes(model: nn.Module, options: dict) -> dict[str, IntScheme | None
         if unknown:
             raise ValueError(f"ct_schemes names {len(unknown)} module(s) that are not quantizable nn.Linear layers of "
                              f"{type(model).__name__} ({', '.join(unknown[:5])}); the layers are: "
-                             f"{', '.join(names[:8])}{', …' if len(names) > 8 else ''} (embeddings and the output head "
-                             "stay in the float dtype)")
+                             f"{', '.join(names[:8])}{', …' if len(names) > 8 else ''} (embeddings and a tied output "
+                             "head stay in the float dtype)")
         schemes = {n: get_scheme(mapping.get(n)) for n in names}
     else:
         uniform = get_scheme(options.get("ct_scheme", DEFAULT_SCHEME))
-        schemes = dict.fromkeys(names, uniform)
+        schemes = dict.fromkeys(names, uniform) | dict.fromkeys([head_name(model)] if head_name(model) else [])
     for name, s in schemes.items():
         cols = model.get_submodule(name).in_features
         if s is not None and not s.fits(cols):
@@ -194,7 +211,7 @@ def _options(request: WriteRequest) -> dict:
 def quantization_config(schemes: dict[str, IntScheme | None], ignore_extra: list[str] = ()):
     """The library's ``QuantizationConfig`` for ``schemes``: one group targeting ``Linear`` when every
     quantized layer has one scheme (llm-compressor's layout), one group per scheme naming its layers
-    otherwise; the unquantized linears (and ``ignore_extra``, the output head) in ``ignore``. Status
+    otherwise; the unquantized linears (and ``ignore_extra``, a tied output head) in ``ignore``. Status
     ``frozen``: the compressor sets ``compressed`` once it has packed the weights."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
@@ -331,7 +348,7 @@ def _compress(model: nn.Module, schemes: dict[str, IntScheme | None], rounded: d
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
 
-    qconfig = quantization_config(schemes, sorted(_embedding_names(model) & {
+    qconfig = quantization_config(schemes, sorted((_embedding_names(model) - set(schemes)) & {
         n for n, m in model.named_modules() if isinstance(m, nn.Linear)}))
     apply_quantization_config(model, qconfig, show_progress=False)
     targeted = {n for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
@@ -420,12 +437,14 @@ class CompressedTensorsWriter(Writer):
         cfg_path, cfg = finish_folder(folder, request.tokenizer, dtype)
         cfg.pop("auto_map", None)
         counts = scheme_counts(schemes)
+        head = head_scheme(model, schemes)
         cfg["compression"] = {**request.compression, "format": CTENSORS_FORMAT,
                               "quantization": {"library": f"compressed-tensors {ct_version}", "format": PACK_FORMAT,
-                                               "schemes": counts, "gptq_layers": _gptq_layers(request, schemes)}}
+                                               "schemes": counts, "gptq_layers": _gptq_layers(request, schemes),
+                                               "output_head": head}}
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         for name, text in request.extra_files.items():
-            (folder / name).write_text(_card(text, counts) if name == "README.md" else text)
+            (folder / name).write_text(_card(text, counts, head) if name == "README.md" else text)
         logger.info("compressed-tensors: %s, %d layer(s) rounded by GPTQ", counts, _gptq_layers(request, schemes))
         return sorted(folder.iterdir())
 
@@ -532,7 +551,8 @@ def _reference_logits(request: WriteRequest, base: nn.Module, rounded: dict[str,
     n = min(2, max(1, tokens.numel() // seq_len))
     probe = tokens[: n * min(seq_len, tokens.numel() // n)].view(n, -1)
     compute = next(base.parameters()).dtype
-    ref = base if dtype == compute else rounded_copy(base, dtype)  # base's tensors are shared: rounding copies
+    # base's tensors are shared with the model: rounding copies them, all but the weights replaced below
+    ref = base if dtype == compute else rounded_copy(base, dtype, [base.get_submodule(n).weight for n in rounded])
     _with_weights(ref, rounded, compute)
     logits = _logits(ref, probe)
     del ref
@@ -545,12 +565,24 @@ def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids.to(device)).logits.float().cpu()
 
 
-def _card(card: str, counts: dict[str, int]) -> str:
+def head_scheme(model: nn.Module, schemes: dict[str, IntScheme | None]) -> str:
+    """The output head's scheme in words: its scheme's name when quantized, else how it is kept."""
+    name = head_name(model)
+    if name is not None and schemes.get(name) is not None:
+        return schemes[name].name
+    return "unquantized (tied to the embedding)" if name is None else "unquantized"
+
+
+def _card(card: str, counts: dict[str, int], head: str) -> str:
     """The model card with its Load section for a compressed-tensors folder (no custom code)."""
     schemes = ", ".join(f"{k} × {v}" for k, v in counts.items())
+    serve = ("vLLM serves it as it is (`vllm serve path/to/this/folder`)" if head.startswith("unquantized") else
+             f"the output head is quantized too ({head}), which a runtime must read: vLLM routes a quantized "
+             "`lm_head` to its compressed-tensors kernels since its PR #37291 (not checked by compressor); for a "
+             "runtime that does not, write the folder again with `output.ct_head: keep`")
     note = (f"Saved in the compressed-tensors `{PACK_FORMAT}` format (linear layers: {schemes}): plain transformers "
             "loads it with the `compressed-tensors` package installed (`pip install compressed-tensors`), no custom "
-            "code and no flags; vLLM serves it as it is (`vllm serve path/to/this/folder`).\n\n## Load\n")
+            f"code and no flags; {serve}.\n\n## Load\n")
     from compressor.output.standard import plain_load_card
 
     return plain_load_card(card, note)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from compressor.core.ggml import BLOCKS, GGMLType, bits_per_weight, bytes_per_row, fits, requires_imatrix, roundtrip
+from compressor.core.params import tied_head
 from compressor.core.progress import progress
 from compressor.engine.tensorstats import EMBEDDING, Fisher
 from compressor.policy.options import Option, allocate, smallest, total_cost, total_size
@@ -200,7 +201,7 @@ def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
     out: list[Site] = []
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight is embed.weight
+    tied = tied_head(model)
     freq = (fisher.token_counts / max(fisher.tokens, 1)).double()
     # an embedding that scales its rows (Gemma's √d) passes that scale on to its error
     scale = float(torch.as_tensor(getattr(embed, "embed_scale", 1.0)).float())

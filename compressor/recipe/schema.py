@@ -308,6 +308,11 @@ class OutputConfig(_Section):
         "quantizer finds — gptq: error-compensating rounding through the layer's input second moment (GPTQ, "
         "bit-compatible with llama.cpp) offered beside ggml's own, each priced with what it gets; nearest: "
         "ggml's own rounding only (what llama-quantize does with an importance matrix)")
+    ct_head: Literal["plan", "keep"] = Field(
+        "plan", description="compressed-tensors format with output.size: plan — an output head with a weight of its "
+        "own (not tied to the input embedding) is a unit of the size plan like any linear layer (transformers loads "
+        "it; vLLM since its PR #37291); keep — it stays in the saved dtype, as llm-compressor leaves it, for a runtime "
+        "that cannot read a quantized lm_head. A tied head always stays with the embedding")
     gguf_unquantizable: Literal["error", "f16", "pad"] = Field(
         "error", description="gguf format: an FFN width the quantization block does not divide is an error, keeps "
         "its down projection in F16, or is padded with dead units"
@@ -337,6 +342,10 @@ class OutputConfig(_Section):
         if self.size is None and "rounding" in self.model_fields_set and self.rounding != "gptq":
             raise ValueError(f"output.rounding: {self.rounding!r} is read only with output.size (it says how a "
                              "size plan rounds); remove it, or give output.size")
+        if self.size is None and "ct_head" in self.model_fields_set and self.ct_head != "plan":
+            raise ValueError(f"output.ct_head: {self.ct_head} is read only with output.size (it says whether a "
+                             "compressed-tensors size plan may quantize the output head); remove it, or give "
+                             "output.size")
         if self.size is not None:
             parse_size(self.size)
             if self.gguf_quant != "source":

@@ -52,7 +52,7 @@ def check(recipe: Recipe, model_type: str, src, *, given=None) -> None:
     oc = recipe.output
     if oc.size is None:
         return
-    target = target_for(oc.formats, oc.size)
+    target = target_for(oc.formats, oc.size, oc)
     if recipe.model.offload != "none" and given is None:
         raise InputError("output.size prices every weight from one backward pass over the whole model, which an "
                          f"onloaded model (model.offload: {recipe.model.offload}) does not hold; use model.offload: none")
@@ -130,7 +130,7 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
     workdir = workdir_for(checked.out)
     try:
         t0 = time.perf_counter()
-        target = target_for(recipe.output.formats, recipe.output.size)
+        target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
         budget = target.budget(recipe.output.size, request, workdir)
         timings = {"budget_s": time.perf_counter() - t0}
         logger.info("output.size %s: %s bytes of %s (%s%s bytes are not planned)", budget.size,
@@ -170,7 +170,7 @@ def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: in
     out = {"baseline": evals * fwd, "statistics": cal * fwd * SIZE_STATS_FACTOR,
            "pricing": priced * 8 * PRICE_SECONDS, "write + verify": 4 * evals * fwd + params * 1e-7}
     if recipe.output.rounding == "gptq":
-        target = target_for(recipe.output.formats, recipe.output.size)
+        target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
         linears = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)]
         folds = 2 if target.heldout_prices else 1
         # per layer: one Ĥ factor (in³) per fold, then GPTQ (rows·in²) per option on the priced rows; the

@@ -3,15 +3,19 @@
 Options are the schemes compressed-tensors describes and vLLM serves (:data:`~compressor.fitting.intround.SCHEMES`:
 int4 with a scale per 128 or per 32 inputs, int8 per 128) or the layer left in the saved dtype. The layers
 vLLM fuses (q/k/v, gate/up: :data:`~compressor.output.ctensors.FUSED_SIBLINGS`) take one scheme together, so
-they are one unit of the allocation; embeddings and the output head stay in the saved dtype, as llm-compressor
-leaves them. Each option is priced by the rounding it will get — GPTQ through the layer's Ĥ onto the scheme's
-grid (``output.rounding: gptq``) or round-to-nearest — in closed form, ``½ Σ_o F_o (ΔW Ĥ ΔWᵀ)_oo``.
+they are one unit of the allocation. The embedding stays in the saved dtype, as llm-compressor leaves it; an
+output head with a weight of its own is one more unit (``output.ct_head: plan``, the default: at W4A16's size
+the head and the embedding hold most of the bytes, and a head in fewer bits pays for many layers in int8), or
+stays in the saved dtype with ``keep``; a tied head stays with the embedding. Each option is priced by the
+rounding it will get — GPTQ through the layer's Ĥ onto the scheme's grid (``output.rounding: gptq``) or
+round-to-nearest — in closed form, ``½ Σ_o F_o (ΔW Ĥ ΔWᵀ)_oo``.
 
 Sizes count the bytes of the tensors the checkpoint stores (:meth:`IntScheme.nbytes`; the safetensors JSON
 index, a few kB, aside), so a plan's bytes are exact before it is written. ``W4A16`` (``W8A16``,
 ``W4A16_G32``) is that uniform scheme's size for this model, and the anchor measured beside the file is that
-uniform checkpoint itself, rounded by the same GPTQ — what llm-compressor's ``GPTQModifier`` writes for the
-scheme. A size in bytes or bits per weight is measured beside the largest uniform scheme that fits it.
+uniform checkpoint itself (its head in the saved dtype), rounded by the same GPTQ — what llm-compressor's
+``GPTQModifier`` writes for the scheme. A size in bytes or bits per weight is measured beside the largest
+uniform scheme that fits it.
 """
 
 from __future__ import annotations
@@ -37,12 +41,12 @@ FLOAT = "unquantized"
 
 
 
-def units_of(model: nn.Module) -> dict[str, list[str]]:
+def units_of(model: nn.Module, head: bool = True) -> dict[str, list[str]]:
     """Allocation unit → its linear layers: the fused siblings of one parent together, every other
-    quantizable linear alone (in module order)."""
+    quantizable linear alone (in module order); an untied output head among them when ``head``."""
     from compressor.output.ctensors import fused_units, linear_names
 
-    return fused_units(linear_names(model))
+    return fused_units(linear_names(model, head=head))
 
 
 def _dtype(request) -> torch.dtype:
@@ -65,8 +69,10 @@ class CompressedTensorsTarget(SizeTarget):
     gptq_options = 6  # the integer schemes (SCHEMES)
     full_roundings = 2  # the plan and the uniform anchor
 
-    def __init__(self) -> None:
+    def __init__(self, output=None) -> None:
+        super().__init__(output)
         self.dtype = torch.bfloat16
+        self.head = getattr(output, "ct_head", "plan") == "plan"
 
     def anchor_called(self, name: str) -> str:
         return f"the uniform {name} checkpoint"
@@ -78,8 +84,8 @@ class CompressedTensorsTarget(SizeTarget):
 
     def namer(self, model) -> Callable[[str], str | None]:
         """A linear layer's weight is planned under its own module name (fused siblings are joined when
-        priced); embeddings and the output head are not planned."""
-        planned = {f"{m}.weight": m for unit in units_of(model).values() for m in unit}
+        priced); the embedding is not planned, nor the output head unless ``ct_head: plan`` and it is untied."""
+        planned = {f"{m}.weight": m for unit in units_of(model, self.head).values() for m in unit}
         return planned.get
 
     def price_all(self, sites: list, rounding: str) -> dict:
@@ -121,18 +127,20 @@ class CompressedTensorsTarget(SizeTarget):
         from compressor.fitting.intround import SCHEMES
         from compressor.policy.quantplan import MAX_PRICED_ELEMENTS
 
-        return {"schemes": sorted(SCHEMES), "saved_dtype": str(self.dtype), "max_elements": MAX_PRICED_ELEMENTS}
+        return {"schemes": sorted(SCHEMES), "saved_dtype": str(self.dtype), "max_elements": MAX_PRICED_ELEMENTS,
+                "head": self.head}
 
     def budget(self, size: str, request, workdir: Path) -> Budget:
         """The bytes of the tensors the checkpoint stores: every planned unit in the saved dtype as the layout's
-        "F16", everything else fixed; a scheme's name is that uniform checkpoint's bytes."""
+        "F16", everything else fixed; a scheme's name is that uniform checkpoint's bytes (its head, if planned,
+        in the saved dtype)."""
         from compressor.core.params import count_params
         from compressor.output.ctensors import linear_bytes, tensor_bytes
         from compressor.recipe.schema import parse_size
 
         self.dtype = _dtype(request)
         model = request.model
-        units = units_of(model)
+        units = units_of(model, self.head)
         shapes = {u: [tuple(model.get_submodule(m).weight.shape) for m in ms] for u, ms in units.items()}
         planned = {u: sum(option_bytes(FLOAT, s, self.dtype) for s in ss) for u, ss in shapes.items()}
         floats = {m: None for ms in units.values() for m in ms}
@@ -141,7 +149,8 @@ class CompressedTensorsTarget(SizeTarget):
                         file_bytes=fixed + sum(planned.values()))
 
         def uniform(scheme: str) -> int:
-            return fixed + sum(option_bytes(in_family(scheme, ss), s, self.dtype) for ss in shapes.values() for s in ss)
+            return fixed + sum(option_bytes(anchor_scheme(scheme, u, ss, model), s, self.dtype)
+                               for u, ss in shapes.items() for s in ss)
         kind, value = parse_size(size)
         preset = None
         if kind == "preset":
@@ -169,14 +178,15 @@ class CompressedTensorsTarget(SizeTarget):
 
     def anchor_plan(self, run, preset: dict):
         """The uniform checkpoint of ``preset['name']`` as a plan of the run's options (each unit in the first
-        scheme of the family its rows take)."""
+        scheme of the family its rows take; the output head in the saved dtype)."""
         from compressor.output.ctensors import unit_members
         from compressor.policy.quantplan import SizePlan
 
         model = run.request.model
         chosen = {}
         for u, opts in run.planner.units.items():
-            name = in_family(preset["name"], [tuple(model.get_submodule(m).weight.shape) for m in unit_members(u)])
+            name = anchor_scheme(preset["name"], u, [tuple(model.get_submodule(m).weight.shape)
+                                                     for m in unit_members(u)], model)
             chosen[u] = next(o for o in opts if o.name == name)
         return SizePlan({u: o.name for u, o in chosen.items()}, {}, sum(int(o.size) for o in chosen.values()),
                         preset["file_bytes"], sum(o.cost for o in chosen.values()),
@@ -209,6 +219,14 @@ def in_family(scheme: str, shapes: list[tuple[int, int]]) -> str:
     from compressor.fitting.intround import FAMILIES, SCHEMES
 
     return next((f for f in FAMILIES[scheme] if all(SCHEMES[f].fits(s[1]) for s in shapes)), FLOAT)
+
+
+def anchor_scheme(scheme: str, unit: str, shapes: list[tuple[int, int]], model: nn.Module) -> str:
+    """The scheme ``unit`` has in the uniform checkpoint named ``scheme`` (llm-compressor's layout): the output
+    head in the saved dtype (its ``ignore=["lm_head"]``), every other unit :func:`in_family`."""
+    from compressor.output.ctensors import head_name
+
+    return FLOAT if unit == head_name(model) else in_family(scheme, shapes)
 
 
 def _anchor(scheme: str, nbytes: int) -> dict:

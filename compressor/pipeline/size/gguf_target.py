@@ -23,7 +23,8 @@ class GGUFTarget(SizeTarget):
     what = "the GGUF file"
     gptq_options = 9  # the offered types below COMPENSATED_BELOW_BPW that take it
 
-    def __init__(self) -> None:
+    def __init__(self, output=None) -> None:
+        super().__init__(output)
         self._arch: str | None = None
 
     def anchor_called(self, name: str) -> str:

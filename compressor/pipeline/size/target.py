@@ -46,6 +46,11 @@ class SizeTarget:
     """Price error-compensating rounding cross-fitted on two halves of the calibration windows
     (:meth:`~compressor.policy.quantplan.Site.fit_pairs`) rather than on the Ĥ it is fitted to."""
 
+    def __init__(self, output=None) -> None:
+        """``output``: the recipe's ``output`` section (:class:`~compressor.recipe.schema.OutputConfig`), for a
+        target's own settings; None: their defaults."""
+        self.output = output
+
     def anchor_called(self, name: str) -> str:
         """The anchor of size ``name``, in words ("llama.cpp's Q4_K_M")."""
         return name
@@ -122,8 +127,9 @@ def preset_format(size: str) -> str | None:
     return next((f for f, cls in targets().items() if name in cls.presets), None)
 
 
-def target_for(formats: list[str], size: str) -> SizeTarget:
-    """The one target a recipe's ``output.formats`` plans, checked against the size's name."""
+def target_for(formats: list[str], size: str, output=None) -> SizeTarget:
+    """The one target a recipe's ``output.formats`` plans, checked against the size's name; ``output``: the
+    recipe's ``output`` section, for the target's own settings."""
     sized = [f for f in formats if f in targets()]
     named = preset_format(size)
     if not sized:
@@ -136,7 +142,7 @@ def target_for(formats: list[str], size: str) -> SizeTarget:
     if named is not None and named != sized[0]:
         raise InputError(f"output.size: {size} is a {named} size, but the planned format is {sized[0]}; give one of "
                          f"{', '.join(targets()[sized[0]].presets)}, bytes or bits per weight, or plan {named}")
-    return targets()[sized[0]]()
+    return targets()[sized[0]](output)
 
 
 def default_format(size: str) -> str:
