@@ -138,7 +138,8 @@ def layer_schemes(model: nn.Module, options: dict) -> dict[str, IntScheme | None
         schemes = {n: get_scheme(mapping.get(n)) for n in names}
     else:
         uniform = get_scheme(options.get("ct_scheme", DEFAULT_SCHEME))
-        schemes = dict.fromkeys(names, uniform) | dict.fromkeys([head_name(model)] if head_name(model) else [])
+        head = head_name(model)  # llm-compressor's ignore=["lm_head"]: the uniform scheme leaves it out
+        schemes = {n: None if n == head else uniform for n in names}
     for name, s in schemes.items():
         cols = model.get_submodule(name).in_features
         if s is not None and not s.fits(cols):

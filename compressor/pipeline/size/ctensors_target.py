@@ -135,7 +135,7 @@ class CompressedTensorsTarget(SizeTarget):
         "F16", everything else fixed; a scheme's name is that uniform checkpoint's bytes (its head, if planned,
         in the saved dtype)."""
         from compressor.core.params import count_params
-        from compressor.output.ctensors import linear_bytes, tensor_bytes
+        from compressor.output.ctensors import head_name, linear_bytes, tensor_bytes
         from compressor.recipe.schema import parse_size
 
         self.dtype = _dtype(request)
@@ -148,8 +148,10 @@ class CompressedTensorsTarget(SizeTarget):
         layout = Layout(data_offset=0, alignment=1, fixed_bytes=fixed, planned=planned,
                         file_bytes=fixed + sum(planned.values()))
 
+        head = head_name(model)
+
         def uniform(scheme: str) -> int:
-            return fixed + sum(option_bytes(anchor_scheme(scheme, u, ss, model), s, self.dtype)
+            return fixed + sum(option_bytes(anchor_scheme(scheme, u, ss, head), s, self.dtype)
                                for u, ss in shapes.items() for s in ss)
         kind, value = parse_size(size)
         preset = None
@@ -179,14 +181,14 @@ class CompressedTensorsTarget(SizeTarget):
     def anchor_plan(self, run, preset: dict):
         """The uniform checkpoint of ``preset['name']`` as a plan of the run's options (each unit in the first
         scheme of the family its rows take; the output head in the saved dtype)."""
-        from compressor.output.ctensors import unit_members
+        from compressor.output.ctensors import head_name, unit_members
         from compressor.policy.quantplan import SizePlan
 
         model = run.request.model
-        chosen = {}
+        chosen, head = {}, head_name(model)
         for u, opts in run.planner.units.items():
             name = anchor_scheme(preset["name"], u, [tuple(model.get_submodule(m).weight.shape)
-                                                     for m in unit_members(u)], model)
+                                                     for m in unit_members(u)], head)
             chosen[u] = next(o for o in opts if o.name == name)
         return SizePlan({u: o.name for u, o in chosen.items()}, {}, sum(int(o.size) for o in chosen.values()),
                         preset["file_bytes"], sum(o.cost for o in chosen.values()),
@@ -221,12 +223,11 @@ def in_family(scheme: str, shapes: list[tuple[int, int]]) -> str:
     return next((f for f in FAMILIES[scheme] if all(SCHEMES[f].fits(s[1]) for s in shapes)), FLOAT)
 
 
-def anchor_scheme(scheme: str, unit: str, shapes: list[tuple[int, int]], model: nn.Module) -> str:
+def anchor_scheme(scheme: str, unit: str, shapes: list[tuple[int, int]], head: str | None) -> str:
     """The scheme ``unit`` has in the uniform checkpoint named ``scheme`` (llm-compressor's layout): the output
-    head in the saved dtype (its ``ignore=["lm_head"]``), every other unit :func:`in_family`."""
-    from compressor.output.ctensors import head_name
-
-    return FLOAT if unit == head_name(model) else in_family(scheme, shapes)
+    head (module ``head``, :func:`~compressor.output.ctensors.head_name`) in the saved dtype (its
+    ``ignore=["lm_head"]``), every other unit :func:`in_family`."""
+    return FLOAT if unit == head else in_family(scheme, shapes)
 
 
 def _anchor(scheme: str, nbytes: int) -> dict:
