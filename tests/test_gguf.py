@@ -553,6 +553,42 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     assert not list(tmp_path.glob(".*tmp*")) and not list(tmp_path.glob(".*.size-*"))
 
 
+def test_the_pricing_passs_moments_round_the_plan_without_a_second_pass(tmp_path, tokenizer, ids, monkeypatch,
+                                                                        isolated_cache):
+    """The input moments measured for pricing round the chosen plan: kept in memory when one pass holds every
+    layer's, written to the work folder and mapped back when memory splits the layers into groups. Neither
+    reads the calibration windows a second time, and both write the same file, byte for byte, as a run
+    whose prices come from the cache and whose rounding measures the moments again."""
+    needs_llama_cpp()
+    import hashlib
+
+    import compressor
+    from compressor.pipeline.size import prices, rounding
+
+    src = _size_source(tmp_path, tokenizer, ids, "q8_0")
+    passes, spilled = [], []
+    real, real_spill = rounding.input_moments, prices._spilled
+    monkeypatch.setattr(rounding, "input_moments", lambda *a, **k: passes.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(prices, "_spilled", lambda m, path: spilled.append(path) or real_spill(m, path))
+
+    def run(out: str, cache: bool = False):
+        r = _size_recipe(tmp_path, src, out, "Q4_0", {"ppl_budget": 50.0})
+        r.measure.cache = cache
+        res = compressor.run(r)
+        assert res.exit_code == 0 and res.report["size_plan"]["compensated_tensors"] > 0
+        return hashlib.sha256((res.output / "model.gguf").read_bytes()).hexdigest()
+
+    kept = run("kept", cache=True)
+    assert passes == [] and spilled == []
+    with monkeypatch.context() as m:
+        m.setattr(prices, "moments_budget", lambda: 1)  # every layer its own group
+        split = run("split")
+    assert passes == [] and len(spilled) > 1 and not spilled[0].exists()  # removed with the work folder
+    again = run("again", cache=True)  # prices from the cache: the rounding measures the moments
+    assert len(passes) >= 1
+    assert kept == split == again
+
+
 def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_path, tokenizer, ids, monkeypatch):
     """``output.size: smallest``: the planned file is smaller than the F16 and its predicted change is within
     the share of the budget it planned for; when llama.cpp measures the first file over the gate, the plan

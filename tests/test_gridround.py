@@ -155,6 +155,28 @@ def test_a_shared_factor_gives_the_same_bytes_and_must_match_the_call():
         gr.gptq_quantize(W, H[:128, :128], GGMLType.Q4_K, imatrix(H))
 
 
+def test_many_types_in_one_pass_give_each_type_its_own_bytes():
+    """Pricing rounds a tensor in every type in one pass of the column loop: affine types of 2–8 bits
+    searched together (capped at each one's top code), IQ4's table apart, Q8_0's signed codes apart. Each
+    type's bytes must be exactly those it gets alone, and each column still at its conditional optimum."""
+    W, H = problem(rows=6, n=256, seed=5)
+    f = gr.factor(H)
+    many = gr.gptq_quantize_many(W, f, TYPES, imatrix(H), block=64)
+    assert len(many) == len(TYPES)
+    order = np.argsort(-np.diag(H), kind="stable")
+    for t, raw in zip(TYPES, many):
+        assert np.array_equal(raw, gr.gptq_quantize(W, f, t, imatrix(H), block=64)), t.name
+        Q = gr.dequantize(raw, t, W.shape)
+        levels = every_level(raw, t, W.shape[1])
+        for p, x in conditional_targets(W, Q, H, order, gr.DAMP, [0, 65, 255]).items():
+            j = order[p]
+            step = np.abs(levels[1, :, j] - levels[0, :, j])
+            assert np.all(np.abs(Q[:, j] - x) <= np.abs(levels[:, :, j] - x).min(0) + 1e-3 * step + 1e-7), (t, p)
+    assert gr.gptq_quantize_many(W, f, [], imatrix(H)) == []
+    with pytest.raises(ValueError, match="Q4_K"):
+        gr.gptq_quantize_many(W[:, :224], H[:224, :224], [GGMLType.Q4_0, GGMLType.Q4_K], imatrix(H[:224, :224]))
+
+
 def test_output_error_is_the_trace_form():
     g = np.random.default_rng(4)
     W, A = g.standard_normal((3, 5)), g.standard_normal((3, 5))

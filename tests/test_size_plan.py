@@ -277,6 +277,45 @@ def test_a_type_is_priced_with_and_without_the_importance_matrix_and_keeps_the_c
     assert variants(site, GGMLType.F16) == [None]
 
 
+def test_the_rounding_is_chosen_on_the_probe_rows_and_priced_over_every_row():
+    """Off a grid, error-compensating rounding wins on the probe (the rows of largest F) and its price is GPTQ
+    over every row, the same number as rounding the whole tensor by hand. On the type's own grid (weights
+    ggml's rounding leaves exact) nothing is left to compensate: nearest rounding at no cost, no GPTQ."""
+    pytest.importorskip("llama_cpp")
+    from compressor.fitting import gridround
+    from compressor.policy.quantplan import PROBE_ROWS, Site, price
+
+    g = np.random.default_rng(3)
+    rows, n = 3 * PROBE_ROWS, 256
+    x = g.standard_normal((4 * n, n)) @ (g.standard_normal((n, n)) / n ** 0.5 + 0.5 * np.eye(n))
+    h = torch.from_numpy((x.T @ x / x.shape[0]).astype(np.float32))
+    w = torch.from_numpy((g.standard_normal((rows, n)) * 0.05).astype(np.float32))
+    f = torch.from_numpy(g.uniform(0.5, 2.0, rows))
+    imat = torch.diagonal(h).numpy() / float(torch.diagonal(h).max())
+    site = Site("t", "m", w, h, f, imat)
+    assert len(site.probe(PROBE_ROWS)) == PROBE_ROWS and set(site.probe(PROBE_ROWS).tolist()) == set(
+        torch.topk(f, PROBE_ROWS).indices.tolist())
+    (opt,) = price(site, (GGMLType.Q4_0,))
+    assert opt.payload.compensated and opt.payload.weighted
+    by_hand = gridround.dequantize(gridround.gptq_quantize(w, h, GGMLType.Q4_0, imat), GGMLType.Q4_0, tuple(w.shape))
+    assert opt.cost == pytest.approx(site.cost(torch.from_numpy(by_hand) - w), rel=1e-9)
+    nearest = site.cost(torch.from_numpy(ggml.roundtrip(w.numpy(), GGMLType.Q4_0, imat)) - w)
+    assert opt.cost < 0.7 * nearest
+    on_grid = torch.from_numpy(ggml.roundtrip(w.numpy(), GGMLType.Q4_0))
+    (opt,) = price(Site("t", "m", on_grid, h, f, imat), (GGMLType.Q4_0,))
+    assert not opt.payload.compensated and opt.cost == pytest.approx(0.0, abs=1e-12)
+
+
+def test_fisher_reads_a_spread_share_of_the_windows():
+    from compressor.pipeline.size.prices import fisher_windows
+
+    windows = torch.arange(40 * 8).view(40, 8)
+    some = fisher_windows(windows, tokens=80)
+    assert some.shape == (10, 8) and some[0, 0] == 0 and some[-1, 0] == windows[-1, 0]
+    assert (torch.diff(some[:, 0]) >= 4 * 8).all()  # spread over the text, not its beginning
+    assert fisher_windows(windows, tokens=10_000) is windows and fisher_windows(windows, tokens=1).shape == (1, 8)
+
+
 def test_a_large_unit_whose_step_overshoots_the_multiplier_is_still_taken():
     """One unit a large share of the budget (an embedding) whose upgrade saves a little less per byte than
     the small units' upgrades: the multiplier stops before it and the fill has no room left, though taking

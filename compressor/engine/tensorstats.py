@@ -62,7 +62,10 @@ def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     sums: dict[str, torch.Tensor] = {}
 
     def add(key: str, g: torch.Tensor) -> None:
-        g2 = g.detach().double().pow(2).sum(dim=tuple(range(g.dim() - 1))).cpu()
+        # squares summed in float32 within a batch (a few thousand positive terms), then float64 across batches:
+        # a float64 copy of every gradient took 13 % of SmolLM2's pass
+        g = g.detach().reshape(-1, g.shape[-1]).float()
+        g2 = g.square().sum(0).double().cpu()
         sums[key] = g2 if key not in sums else sums[key] + g2
 
     def hook(name: str):

@@ -313,56 +313,125 @@ def gptq_quantize(weight: np.ndarray | torch.Tensor, h: np.ndarray | torch.Tenso
 
     >>> raw = gptq_quantize(W, H, GGMLType.Q4_0, np.diag(H))   # doctest: +SKIP
     """
-    t = GGMLType(qtype)
-    lay = layout(t)
+    return gptq_quantize_many(weight, h, [qtype], imatrix, damp=damp, block=block, act_order=act_order)[0]
+
+
+def gptq_quantize_many(weight: np.ndarray | torch.Tensor, h: np.ndarray | torch.Tensor | Factor,
+                       qtypes: list[GGMLType], imatrix: np.ndarray | None, *, damp: float = DAMP,
+                       block: int = BLOCK, act_order: bool = True) -> list[np.ndarray]:
+    """:func:`gptq_quantize` of one ``weight`` in each of ``qtypes``, the bytes of each exactly what it would
+    be alone: the types' rows go through GPTQ's column loop side by side (one pass, a few array operations
+    per column for all of them), since pricing a tensor tries it in up to nine types and the loop's
+    per-column overhead, not its arithmetic, is what a row of a few hundred elements costs."""
+    types = [GGMLType(t) for t in qtypes]
+    lays = [layout(t) for t in types]
     W = np.ascontiguousarray(_as_numpy(weight), dtype=np.float32)
     if W.ndim != 2:
         raise ValueError(f"weight must be 2-D [rows, n], got shape {W.shape}")
     rows, n = W.shape
-    if n % lay.block:
-        raise ValueError(f"rows of {n} elements are not a whole number of {t.name} blocks of {lay.block}: "
-                         f"pick a type whose block divides {n}")
+    for t, lay in zip(types, lays):
+        if n % lay.block:
+            raise ValueError(f"rows of {n} elements are not a whole number of {t.name} blocks of {lay.block}: "
+                             f"pick a type whose block divides {n}")
     if not np.isfinite(W).all():
         raise ValueError("weight has non-finite values")
     if not block >= 1:
         raise ValueError(f"block must be >= 1, got {block}")
+    if not types:
+        return []
     f = factor_for(h, n, damp=damp, act_order=act_order)
-    raw = ggml.quantize(W, t, imatrix)
-    base, step = lay.grid(raw, n)
     o = f.order
-    codes = np.empty((n, rows), dtype=np.uint8)
-    codes[o] = _round(W[:, o].T.copy(), base[:, o].T, step[:, o].T, lay.table, f.u, block)
-    return lay.pack(raw, codes.T)
+    raws, bases, steps = [], [], []
+    for t, lay in zip(types, lays):
+        raw = ggml.quantize(W, t, imatrix)
+        base, step = lay.grid(raw, n)
+        raws.append(raw)
+        bases.append(base[:, o].T)
+        steps.append(step[:, o].T)
+    Wt = np.tile(W[:, o].T, (1, len(types)))
+    codes = _round_many(Wt, np.concatenate(bases, 1), np.concatenate(steps, 1), [lay.table for lay in lays],
+                        f.u, block)
+    out = []
+    for i, (raw, lay) in enumerate(zip(raws, lays)):
+        c = np.empty((n, rows), dtype=np.uint8)
+        c[o] = codes[:, i * rows:(i + 1) * rows]
+        out.append(lay.pack(raw, c.T))
+    return out
 
 
-def _round(W: np.ndarray, base: np.ndarray, step: np.ndarray, table: np.ndarray, U: np.ndarray,
-           block: int) -> np.ndarray:
-    """GPTQ's lazy-batch loop on transposed ``[n, rows]`` float32 arrays (a column is a contiguous row):
-    codes ``[n, rows]``, each the nearest level of its element's grid to the error-compensated weight.
+def _round_many(W: np.ndarray, base: np.ndarray, step: np.ndarray, tables: list[np.ndarray], U: np.ndarray,
+                block: int) -> np.ndarray:
+    """GPTQ's lazy-batch loop on transposed ``[n, rows]`` float32 arrays (a column is a contiguous row) whose
+    rows are ``len(tables)`` equal slices, slice ``i`` on grids of table ``tables[i]``: codes ``[n, rows]``,
+    each the nearest level of its element's grid to the error-compensated weight.
 
     Within a batch each column gathers the corrections of the batch's earlier columns (one GEMV) rather
     than having them scattered onto the whole batch after each column: the same sums, a third of the
-    memory traffic. numpy, not torch: torch's threaded rank-1 updates stall on a busy 2-core machine."""
-    order = np.argsort(table, kind="stable")
-    levels = table[order].astype(np.float32)
-    mids = (levels[1:] + levels[:-1]) / 2
+    memory traffic. Slices whose tables are alike share one search per column: an affine type's table is
+    ``0, 1, …, 2^k − 1``, a prefix of the widest one, so a search in the widest capped at ``2^k − 1`` is the
+    search in its own. numpy, not torch: torch's threaded rank-1 updates stall on a busy 2-core machine."""
+    n, total = W.shape
+    rows = total // len(tables)
+    groups = _table_groups(tables, rows)
     B, S = base.astype(np.float32), step.astype(np.float32)
     with np.errstate(divide="ignore"):
         inv = np.where(S != 0, 1 / S, 0).astype(np.float32)  # step 0: every code gives base; any will do
     Ut = np.ascontiguousarray(U.T)
-    n, rows = W.shape
-    idx = np.empty((n, rows), dtype=np.intp)
-    err = np.empty((block, rows), dtype=np.float32)
+    idx = np.empty((n, total), dtype=np.intp)
+    lev = np.empty(total, dtype=np.float32)
+    err = np.empty((block, total), dtype=np.float32)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
         for j in range(i1, i2):
             w = W[j] - Ut[j, i1:j] @ err[:j - i1]
-            k = np.searchsorted(mids, (w - B[j]) * inv[j])
-            err[j - i1] = (w - (B[j] + S[j] * levels[k])) / U[j, j]
-            idx[j] = k
+            x = (w - B[j]) * inv[j]
+            k = idx[j]
+            for sl, levels, mids, cap in groups:
+                kk = np.searchsorted(mids, x[sl])
+                if cap is not None:
+                    np.minimum(kk, cap, out=kk)
+                k[sl] = kk
+                lev[sl] = levels[kk]
+            err[j - i1] = (w - (B[j] + S[j] * lev)) / U[j, j]
         if i2 < n:
             W[i2:] -= U[i1:i2, i2:].T @ err[:i2 - i1]
-    return order[idx].astype(np.uint8)
+    out = np.empty((n, total), dtype=np.uint8)
+    for sl, order in _orders(tables, rows):
+        out[:, sl] = order[idx[:, sl]]
+    return out
+
+
+def _table_groups(tables: list[np.ndarray], rows: int):
+    """``(columns, sorted levels, midpoints, cap or None)`` per set of alike tables: every affine table (``0 … 2^k
+    − 1``) in one group searched on the widest, each capped at its own top code; any other table with the
+    slices of tables equal to it."""
+    affine = [i for i, t in enumerate(tables) if np.array_equal(t, np.arange(len(t)))]
+    groups = []
+    if affine:
+        cols = np.concatenate([np.arange(i * rows, (i + 1) * rows) for i in affine])
+        levels = np.arange(max(len(tables[i]) for i in affine), dtype=np.float32)
+        cap = np.concatenate([np.full(rows, len(tables[i]) - 1) for i in affine])
+        groups.append((_slice(cols), levels, (levels[1:] + levels[:-1]) / 2, cap))
+    rest = [i for i in range(len(tables)) if i not in affine]
+    while rest:
+        same = [i for i in rest if np.array_equal(tables[i], tables[rest[0]])]
+        rest = [i for i in rest if i not in same]
+        levels = np.sort(tables[same[0]]).astype(np.float32)
+        cols = np.concatenate([np.arange(i * rows, (i + 1) * rows) for i in same])
+        groups.append((_slice(cols), levels, (levels[1:] + levels[:-1]) / 2, None))
+    return groups
+
+
+def _orders(tables: list[np.ndarray], rows: int):
+    """Each slice's columns and the map from its sorted level's index to the code (the table's argsort)."""
+    return [(slice(i * rows, (i + 1) * rows), np.argsort(t, kind="stable")) for i, t in enumerate(tables)]
+
+
+def _slice(cols: np.ndarray):
+    """``cols`` as a slice when they are consecutive (a view, not a copy), else as they are."""
+    if cols.size and np.array_equal(cols, np.arange(cols[0], cols[0] + cols.size)):
+        return slice(int(cols[0]), int(cols[0] + cols.size))
+    return cols
 
 
 def dequantize(raw: np.ndarray, qtype: GGMLType, shape: tuple[int, ...]) -> np.ndarray:

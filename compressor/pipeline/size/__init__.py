@@ -136,13 +136,15 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         logger.info("output.size %s: %s bytes of %s (%s%s bytes are not planned)", budget.size,
                     f"{budget.limit:,}", target.what, f"measured beside {budget.preset['name']}; " if budget.preset
                     else "", f"{budget.overhead:,}")
-        units, priced, cached = measure_and_price(recipe, request.model, windows, timings, target)
-        planner = Planner(units, priced, budget)
+        measured = measure_and_price(recipe, request.model, windows, timings, target, spill=workdir)
+        planner = Planner(measured.units, measured.priced, budget)
         check_floor(planner, budget)
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
-        compensator = Compensator(request, priced, windows, recipe.calibration.batch_size, timings, target)
+        compensator = Compensator(request, measured.priced, windows, recipe.calibration.batch_size, timings, target,
+                                  moments=measured.moments)
         run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator, target,
-                      head={"prices_from_cache": cached, "timings": timings, "rounding": recipe.output.rounding})
+                      head={"prices_from_cache": measured.cached, "timings": timings,
+                            "rounding": recipe.output.rounding})
         return run.search()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -156,10 +158,12 @@ def structural(recipe: Recipe) -> bool:
 
 
 def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float] | None:
-    """Expected seconds of the size stage's parts (None without a size): baseline, the two statistics passes,
-    pricing (large tensors on a sample of rows), error-compensating rounding (GPTQ's pricing, and the chosen
-    plan's, and the anchor's where the run makes it, over all rows), and the file and its anchor checked
-    where they run."""
+    """Expected seconds of the size stage's parts (None without a size): baseline, the statistics (a backward
+    pass over :data:`~.prices.FISHER_TOKENS`, the input moments of every window), pricing (large tensors on
+    a sample of rows), error-compensating rounding (GPTQ's pricing, and the chosen plan's, and the anchor's
+    where the run makes it, over all rows, on the moments the pricing kept), and the file and its anchor
+    checked where they run."""
+    from compressor.pipeline.size.prices import FISHER_TOKENS
     from compressor.pipeline.size.target import target_for
     from compressor.policy.quantplan import MAX_PRICED_ELEMENTS
 
@@ -167,18 +171,19 @@ def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: in
         return None
     weights = [p for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2]
     priced = sum(min(p.numel(), MAX_PRICED_ELEMENTS) for p in weights)
-    out = {"baseline": evals * fwd, "statistics": cal * fwd * SIZE_STATS_FACTOR,
+    out = {"baseline": evals * fwd,
+           "statistics": fwd * (FISHER_FACTOR * min(cal, FISHER_TOKENS) + MOMENTS_FACTOR * cal),
            "pricing": priced * 8 * PRICE_SECONDS, "write + verify": 4 * evals * fwd + params * 1e-7}
     if recipe.output.rounding == "gptq":
         target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
         linears = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)]
         folds = 2 if target.heldout_prices else 1
         # per layer: one Ĥ factor (in³) per fold, then GPTQ (rows·in²) per option on the priced rows; the
-        # rounding measures Ĥ again (a pass per group of layers whose moments fit: about two)
+        # rounding reads the moments the pricing kept (in memory, or spilled to the work folder)
         out["pricing"] += folds * sum(FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.gptq_options * i * i * min(
             o, max(MAX_PRICED_ELEMENTS // i, 256)) for o, i in linears)
-        out["rounding"] = 2 * cal * fwd + sum(FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.full_roundings * o * i * i
-                                              for o, i in linears)
+        out["rounding"] = sum(
+            FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.full_roundings * o * i * i for o, i in linears)
     return out
 
 
@@ -190,9 +195,11 @@ FACTOR_SECONDS = 1e-11
 #: Seconds per weight per GGML type to price (quantize, decode, cost) on the 2-core machine: SmolLM2-135M's
 #: 108 M priced weights in about 8 types each took 46 s (``report.json`` → ``size_plan.timings``).
 PRICE_SECONDS = 5.3e-8
-#: The size stage's passes, relative to a forward over the calibration tokens: the backward pass and the
-#: input moments of every linear (SmolLM2-135M, 16,384 tokens: 124 s in all).
-SIZE_STATS_FACTOR = 6.0
+#: The loss-gradient pass per token, over a forward's, with its hooks (SmolLM2-135M: 16.5 s for 4,096 tokens);
+#: and the input moments of every linear per token (the forward and the ``XᵀX`` products, about as costly:
+#: SmolLM2-135M, 14,336 tokens, 37.5 s).
+FISHER_FACTOR = 4.6
+MOMENTS_FACTOR = 3.0
 
 __all__ = ["baseline_only", "check", "check_output", "default_formats", "estimate", "ship", "structural",
            "size_refusal", "writer_refusal"]

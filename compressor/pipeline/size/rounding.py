@@ -2,8 +2,9 @@
 
 Prices are computed on a sample of rows (:mod:`.prices`); once a plan is chosen, each tensor whose option is
 GPTQ (:attr:`~compressor.policy.quantplan.SizePlan.compensated`) is rounded over all its rows with its layer's
-input second moment Ĥ, measured again in groups of layers that fit in memory (the pricing pass does not keep
-them: Qwen2.5-1.5B's take 9.8 GB), by the size target's rounding
+input second moment Ĥ — the pricing pass's, kept in memory (SmolLM2-135M: 0.4 GB) or mapped from the work
+folder (Qwen2.5-1.5B's 9.8 GB), or, with prices from the cache, measured again in groups of layers that fit
+in memory — by the size target's rounding
 (:meth:`~compressor.pipeline.size.target.SizeTarget.round_full`). What it returns goes on
 :attr:`SizePlan.stored` (a GGUF's raw bytes in the file's row order; an integer scheme's codes and scales), and
 the writer stores it as it is. Each (tensor, type) is rounded once per run, whatever the search tries.
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from compressor.core.params import tied_head
 from compressor.core.progress import progress
 from compressor.engine.tensorstats import input_moments
 from compressor.fitting.gridround import factor
@@ -29,10 +31,13 @@ class Compensator:
     """Full-row GPTQ bytes of the tensors a plan compensates (:meth:`fill`), each (tensor, type) once."""
 
     def __init__(self, request, priced: list[Priced], windows: torch.Tensor, batch_size: int,
-                 timings: dict, target) -> None:
+                 timings: dict, target, moments: dict | None = None) -> None:
+        """``moments``: every linear layer's Ĥ over ``windows``, as the pricing pass measured it (None: measured
+        here, in groups)."""
         self.request, self.windows, self.batch_size, self.timings = request, windows, batch_size, timings
         self.priced = {p.name: p for p in priced}
         self.target = target
+        self.moments = moments
         self._done: dict[tuple[str, str], object] = {}
 
     def fill(self, *plans: SizePlan) -> None:
@@ -48,10 +53,11 @@ class Compensator:
             p.stored = {n: (p.types[n], self._done[n, p.types[n]]) for n in p.compensated}
 
     def _moments_module(self, name: str) -> str:
-        """The layer whose input second moment prices tensor ``name``: its own, or a tied embedding's head."""
+        """The layer whose input second moment prices tensor ``name``: its own, or a tied embedding's head (the
+        rule :func:`compressor.policy.quantplan.sites` prices it by)."""
         model = self.request.model
         module = self.priced[name].module
-        if model.get_submodule(module) is model.get_input_embeddings():
+        if tied_head(model) and model.get_submodule(module) is model.get_input_embeddings():
             names = {id(m): n for n, m in model.named_modules()}
             return names[id(model.get_output_embeddings())]
         return module
@@ -64,7 +70,8 @@ class Compensator:
         order = [n for n, _ in model.named_modules() if n in by_module]
         bar = progress(total=len(need), desc="size plan: compensated rounding", unit="tensor")
         for group in moment_groups(model, order):
-            moments = input_moments(model, self.windows, group, batch_size=self.batch_size)
+            moments = (self.moments if self.moments is not None and all(m in self.moments for m in group) else
+                       input_moments(model, self.windows, group, batch_size=self.batch_size))
             for module in group:
                 # one solve per layer, shared by every option of it rounded here (the plan's and the anchor's);
                 # the targets' GPTQ checks it was made with their settings (act-order, default damping)
