@@ -173,6 +173,19 @@ def test_many_types_in_one_pass_give_each_type_its_own_bytes():
             step = np.abs(levels[1, :, j] - levels[0, :, j])
             assert np.all(np.abs(Q[:, j] - x) <= np.abs(levels[:, :, j] - x).min(0) + 1e-3 * step + 1e-7), (t, p)
     assert gr.gptq_quantize_many(W, f, [], imatrix(H)) == []
+
+
+def test_a_large_tensor_is_rounded_in_chunks_of_rows_to_the_same_bytes(monkeypatch):
+    """Rows are independent (per-row scales, error carried along a row): rounded a few rows at a time, to
+    bound memory on an output head of 152k rows, every byte is the same."""
+    W, H = problem(rows=7, n=256, seed=6)
+    f = gr.factor(H)
+    types = [GGMLType.Q4_K, GGMLType.IQ4_NL]
+    whole = gr.gptq_quantize_many(W, f, types, imatrix(H))
+    monkeypatch.setattr(gr, "CHUNK_ELEMENTS", 2 * 256 * len(types))  # two rows a chunk, the last one alone
+    chunked = gr.gptq_quantize_many(W, f, types, imatrix(H))
+    assert all(np.array_equal(a, b) for a, b in zip(whole, chunked))
+    assert chunked[0].shape == (7, ggml.bytes_per_row(GGMLType.Q4_K, 256))
     with pytest.raises(ValueError, match="Q4_K"):
         gr.gptq_quantize_many(W[:, :224], H[:224, :224], [GGMLType.Q4_0, GGMLType.Q4_K], imatrix(H[:224, :224]))
 

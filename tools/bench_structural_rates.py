@@ -14,7 +14,7 @@ enters a plan only where its rate (loss per byte saved) is below quantization's.
         --presets-from /tmp/bench-smol --output tools/results/structural_rates_smollm2.json
 
 ``--presets-from``: the work folder of ``tools/bench_size_frontier.py`` (its preset files give the
-byte budgets). Run it alone.
+byte budgets; a size in bits per weight, ``2.5bpw``, needs only its F16). Run it alone.
 """
 
 from __future__ import annotations
@@ -41,6 +41,18 @@ def prune_cost(w_down: torch.Tensor, h: torch.Tensor, f: torch.Tensor, k: int) -
     ws = w[:, s]
     cost = 0.5 * float((f.double() * ((ws @ block) * ws).sum(1)).sum())
     return cost, s.tolist()
+
+
+def size_budget(size: str, presets: Path, model, layout) -> int:
+    """File bytes of ``size``: a preset's file in the frontier's work folder, or bits per weight (``2.5bpw``)
+    over every weight the model stores plus the F16's header, as ``output.size`` reads it."""
+    from compressor.recipe.schema import parse_size
+
+    kind, value = parse_size(size)
+    if kind == "bpw":
+        weights = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        return int(value * weights / 8) + layout.data_offset
+    return (presets / f"{size}.gguf").stat().st_size
 
 
 def main() -> None:
@@ -78,7 +90,7 @@ def main() -> None:
         prune[i] = {k: prune_cost(w, moments[down], fisher.grad_sq[down], k)[0] for k in args.units}
     rows = []
     for size in args.sizes:
-        budget = (Path(args.presets_from) / f"{size}.gguf").stat().st_size
+        budget = size_budget(size, Path(args.presets_from), model, layout)
         p = plan(units, priced, budget - overhead)
         choice = {r["tensor"]: r["type"] for r in p.rows}
         # quantization's marginal rate: the cheapest loss per byte saved by one step down of one tensor

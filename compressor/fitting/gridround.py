@@ -340,17 +340,36 @@ def gptq_quantize_many(weight: np.ndarray | torch.Tensor, h: np.ndarray | torch.
     if not types:
         return []
     f = factor_for(h, n, damp=damp, act_order=act_order)
+    # rows are rounded independently (ggml's scales are per row, GPTQ's error moves along a row): a large
+    # tensor goes in chunks of rows, its bytes the same, its memory bounded (an output head of 152k rows of
+    # 1,536 held ~10 GB of grids and codes at once and was killed on a 24 GB machine)
+    step_rows = max(1, CHUNK_ELEMENTS // (n * len(types)))
+    parts = [_gptq_rows(W[r:r + step_rows], f, types, lays, imatrix, block) for r in range(0, rows, step_rows)]
+    return [np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(len(types))]
+
+
+#: Elements (rows × inputs × types) :func:`gptq_quantize_many` rounds at once: about 40 bytes of working
+#: arrays each (the weights, grids, codes and indices), so at most about 0.7 GB.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _gptq_rows(W: np.ndarray, f: Factor, types: list[GGMLType], lays: list[Layout], imatrix, block: int):
+    """:func:`gptq_quantize_many` of the rows ``W``: raw bytes per type."""
+    rows, n = W.shape
     o = f.order
-    raws, bases, steps = [], [], []
-    for t, lay in zip(types, lays):
+    total = rows * len(types)
+    B = np.empty((n, total), dtype=np.float32)
+    S = np.empty((n, total), dtype=np.float32)
+    raws = []
+    for i, (t, lay) in enumerate(zip(types, lays)):
         raw = ggml.quantize(W, t, imatrix)
         base, step = lay.grid(raw, n)
+        B[:, i * rows:(i + 1) * rows] = base[:, o].T
+        S[:, i * rows:(i + 1) * rows] = step[:, o].T
+        del base, step
         raws.append(raw)
-        bases.append(base[:, o].T)
-        steps.append(step[:, o].T)
-    Wt = np.tile(W[:, o].T, (1, len(types)))
-    codes = _round_many(Wt, np.concatenate(bases, 1), np.concatenate(steps, 1), [lay.table for lay in lays],
-                        f.u, block)
+    codes = _round_many(np.tile(W[:, o].T, (1, len(types))), B, S, [lay.table for lay in lays], f.u, block)
+    del B, S
     out = []
     for i, (raw, lay) in enumerate(zip(raws, lays)):
         c = np.empty((n, rows), dtype=np.uint8)
@@ -373,11 +392,11 @@ def _round_many(W: np.ndarray, base: np.ndarray, step: np.ndarray, tables: list[
     n, total = W.shape
     rows = total // len(tables)
     groups = _table_groups(tables, rows)
-    B, S = base.astype(np.float32), step.astype(np.float32)
+    B, S = base.astype(np.float32, copy=False), step.astype(np.float32, copy=False)
     with np.errstate(divide="ignore"):
         inv = np.where(S != 0, 1 / S, 0).astype(np.float32)  # step 0: every code gives base; any will do
     Ut = np.ascontiguousarray(U.T)
-    idx = np.empty((n, total), dtype=np.intp)
+    idx = np.empty((n, total), dtype=np.uint8)  # positions in a table of at most 2⁸ levels
     lev = np.empty(total, dtype=np.float32)
     err = np.empty((block, total), dtype=np.float32)
     for i1 in range(0, n, block):

@@ -109,12 +109,10 @@ class Site:
 
         return [(factor(fit), priced) for fit, priced in self.fit_pairs()]
 
-    def fitted_cost(self, factors: list[tuple[object, torch.Tensor]], error: Callable[[object], torch.Tensor],
-                    at: torch.Tensor | None = None) -> float:
-        """Predicted cost of a rounding fitted to Ĥ: ``error(factor)`` is the priced rows' error (those ``at``,
-        when given) when fitted through ``factor``, priced under the Ĥ paired with it (:meth:`fit_factors`);
-        the mean over the pairs."""
-        return sum(self.cost(error(fac), h, at) for fac, h in factors) / len(factors)
+    def fitted_cost(self, factors: list[tuple[object, torch.Tensor]], error: Callable[[object], torch.Tensor]) -> float:
+        """Predicted cost of a rounding fitted to Ĥ: ``error(factor)`` is the priced rows' error when fitted
+        through ``factor``, priced under the Ĥ paired with it (:meth:`fit_factors`); the mean over the pairs."""
+        return sum(self.cost(error(fac), h) for fac, h in factors) / len(factors)
 
     def priced_weight(self) -> torch.Tensor:
         return self.weight if self.rows is None else self.weight[self.rows]
