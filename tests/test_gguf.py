@@ -558,7 +558,8 @@ def test_the_pricing_passs_moments_round_the_plan_without_a_second_pass(tmp_path
     """The input moments measured for pricing round the chosen plan: kept in memory when one pass holds every
     layer's, written to the work folder and mapped back when memory splits the layers into groups. Neither
     reads the calibration windows a second time, and both write the same file, byte for byte, as a run
-    whose prices come from the cache and whose rounding measures the moments again."""
+    whose prices come from the cache, or whose disk has no room for them, and whose rounding measures the
+    moments again."""
     needs_llama_cpp()
     import hashlib
 
@@ -586,7 +587,17 @@ def test_the_pricing_passs_moments_round_the_plan_without_a_second_pass(tmp_path
     assert passes == [] and len(spilled) > 1 and not spilled[0].exists()  # removed with the work folder
     again = run("again", cache=True)  # prices from the cache: the rounding measures the moments
     assert len(passes) >= 1
-    assert kept == split == again
+    measured = len(passes)
+
+    def full_disk(moments, path):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(prices, "moments_budget", lambda: 1)
+        m.setattr(prices, "_spilled", full_disk)
+        no_room = run("no_room")  # nothing kept: measured again, the same file
+    assert len(passes) > measured
+    assert kept == split == again == no_room
 
 
 def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_path, tokenizer, ids, monkeypatch):

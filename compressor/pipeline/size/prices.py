@@ -142,7 +142,12 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
         t0 = time.perf_counter()
         these = sites(model, fisher, moments, namer, modules=set(group), folds=folds)
         if kept is not None:
-            kept.update(moments if len(groups) == 1 else _spilled(moments, spill / f"moments-{i}.pt"))
+            try:
+                kept.update(moments if len(groups) == 1 else _spilled(moments, spill / f"moments-{i}.pt"))
+            except OSError as exc:  # a full disk costs a second pass, not the run
+                logger.warning("size plan: the input moments could not be kept in %s (%s); the rounding of the "
+                               "chosen plan measures them again", spill, exc)
+                kept = None
         del moments, folds
         units.update(target.price_all(these, recipe.output.rounding))
         priced += target.priced(these)
