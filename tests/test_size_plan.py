@@ -182,6 +182,12 @@ def test_fisher_is_the_squared_gradient_of_the_summed_loss(llama):
     g2 = outs[0].grad.double().pow(2).sum((0, 1)) / windows.numel()
     assert torch.allclose(fisher.grad_sq[name], g2, rtol=1e-4, atol=1e-12)
     assert fisher.token_counts.sum() == windows.numel()
+    # the token counts may come from more text than the gradients: the same F, the counts of ``counted``
+    more = torch.cat([windows, _windows(llama, n=3)])
+    wider = output_fisher(llama, windows, batch_size=2, names=[name], counted=more)
+    assert torch.equal(wider.grad_sq[name], fisher.grad_sq[name])
+    assert wider.tokens == more.numel()
+    assert torch.equal(wider.token_counts, torch.bincount(more.flatten(), minlength=llama.config.vocab_size).double())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,13 +19,17 @@ Run it alone.
 
 from __future__ import annotations
 
+import gc
+import logging
 import subprocess
 import time
 from pathlib import Path
 
 from benchlib import load_bench_model, wikitext, write_json
-from benchlib.cli import add_alone, add_model, tool_parser
+from benchlib.cli import add_alone, add_model, log_to_stderr, tool_parser
 from benchlib.runs import llamacpp_perplexity_cmd, scores
+
+logger = logging.getLogger("bench_imatrix_alone")
 
 
 def main() -> None:
@@ -40,11 +44,13 @@ def main() -> None:
     ap.add_argument("--output", required=True)
     add_alone(ap)
     args = ap.parse_args()
+    log_to_stderr()
     import torch
 
     from compressor.engine.tensorstats import input_moments, linear_names
     from compressor.output.gguf import write_requantized
     from compressor.pipeline.size.gguf_target import gguf_namer
+    from compressor.pipeline.size.prices import moment_groups
     from compressor.policy.quantplan import _imatrix
 
     work, tools = Path(args.work), Path(args.tools)
@@ -52,25 +58,32 @@ def main() -> None:
     model, tok, _, _ = load_bench_model(args.model, dtype="float32")
     text = (work / "calibration.txt").read_text(encoding="utf-8")
     ids = torch.tensor(tok(text).input_ids[: args.cal_tokens]).reshape(-1, 512)
-    names = linear_names(model)
-    moments = input_moments(model, ids, names, batch_size=4)
-    namer = gguf_namer(model)
-    imatrix = {namer(f"{n}.weight"): _imatrix(torch.diagonal(moments[n])) for n in names if namer(f"{n}.weight")}
     import gguf
 
     from compressor.core.ggml import GGMLType, fits
 
     two_d = {t.name: int(t.shape[0]) for t in gguf.GGUFReader(f16).tensors if len([d for d in t.shape if d > 1]) >= 2}
     types = {name: args.type if fits(GGMLType[args.type], n) else args.fallback for name, n in two_d.items()}
+    namer = gguf_namer(model)
+    imatrix, stored, gptq_s = {}, {}, 0.0
+    # the moments in groups of layers that fit memory beside the model, as the size plan measures them
+    # (Qwen2.5-1.5B's every Ĥ at once, 10 GB beside 7 GB of float32 model, was killed for memory)
+    for group in moment_groups(model, linear_names(model)):
+        moments = input_moments(model, ids, group, batch_size=4)
+        imatrix.update({namer(f"{n}.weight"): _imatrix(torch.diagonal(moments[n])) for n in group
+                        if namer(f"{n}.weight")})
+        t0 = time.perf_counter()
+        stored.update(compensated(model, moments, namer, types, imatrix))  # consumes the moments
+        gptq_s += time.perf_counter() - t0
+        logger.info("rounded %d of the linear layers", len(stored))
+    del model  # the writes below read the F16
+    gc.collect()
     files = {}
     files["compressor, no weights"] = work / f"uniform-{args.type}-plain.gguf"
     write_requantized(f16, files["compressor, no weights"], types)
     files["compressor, diag(H) of the run"] = work / f"uniform-{args.type}-ours.gguf"
     write_requantized(f16, files["compressor, diag(H) of the run"], types, imatrix)
     files["compressor, error-compensating (GPTQ through H)"] = work / f"uniform-{args.type}-gptq.gguf"
-    t0 = time.perf_counter()
-    stored = compensated(model, moments, namer, types, imatrix)
-    gptq_s = time.perf_counter() - t0
     write_requantized(f16, files["compressor, error-compensating (GPTQ through H)"], types, imatrix, stored=stored)
     files["llama-quantize --pure"] = work / f"pure-{args.type}.gguf"
     files["llama-quantize --pure --imatrix"] = work / f"pure-{args.type}-imatrix.gguf"
@@ -98,7 +111,8 @@ def main() -> None:
 
 
 def compensated(model, moments: dict, namer, types: dict, imatrix: dict) -> dict:
-    """GGUF name → (type, GPTQ bytes in the file's row order) for every linear the file stores."""
+    """GGUF name → (type, GPTQ bytes in the file's row order) for every linear the file stores. Each Ĥ is
+    dropped from ``moments`` once used (a matrix its layers share is freed after the last of them)."""
     from compressor.core.ggml import GGMLType
     from compressor.fitting.gridround import gptq_quantize
     from compressor.core.archs import ARCHITECTURES
@@ -106,7 +120,8 @@ def compensated(model, moments: dict, namer, types: dict, imatrix: dict) -> dict
 
     arch = ARCHITECTURES[model.config.model_type].gguf_native  # the F16 from a Hugging Face folder: its native arch
     out = {}
-    for module, h in moments.items():
+    for module in list(moments):
+        h = moments.pop(module)
         name = namer(f"{module}.weight")
         if name is None or name not in types:
             continue

@@ -9,7 +9,9 @@ For one model:
    calibration text (``--chunks 32 -c 512``) then ``llama-quantize --imatrix`` (with importance matrix);
 3. compressor at each preset's size: ``compressor run`` with ``output.size: PRESET``, calibrated on the
    same text (16,384 tokens in windows of 512), quantization only;
-4. every file scored on WikiText-2 test by ``tools/llamacpp_perplexity.py`` in a separate process that
+4. with ``--autoround PYTHON``: AutoRound's GGUF export of each preset's type (``tools/autoround_gguf.py``
+   run by that interpreter, an environment with ``auto-round``; the same calibration tokens);
+5. every file scored on WikiText-2 test by ``tools/llamacpp_perplexity.py`` in a separate process that
    does not import compressor (llama-cpp-python tokenizes and scores 512-token windows).
 
 The llama.cpp tools are built from the llama.cpp that llama-cpp-python 0.3.36 vendors (its source
@@ -78,6 +80,11 @@ def parse_args():
     ap.add_argument("--code-text", default=None,
                     help="a second evaluation text: a UTF-8 file, or 'stdlib' (this Python's standard-library "
                     "source, public modules: what tools/independent_check.py reads)")
+    ap.add_argument("--autoround", metavar="PYTHON", default=None,
+                    help="also AutoRound's GGUF export of each preset, by this interpreter (auto-round installed)")
+    ap.add_argument("--autoround-iters", type=int, nargs="+", default=[200],
+                    help="AutoRound's tuning steps per block (its default 200; 0: tuning-free): one value, or one "
+                         "per preset")
     ap.add_argument("--kld", action="store_true", help="also KL divergence from the F16, token by token")
     ap.add_argument("--output", required=True)
     add_alone(ap)
@@ -110,6 +117,28 @@ def compressor_file(args, work: WorkFolder, cal: Path, preset: str, rounding: st
     if not (out / "model.gguf").exists():
         r.write_text(recipe(args.model, cal, preset, out, args.cal_tokens, rounding))
     return work.make(label, out / "model.gguf", [Path(PY).parent / "compressor", "run", r])
+
+
+# AutoRound's GGUF formats named as llama.cpp's presets (it has no plain Q2_K: its Q2_K_S is the nearest)
+AUTOROUND_FORMATS = {"Q4_K_M": "gguf:q4_k_m", "Q3_K_M": "gguf:q3_k_m", "Q2_K": "gguf:q2_k_s"}
+
+
+def autoround_iters(args, preset: str) -> int:
+    """``--autoround-iters`` for ``preset``: its one value, or the preset's own."""
+    its = args.autoround_iters
+    if len(its) not in (1, len(args.presets)):
+        raise SystemExit(f"--autoround-iters: give one value or one per preset ({len(args.presets)})")
+    return its[0] if len(its) == 1 else its[args.presets.index(preset)]
+
+
+def autoround_file(args, work: WorkFolder, cal: Path, preset: str) -> Path:
+    """AutoRound's export of ``preset``'s type, calibrated on the same tokens as everyone else (its seconds
+    and settings beside it, ``.json``)."""
+    out = work.path / f"autoround-{preset}-i{autoround_iters(args, preset)}.gguf"
+    return work.make(f"autoround-{preset}", out, [
+        args.autoround, Path(__file__).parent / "autoround_gguf.py", "--model", args.model, "--text", cal,
+        "--format", AUTOROUND_FORMATS[preset], "--iters", str(autoround_iters(args, preset)), "--tokens",
+        str(args.cal_tokens), "--threads", str(args.threads), "--output", out])
 
 
 def score_rows(args, work: WorkFolder, files: dict[str, Path]) -> list[dict]:
@@ -147,6 +176,8 @@ def _scored(args, work: WorkFolder, files: dict[str, Path], text, name: str) -> 
                "ppl": s["ppl"], "change_vs_f16": s["ppl"] / base - 1, **({"kld": s["kld"]} if "kld" in s else {})}
         if label.startswith("compressor-"):
             row.update(gate_and_types(path.parent / "report.json"))
+        if label.startswith("autoround-") and path.with_suffix(".json").exists():
+            row["autoround"] = json.loads(path.with_suffix(".json").read_text())  # its settings and seconds
         rows.append(row)
     return rows
 
@@ -167,13 +198,21 @@ def compare_with_presets(rows: list[dict], presets: list[str]) -> None:
         ours = next((r for r in rows if r["file"] == f"compressor-{preset}"), None)
         plain = next(r for r in rows if r["file"] == preset)
         imat = next(r for r in rows if r["file"] == f"{preset}-imatrix")
+        autoround = next((r for r in rows if r["file"] == f"autoround-{preset}"), None)
+        if ours and autoround:
+            ours["vs_autoround"] = {"no_larger": ours["bytes"] <= autoround["bytes"],
+                                    "beats_ppl": ours["ppl"] < autoround["ppl"]}
+            if "kld" in ours:
+                ours["vs_autoround"]["beats_kld"] = ours["kld"]["mean"] < autoround["kld"]["mean"]
         if ours:
+            better = min(plain["change_vs_f16"], imat["change_vs_f16"])
             ours["vs_presets"] = {
                 "no_larger_than_preset": ours["bytes"] <= plain["bytes"],
                 "increase_ratio_to_plain": ours["change_vs_f16"] / plain["change_vs_f16"],
+                "increase_ratio_to_better": ours["change_vs_f16"] / better,
                 "beats_plain": ours["ppl"] < plain["ppl"], "beats_imatrix": ours["ppl"] < imat["ppl"],
                 "target_met": (ours["bytes"] <= plain["bytes"] and ours["ppl"] < min(plain["ppl"], imat["ppl"])
-                               and ours["change_vs_f16"] <= 0.7 * plain["change_vs_f16"]),
+                               and ours["change_vs_f16"] <= 0.5 * better),  # issue 46's bar
             }
 
 
@@ -186,6 +225,8 @@ def main() -> None:
     files = {"F16": f16}
     for preset in args.presets:
         files.update(preset_files(args, work, f16, imatrix, preset))
+        if args.autoround:
+            files[f"autoround-{preset}"] = autoround_file(args, work, cal, preset)
         for rounding in ([] if args.skip_ours else args.roundings):
             label = f"compressor-{preset}" + ("" if rounding == "gptq" else f"-{rounding}")
             files[label] = compressor_file(args, work, cal, preset, rounding)
@@ -194,7 +235,9 @@ def main() -> None:
     result = {"model": args.name, "source": args.model, "eval_text": Path(args.eval_text).name,
               "windows": args.windows, "seq_len": 512, "calibration": f"first {args.cal_chars} characters of "
               f"{Path(args.cal_text).name}, {args.cal_tokens} tokens", "runtime": "llama-cpp-python 0.3.36",
-              "ran_alone": bool(args.alone), "rows": rows, "seconds": work.seconds,
+              "ran_alone": bool(args.alone), "rows": rows,
+              **({"autoround": {p: {"format": AUTOROUND_FORMATS[p], "iters": autoround_iters(args, p)}
+                                for p in args.presets}} if args.autoround else {}), "seconds": work.seconds,
               # the commands as run, from the log (`python -c` is F16_SNIPPET above)
               "commands": work.commands()}
     write_json(args.output, result)

@@ -55,9 +55,11 @@ def linear_names(model: nn.Module) -> list[str]:
 
 
 def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8,
-                  names: list[str] | None = None) -> Fisher:
+                  names: list[str] | None = None, counted: torch.Tensor | None = None) -> Fisher:
     """One forward + backward per batch of ``windows`` ([n, seq_len] token ids): ``F`` at the output of
-    each linear in ``names`` (default: all) and of the token embedding."""
+    each linear in ``names`` (default: all) and of the token embedding. The token counts are of
+    ``counted`` (default ``windows``): a token's frequency needs no pass, so it can come from more text
+    than the gradients do."""
     names = linear_names(model) if names is None else names
     sums: dict[str, torch.Tensor] = {}
 
@@ -76,19 +78,18 @@ def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
     embed = model.get_input_embeddings()
     vocab = embed.weight.shape[0]
-    counts = torch.zeros(vocab, dtype=torch.float64)
+    counted = windows if counted is None else counted
+    counts = torch.bincount(counted.flatten().cpu(), minlength=vocab).double()[:vocab]
     rows = backward_rows(model, windows.shape[1], batch_size)
     try:
         with frozen(model):
             for first in progress(range(0, windows.shape[0], rows), desc="price: loss gradients", unit="batch"):
-                ids = windows[first:first + rows].to(embed.weight.device)
-                counts += torch.bincount(ids.flatten().cpu(), minlength=vocab).double()
-                add(EMBEDDING, summed_loss_backward(model, ids))
+                add(EMBEDDING, summed_loss_backward(model, windows[first:first + rows].to(embed.weight.device)))
     finally:
         for h in handles:
             h.remove()
     n_tokens = windows.numel()
-    return Fisher({k: v / n_tokens for k, v in sums.items()}, counts, n_tokens)
+    return Fisher({k: v / n_tokens for k, v in sums.items()}, counts, counted.numel())
 
 
 class _AllSeen(Exception):

@@ -121,11 +121,8 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
             return Measured(units, priced, True)
     bs = recipe.calibration.batch_size
     t0 = time.perf_counter()
-    fisher = output_fisher(model, fisher_windows(windows), batch_size=bs)
-    # a token's frequency (an embedding row's lookup weight) from every window: a bincount, no pass
-    vocab = fisher.token_counts.shape[0]
-    fisher.token_counts = torch.bincount(windows.flatten().cpu(), minlength=vocab).double()[:vocab]
-    fisher.tokens = windows.numel()
+    # gradients from a spread subset; a token's frequency (an embedding row's lookup weight) from every window
+    fisher = output_fisher(model, fisher_windows(windows), batch_size=bs, counted=windows)
     timings["statistics_s"] = time.perf_counter() - t0
     units, priced, namer = {}, [], target.namer(model)
     crossfit = target.heldout_prices and recipe.output.rounding == "gptq" and windows.shape[0] >= 2

@@ -47,9 +47,8 @@ class SizeTarget:
     (:meth:`~compressor.policy.quantplan.Site.fit_pairs`) rather than on the Ĥ it is fitted to."""
 
     def __init__(self, output=None) -> None:
-        """``output``: the recipe's ``output`` section (:class:`~compressor.recipe.schema.OutputConfig`), for a
-        target's own settings; None: their defaults."""
-        self.output = output
+        """``output``: the recipe's ``output`` section (:class:`~compressor.recipe.schema.OutputConfig`), from
+        which a target reads its own settings when it is made; None: their defaults."""
 
     def anchor_called(self, name: str) -> str:
         """The anchor of size ``name``, in words ("llama.cpp's Q4_K_M")."""
