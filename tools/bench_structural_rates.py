@@ -46,12 +46,12 @@ def prune_cost(w_down: torch.Tensor, h: torch.Tensor, f: torch.Tensor, k: int) -
 def size_budget(size: str, presets: Path, model, layout) -> int:
     """File bytes of ``size``: a preset's file in the frontier's work folder, or bits per weight (``2.5bpw``)
     over every weight the model stores plus the F16's header, as ``output.size`` reads it."""
+    from compressor.pipeline.size.budget import bpw_bytes
     from compressor.recipe.schema import parse_size
 
     kind, value = parse_size(size)
     if kind == "bpw":
-        weights = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        return int(value * weights / 8) + layout.data_offset
+        return bpw_bytes(value, model, layout)
     return (presets / f"{size}.gguf").stat().st_size
 
 

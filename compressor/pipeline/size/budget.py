@@ -107,6 +107,13 @@ def f16_request(request: WriteRequest) -> WriteRequest:
                         source=request.source, dtype=torch.float16, options=dict(F16_OPTIONS))
 
 
+def bpw_bytes(bpw: float, model, layout) -> int:
+    """File bytes of a size in bits per weight: ``bpw`` over every weight ``model`` stores (a tied matrix
+    once), plus the F16 ``layout``'s header."""
+    weights = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return int(bpw * weights / 8) + layout.data_offset
+
+
 def measure_budget(size: str, request: WriteRequest, workdir: Path) -> Budget:
     """Write the F16 file into ``workdir`` and resolve ``size`` against it (and the preset, when named)."""
     from compressor.output.gguf import PRESETS, quantize_file, write_gguf
@@ -124,8 +131,7 @@ def measure_budget(size: str, request: WriteRequest, workdir: Path) -> Budget:
     elif kind == "smallest":
         limit = layout.file_bytes  # at most the F16 file; the plan itself is searched
     elif kind == "bpw":
-        weights = sum(p.numel() for p in {id(p): p for p in request.model.parameters()}.values())
-        limit = int(value * weights / 8) + layout.data_offset
+        limit = bpw_bytes(value, request.model, layout)
     else:
         limit = int(value)
     if limit <= layout.file_bytes_of({n: 0 for n in layout.planned}):
