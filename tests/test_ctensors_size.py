@@ -122,8 +122,8 @@ def test_the_plan_and_the_uniform_anchor_are_rounded_in_one_pass_over_the_calibr
     real_moments, real_round = rounding.input_moments, CompressedTensorsTarget.round_full
     monkeypatch.setattr(rounding, "input_moments", lambda *a, **k: passes.append(a[2]) or real_moments(*a, **k))
     monkeypatch.setattr(CompressedTensorsTarget, "round_full",
-                        lambda self, name, option, *a: rounded.append((name, option)) or real_round(self, name,
-                                                                                                  option, *a))
+                        lambda self, name, option, *a, **k: rounded.append((name, option)) or real_round(
+                            self, name, option, *a, **k))
     src = _source(tmp_path, tokenizer)
     res = compressor.run(_recipe(tmp_path, src, "out", "W4A16"))
     assert res.exit_code == 0, res.report.get("message")
@@ -208,3 +208,4 @@ def test_the_run_time_estimate_counts_gptq_pricing_and_rounding(tmp_path):
     assert gptq["rounding"] > 0 and "rounding" not in nearest
     assert gptq["pricing"] > nearest["pricing"]
     assert gptq["rounding"] > gguf["rounding"]  # the uniform anchor is rounded too; llama.cpp makes the GGUF's
+    assert gguf["rounding"] == 0  # every tensor priced on all its rows: the GGUF stores pricing's roundings

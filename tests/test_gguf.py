@@ -595,6 +595,7 @@ def test_the_pricing_passs_moments_round_the_plan_without_a_second_pass(tmp_path
     with monkeypatch.context() as m:
         m.setattr(prices, "moments_budget", lambda: 1)
         m.setattr(prices, "_spilled", full_disk)
+        m.setattr(prices, "ROUNDED_BYTES", 0)  # and pricing keeps no rounding of its own
         no_room = run("no_room")  # nothing kept: measured again, the same file
     assert len(passes) > measured
     assert kept == split == again == no_room
@@ -682,10 +683,12 @@ def test_a_size_above_the_f16_file_is_said(tmp_path, tokenizer, ids, caplog):
     assert budget.layout.file_bytes_of({}) == budget.layout.file_bytes  # every planned tensor F16: the F16 file
 
 
-def test_a_size_plan_rounds_with_error_compensation_and_stores_it_in_the_files_row_order(tmp_path, tokenizer, ids):
+def test_a_size_plan_rounds_with_error_compensation_and_stores_it_in_the_files_row_order(tmp_path, tokenizer, ids,
+                                                                                      monkeypatch):
     """Error-compensating rounding (GPTQ through Ĥ onto ggml's scales) is offered beside ggml's own and taken
     where it prices lower; its bytes are what the file stores, in llama.cpp's row order (attn_q/attn_k of a
-    llama GGUF are permuted), and llama.cpp runs the file. ``output.rounding: nearest`` offers ggml's only."""
+    llama GGUF are permuted), and llama.cpp runs the file. The bytes pricing rounded over every row are the
+    ones stored: the same file as rounding the plan again. ``output.rounding: nearest`` offers ggml's only."""
     needs_llama_cpp()
     import compressor
     from compressor.core.ggml import GGMLType
@@ -712,6 +715,12 @@ def test_a_size_plan_rounds_with_error_compensation_and_stores_it_in_the_files_r
         w = model.model.layers[0].self_attn.q_proj.weight.detach().float().numpy()
         perm = gw.rope_permutation(w.shape[0], model.config.num_attention_heads)
         assert np.abs(values - w[perm]).mean() < 0.5 * np.abs(values - w).mean()
+    # every tensor of the tiny model is priced on all its rows: the plan's rounding is pricing's bytes
+    assert "compensated_rounding_s" not in res.report["size_plan"]["timings"]
+    monkeypatch.setattr("compressor.pipeline.size.prices.ROUNDED_BYTES", 0)
+    again = compressor.run(recipe("again"))
+    assert again.report["size_plan"]["timings"]["compensated_rounding_s"] > 0
+    assert (again.output / "model.gguf").read_bytes() == (res.output / "model.gguf").read_bytes()
     near = compressor.run(recipe("near", rounding="nearest"))
     assert near.exit_code == 0 and near.report["size_plan"]["compensated_tensors"] == 0
     assert {r["rounding"] for r in near.report["size_plan"]["tensors"]} == {"nearest"}

@@ -312,6 +312,83 @@ def test_the_rounding_is_chosen_on_the_probe_rows_and_priced_over_every_row():
     assert not opt.payload.compensated and opt.cost == pytest.approx(0.0, abs=1e-12)
 
 
+def test_pricing_keeps_the_bytes_of_full_row_roundings_for_the_plan():
+    """A tensor priced on every row offers its GPTQ bytes (the same as rounding it by hand) to ``kept``; a
+    tensor priced on a sample of rows offers none, and nothing is kept past the limit."""
+    pytest.importorskip("llama_cpp")
+    from compressor.fitting import gridround
+    from compressor.policy.quantplan import PROBE_ROWS, Rounded, Site, price, sample_rows
+
+    g = np.random.default_rng(4)
+    rows, n = 2 * PROBE_ROWS, 256
+    x = g.standard_normal((4 * n, n)).astype(np.float32)
+    h = torch.from_numpy(x.T @ x / x.shape[0])
+    w = torch.from_numpy((g.standard_normal((rows, n)) * 0.05).astype(np.float32))
+    imat = torch.diagonal(h).numpy() / float(torch.diagonal(h).max())
+    kept = Rounded(1 << 20)
+    (q4, q5) = price(Site("t", "m", w, h, torch.ones(rows), imat), (GGMLType.Q4_0, GGMLType.Q5_0), kept=kept)
+    assert q4.payload.compensated and q5.payload.compensated and set(kept) == {("t", "Q4_0"), ("t", "Q5_0")}
+    assert np.array_equal(kept["t", "Q4_0"], gridround.gptq_quantize(w, h, GGMLType.Q4_0, imat))
+    assert kept.nbytes == sum(r.nbytes for r in kept.values())
+    sampled = sample_rows(Site("s", "m", w, h, torch.ones(rows), imat), limit=PROBE_ROWS + 2)
+    price(sampled, (GGMLType.Q4_0,), kept=kept)
+    full = Rounded(kept["t", "Q4_0"].nbytes - 1)
+    price(Site("t", "m", w, h, torch.ones(rows), imat), (GGMLType.Q4_0,), kept=full)
+    assert ("s", "Q4_0") not in kept and not full and full.nbytes == 0
+
+
+def test_a_type_another_beats_on_the_probe_with_no_more_bytes_is_not_offered(monkeypatch):
+    """:func:`undominated` keeps exactly the types no type of no more bytes beats by the margin (brute force on
+    random costs), and on an off-grid tensor the allocation over every type never picks one it dropped."""
+    pytest.importorskip("llama_cpp")
+    from compressor.core.ggml import bytes_per_row
+    from compressor.policy import quantplan
+    from compressor.policy.quantplan import (DEFAULT_TYPES, DOMINATED_SHARE, PROBE_ROWS, Site, offered, price,
+                                             undominated)
+
+    g = np.random.default_rng(5)
+    kinds = offered(DEFAULT_TYPES, 256)
+    for _ in range(20):
+        cost = dict(zip(kinds, g.uniform(0, 1, len(kinds)) * g.integers(0, 2, len(kinds))))
+        kept = undominated(kinds, 256, cost)
+        for t in kinds:
+            beaten = any(bytes_per_row(u, 256) <= bytes_per_row(t, 256) and cost[u] < DOMINATED_SHARE * cost[t]
+                         for u in kinds if u is not t)
+            assert (t in kept) != beaten
+    rows, n = 3 * PROBE_ROWS, 256
+    x = g.standard_normal((4 * n, n)).astype(np.float32)
+    h = torch.from_numpy(x.T @ x / x.shape[0])
+    w = torch.from_numpy((g.standard_normal((rows, n)) * 0.05).astype(np.float32))
+    imat = torch.diagonal(h).numpy() / float(torch.diagonal(h).max())
+    site = Site("t", "m", w, h, torch.from_numpy(g.uniform(0.5, 2.0, rows)), imat)
+    pruned = price(site)
+    monkeypatch.setattr(quantplan, "DOMINATED_SHARE", 0.0)
+    every = price(site)
+    assert len(pruned) < len(every) == len(kinds)
+    names = {o.name for o in pruned}
+    for budget in sorted({o.size for o in every}):
+        assert allocate({"t": every}, budget)["t"].name in names
+
+
+def test_the_plans_rounding_rounds_a_tensor_beside_the_types_pricing_rounded_it_with():
+    """A tensor priced on all its rows is rounded again (prices from the cache, or past the kept bytes) together
+    with the compensated types pricing rounded it with, in pricing's order: one column loop for several types
+    sums in another order than one for a type alone, so only that reproduces pricing's bytes. A tensor priced on
+    a sample of rows, or a type not compensated, is rounded alone."""
+    from compressor.pipeline.size.rounding import Compensator
+    from compressor.policy.quantplan import Choice, Priced, priced_rows
+
+    def opts(name):
+        return [Option(name, t.name, 1, 0.0, payload=Choice(t, True, g))
+                for t, g in ((GGMLType.Q4_0, True), (GGMLType.Q5_0, True), (GGMLType.Q5_1, True), (GGMLType.Q8_0, False))]
+
+    wide = priced_rows(64) + 1
+    priced = [Priced("small", "m", (8, 64), np.ones(64)), Priced("large", "m", (wide, 64), np.ones(64))]
+    comp = Compensator(None, priced, torch.zeros(1, 1), 1, {}, None, units={p.name: opts(p.name) for p in priced})
+    assert comp._alongside("small", "Q5_0") == ["Q4_0", "Q5_0", "Q5_1"]
+    assert comp._alongside("small", "Q8_0") is None and comp._alongside("large", "Q5_0") is None
+
+
 def test_fisher_reads_a_spread_share_of_the_windows():
     from compressor.pipeline.size.prices import fisher_windows
 

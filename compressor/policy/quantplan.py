@@ -180,6 +180,11 @@ MAX_PRICED_ELEMENTS = 1 << 21
 MIN_PRICED_ROWS = 256
 
 
+def priced_rows(width: int) -> int:
+    """The most rows of ``width`` elements a tensor is priced on (more are sampled, :func:`sample_rows`)."""
+    return max(MIN_PRICED_ROWS, MAX_PRICED_ELEMENTS // width)
+
+
 def sample_rows(site: Site, limit: int | None = None, seed: int = 0) -> Site:
     """Price ``site`` on ``limit`` of its rows: the half with the largest loss weight (F, and a token's
     frequency for an embedding) always, the other half drawn uniformly from the rest and weighted by the
@@ -187,7 +192,7 @@ def sample_rows(site: Site, limit: int | None = None, seed: int = 0) -> Site:
     rows that matter most. Quantization is row by row, so a row's error is the same in the sample."""
     n, width = site.weight.shape
     if limit is None:
-        limit = max(MIN_PRICED_ROWS, MAX_PRICED_ELEMENTS // width)
+        limit = priced_rows(width)
     if n <= limit:
         return site
     score = site.f.double().clone()
@@ -295,7 +300,43 @@ ROUNDINGS = ("gptq", "nearest")
 PROBE_ROWS = 32
 
 
-def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str = "gptq") -> list[Option]:
+class Rounded(dict):
+    """``(tensor, type name) → raw bytes`` (the weight's row order) of the GPTQ roundings that pricing made over
+    every row of a tensor: the chosen plan's rounding of that tensor is then these bytes, not a second pass
+    (SmolLM2-135M: 20 s of a 230 s run). Bounded by ``limit`` bytes; an offer past it is dropped (rounded
+    again later)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.nbytes = limit, 0
+
+    def offer(self, key: tuple[str, str], raw: np.ndarray) -> None:
+        if self.nbytes + raw.nbytes <= self.limit:
+            self[key] = raw
+            self.nbytes += raw.nbytes
+
+
+#: Bytes of full-row GPTQ roundings that pricing keeps for the plan's rounding (:class:`Rounded`).
+ROUNDED_BYTES = 1 << 30
+
+
+#: A type is not priced over all rows when another of no more bytes costs less than this share of it on the
+#: probe rows (:func:`undominated`): an allocation never takes it, and pricing it was ggml's slowest searches
+#: (IQ3_S, IQ4_NL and IQ4_XS take 5–15 times Q4_0's time for the same rows).
+DOMINATED_SHARE = 0.8
+
+
+def undominated(kinds: list[GGMLType], n_per_row: int, on_probe: dict[GGMLType, float]) -> list[GGMLType]:
+    """``kinds`` less each type that another of no more bytes per row clearly beats on the probe rows (its cost
+    there under :data:`DOMINATED_SHARE` of this one's): the allocation, which takes the least cost within the
+    bytes, would never choose it."""
+    size = {t: bytes_per_row(t, n_per_row) for t in kinds}
+    return [t for t in kinds
+            if not any(u is not t and size[u] <= size[t] and on_probe[u] < DOMINATED_SHARE * on_probe[t] for u in kinds)]
+
+
+def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str = "gptq",
+          kept: Rounded | None = None) -> list[Option]:
     """One option per type whose blocks fit the rows: its bytes and predicted loss increase, priced with the
     rounding it will get, chosen on :data:`PROBE_ROWS` rows (:meth:`Site.probe`) as whichever costs least
     there: ggml's nearest rounding with or without the importance matrix (:func:`variants`), or, with
@@ -303,7 +344,10 @@ def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str
     (not tried where ggml's rounding leaves the probe exact: a source on the type's grid).
     On an off-grid SmolLM2-135M the error-compensating option priced lower than both nearest roundings for
     every tensor that has Ĥ, and the unweighted rounding won for 3 of 212 tensors in one type (Q5_1): pricing
-    all three over every row spent most of the planner's time on options never chosen."""
+    all three over every row spent most of the planner's time on options never chosen.
+    Types another of no more bytes clearly beats on the probe are not offered (:func:`undominated`).
+    ``kept``: where the bytes of a GPTQ rounding of every row (a tensor priced on all its rows, on the Ĥ the
+    plan's rounding uses) are offered, for that rounding."""
     n_rows, n = site.weight.shape
     full = site.priced_weight()
     probe = site.probe(PROBE_ROWS)
@@ -311,18 +355,22 @@ def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str
     compensate = _compensator(site) if rounding == "gptq" else None
     kinds = offered(types, n, every=site.rows is None)
     nearest: dict[GGMLType, tuple[float, np.ndarray | None]] = {}
-    for t in kinds:
+    for t in kinds:  # every type's cost on the probe: it chooses the rounding, and which types are dominated
         options = variants(site, t)
-        if len(options) == 1 and not (compensate is not None and compensates(t)):
-            nearest[t] = (0.0, options[0])
-            continue
         tried = [(site.cost(torch.from_numpy(roundtrip(part.numpy(), t, m)) - part, at=probe), m) for m in options]
         nearest[t] = min(tried, key=lambda c: c[0])
     # error-compensating rounding where the source is not on the type's grid, kept where it wins on the probe
     tried_gptq = [t for t in kinds if compensate is not None and compensates(t) and nearest[t][0] > 0]
     on_probe = compensate(tried_gptq, probe) if tried_gptq else []
     gptq = [t for t, c in zip(tried_gptq, on_probe) if c < nearest[t][0]]
-    gptq_cost = dict(zip(gptq, compensate(gptq))) if gptq else {}
+    kinds = undominated(kinds, n, {**{t: c for t, (c, _) in nearest.items()},
+                                   **{t: c for t, c in zip(tried_gptq, on_probe) if t in gptq}})
+    gptq = [t for t in gptq if t in kinds]
+    raws: dict[GGMLType, np.ndarray] | None = {} if kept is not None and site.rows is None and site.folds is None \
+        else None
+    gptq_cost = dict(zip(gptq, compensate(gptq, raws=raws))) if gptq else {}
+    for t, raw in (raws or {}).items():
+        kept.offer((site.name, t.name), raw)
     opts = []
     for t in kinds:
         size = n_rows * bytes_per_row(t, n)
@@ -362,24 +410,28 @@ def _compensator(site: Site) -> Callable[..., list[float]] | None:
     full = site.priced_weight()
     pairs = site.fit_factors()
 
-    def cost(types: list[GGMLType], at: torch.Tensor | None = None) -> list[float]:
+    def cost(types: list[GGMLType], at: torch.Tensor | None = None, raws: dict | None = None) -> list[float]:
+        """``raws``: filled with each type's bytes (of the last pair's fit)."""
         w = full if at is None else full[at]
         sums = [0.0] * len(types)
         for fac, h in pairs:
-            raws = gridround.gptq_quantize_many(w.numpy(), fac, types, site.imatrix)
-            for i, (t, raw) in enumerate(zip(types, raws)):
+            got = gridround.gptq_quantize_many(w.numpy(), fac, types, site.imatrix)
+            for i, (t, raw) in enumerate(zip(types, got)):
                 sums[i] += site.cost(torch.from_numpy(gridround.dequantize(raw, t, tuple(w.shape))) - w, h, at)
+                if raws is not None:
+                    raws[t] = raw
         return [x / len(pairs) for x in sums]
     return cost
 
 
 def price_all(all_sites: list[Site], types: tuple[GGMLType, ...] = DEFAULT_TYPES,
-              threads: int | None = None, rounding: str = "gptq") -> dict[str, list[Option]]:
+              threads: int | None = None, rounding: str = "gptq",
+              kept: Rounded | None = None) -> dict[str, list[Option]]:
     """:func:`price` for every site; ggml's quantizer releases the GIL, so sites run on ``threads``."""
     threads = threads or max(1, torch.get_num_threads())
     with ThreadPoolExecutor(threads) as pool:
-        priced = list(progress(pool.map(lambda s: price(s, types, rounding), all_sites), total=len(all_sites),
-                               desc="price: tensor types", unit="tensor"))
+        priced = list(progress(pool.map(lambda s: price(s, types, rounding, kept), all_sites),
+                               total=len(all_sites), desc="price: tensor types", unit="tensor"))
     return {s.name: opts for s, opts in zip(all_sites, priced)}
 
 

@@ -141,7 +141,7 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         check_floor(planner, budget)
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
         compensator = Compensator(request, measured.priced, windows, recipe.calibration.batch_size, timings, target,
-                                  moments=measured.moments)
+                                  moments=measured.moments, rounded=measured.rounded, units=measured.units)
         run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator, target,
                       head={"prices_from_cache": measured.cached, "timings": timings,
                             "rounding": recipe.output.rounding})
@@ -182,8 +182,10 @@ def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: in
         # rounding reads the moments the pricing kept (in memory, or spilled to the work folder)
         out["pricing"] += folds * sum(FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.gptq_options * i * i * min(
             o, max(MAX_PRICED_ELEMENTS // i, 256)) for o, i in linears)
+        # a target that keeps pricing's full-row roundings rounds again only the tensors priced on a sample
         out["rounding"] = sum(
-            FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.full_roundings * o * i * i for o, i in linears)
+            FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.full_roundings * o * i * i for o, i in linears
+            if not (target.keeps_priced_roundings and o * i <= MAX_PRICED_ELEMENTS))
     return out
 
 

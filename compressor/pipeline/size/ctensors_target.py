@@ -88,9 +88,10 @@ class CompressedTensorsTarget(SizeTarget):
         planned = {f"{m}.weight": m for unit in units_of(model, self.head).values() for m in unit}
         return planned.get
 
-    def price_all(self, sites: list, rounding: str) -> dict:
+    def price_all(self, sites: list, rounding: str, kept=None) -> dict:
         """Every layer priced in every scheme its rows take (GPTQ through Ĥ, or to nearest, as ``rounding``
-        says), then the fused siblings summed into one unit per scheme they all take."""
+        says), then the fused siblings summed into one unit per scheme they all take. Nothing is offered to
+        ``kept``: a fused unit is rounded through its first layer's Ĥ as one, after the plan."""
         from compressor.core.progress import progress
         from compressor.output.ctensors import fused_units
 
@@ -166,7 +167,7 @@ class CompressedTensorsTarget(SizeTarget):
             preset = _anchor(max(fitting)[1], max(fitting)[0]) if fitting else None
         return Budget(size, limit, layout, preset)
 
-    def round_full(self, name: str, option: str, weight, h, priced, request):
+    def round_full(self, name: str, option: str, weight, h, priced, request, alongside=None):
         """GPTQ of every layer of the unit onto ``option``'s grid through the unit's shared Ĥ (fused siblings
         read the same input), scales in the saved dtype: ``module → Rounded``."""
         from compressor.fitting.intround import gptq

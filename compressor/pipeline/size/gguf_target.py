@@ -22,6 +22,7 @@ class GGUFTarget(SizeTarget):
     presets = SIZE_PRESETS
     what = "the GGUF file"
     gptq_options = 9  # the offered types below COMPENSATED_BELOW_BPW that take it
+    keeps_priced_roundings = True
 
     def __init__(self, output=None) -> None:
         super().__init__(output)
@@ -47,10 +48,18 @@ class GGUFTarget(SizeTarget):
     def namer(self, model) -> Callable[[str], str | None]:
         return gguf_namer(model)
 
-    def price_all(self, sites: list, rounding: str) -> dict:
+    def price_all(self, sites: list, rounding: str, kept=None) -> dict:
         from compressor.policy.quantplan import price_all
 
-        return price_all(sites, rounding=rounding)
+        return price_all(sites, rounding=rounding, kept=kept)
+
+    def store(self, name: str, option: str, raw, request):
+        """Bytes GPTQ made in the weight's row order (:meth:`round_full`'s, or pricing's), in the file's."""
+        from compressor.output.gguf import file_arch, to_file_rows
+
+        if self._arch is None:
+            self._arch = file_arch(request)
+        return to_file_rows(name, raw, self._arch, request.model.config)
 
     def payload(self, name: str, weighted: bool, compensated: bool):
         from compressor.core.ggml import GGMLType
@@ -68,16 +77,17 @@ class GGUFTarget(SizeTarget):
 
         return measure_budget(size, request, workdir)
 
-    def round_full(self, name: str, option: str, weight, h, priced, request):
-        """GPTQ onto the type's importance-weighted scales, its raw bytes in the file's row order."""
+    def round_full(self, name: str, option: str, weight, h, priced, request, alongside: list[str] | None = None):
+        """GPTQ onto the type's importance-weighted scales, its raw bytes in the file's row order. ``alongside``:
+        the types pricing rounded this tensor in together (``option`` among them): rounded together again, so
+        the bytes are pricing's to the bit (one column loop for several types sums in another order than one
+        for a type alone, and a near-tie can round the other way)."""
         from compressor.core.ggml import GGMLType
-        from compressor.fitting.gridround import gptq_quantize
-        from compressor.output.gguf import file_arch, to_file_rows
+        from compressor.fitting.gridround import gptq_quantize_many
 
-        if self._arch is None:
-            self._arch = file_arch(request)
-        raw = gptq_quantize(weight, h, GGMLType[option], priced.imatrix)
-        return to_file_rows(name, raw, self._arch, request.model.config)
+        types = [GGMLType[t] for t in (alongside or [option])]
+        raws = gptq_quantize_many(weight, h, types, priced.imatrix)
+        return self.store(name, option, raws[types.index(GGMLType[option])], request)
 
     def measure_anchor(self, run, preset: dict) -> dict:
         """The preset file in llama.cpp on each gate domain's windows (with the KL from the original where the

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
-from compressor.policy.quantplan import from_tensors, sites, to_tensors
+from compressor.policy.quantplan import ROUNDED_BYTES, Rounded, from_tensors, sites, to_tensors
 from compressor.recipe.schema import Recipe
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def moment_groups(model, names: list[str], budget: int | None = None, copies: in
 
 
 #: Bump when what a priced option means changes: cached prices of another version are not read.
-PRICES_VERSION = 5
+PRICES_VERSION = 6
 
 #: Calibration tokens the loss-gradient pass reads (:func:`fisher_windows`). F is one mean square per output
 #: (a diagonal, d_out numbers per layer), where Ĥ is a d_in × d_in matrix that GPTQ inverts: F settles on far
@@ -96,6 +96,9 @@ class Measured:
     priced: list
     cached: bool
     moments: dict | None = None
+    rounded: dict | None = None
+    """``(tensor, type) → bytes`` of GPTQ roundings pricing made over all rows (:class:`~compressor.policy.
+    quantplan.Rounded`), for the chosen plan's rounding; None with cached prices."""
 
 
 def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dict, target,
@@ -128,6 +131,7 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     crossfit = target.heldout_prices and recipe.output.rounding == "gptq" and windows.shape[0] >= 2
     groups = moment_groups(model, linear_names(model), copies=3 if crossfit else 1)
     kept: dict | None = {} if len(groups) == 1 or spill is not None else None
+    rounded = Rounded(ROUNDED_BYTES)
     for i, group in enumerate(groups):
         t0 = time.perf_counter()
         if crossfit:
@@ -146,14 +150,14 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
                                "chosen plan measures them again", spill, exc)
                 kept = None
         del moments, folds
-        units.update(target.price_all(these, recipe.output.rounding))
+        units.update(target.price_all(these, recipe.output.rounding, kept=rounded))
         priced += target.priced(these)
         del these  # the statistics go with the sites, before the next group's moments are measured
         timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
     if key is not None:
         tensors, meta = to_tensors(units, priced)
         cache.put(key, tensors, {"prices": json.dumps(meta)})
-    return Measured(units, priced, False, kept)
+    return Measured(units, priced, False, kept, rounded)
 
 
 def _spilled(moments: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:

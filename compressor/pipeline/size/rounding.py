@@ -22,7 +22,7 @@ from compressor.core.progress import progress
 from compressor.engine.tensorstats import input_moments
 from compressor.fitting.gridround import factor
 from compressor.pipeline.size.prices import moment_groups
-from compressor.policy.quantplan import Priced, SizePlan
+from compressor.policy.quantplan import Priced, SizePlan, priced_rows
 
 logger = logging.getLogger(__name__)
 
@@ -31,19 +31,27 @@ class Compensator:
     """Full-row GPTQ bytes of the tensors a plan compensates (:meth:`fill`), each (tensor, type) once."""
 
     def __init__(self, request, priced: list[Priced], windows: torch.Tensor, batch_size: int,
-                 timings: dict, target, moments: dict | None = None) -> None:
+                 timings: dict, target, moments: dict | None = None, rounded: dict | None = None,
+                 units: dict | None = None) -> None:
         """``moments``: every linear layer's Ĥ over ``windows``, as the pricing pass measured it (None: measured
-        here, in groups)."""
+        here, in groups). ``rounded``: ``(tensor, type) → bytes`` pricing already rounded over every row on the
+        same Ĥ (:attr:`~.prices.Measured.rounded`): stored as they are, not rounded again. ``units``: every
+        tensor's priced options, whose compensated ones a tensor priced on all its rows is rounded beside."""
         self.request, self.windows, self.batch_size, self.timings = request, windows, batch_size, timings
         self.priced = {p.name: p for p in priced}
         self.target = target
         self.moments = moments
         self._done: dict[tuple[str, str], object] = {}
+        self._rounded = rounded or {}
+        self.units = units or {}
 
     def fill(self, *plans: SizePlan) -> None:
         """Put every compensated tensor's bytes on each plan's ``stored``: what none was rounded in before, in
         one pass over the calibration windows (a plan and the anchor beside it share Ĥ and its factor)."""
         need = sorted({(n, p.types[n]) for p in plans for n in p.compensated} - set(self._done))
+        for key in [k for k in need if k in self._rounded]:
+            self._done[key] = self.target.store(*key, self._rounded[key], self.request)
+        need = [k for k in need if k not in self._done]
         if need:
             t0 = time.perf_counter()
             self._round(need)
@@ -51,6 +59,13 @@ class Compensator:
                 time.perf_counter() - t0)
         for p in plans:
             p.stored = {n: (p.types[n], self._done[n, p.types[n]]) for n in p.compensated}
+
+    def _alongside(self, name: str, option: str) -> list[str] | None:
+        """The compensated options pricing rounded ``name`` in together over all its rows (in pricing's order),
+        or None (priced on a sample of rows, or no such options known)."""
+        rows, width = self.priced[name].shape
+        together = [o.name for o in self.units.get(name, []) if o.payload.compensated]
+        return together if rows <= priced_rows(width) and option in together else None
 
     def _moments_module(self, name: str) -> str:
         """The layer whose input second moment prices tensor ``name``: its own, or a tied embedding's head (the
@@ -78,7 +93,8 @@ class Compensator:
                 fac = factor(moments[module].float())
                 for name, t in by_module[module]:
                     weight = model.get_submodule(self.priced[name].module).weight.detach().float()
-                    self._done[name, t] = self.target.round_full(name, t, weight, fac, self.priced[name], self.request)
+                    self._done[name, t] = self.target.round_full(name, t, weight, fac, self.priced[name], self.request,
+                                                                 alongside=self._alongside(name, t))
                     bar.update(1)
                 del fac
             del moments

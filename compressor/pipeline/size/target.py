@@ -42,6 +42,9 @@ class SizeTarget:
     full_roundings: ClassVar[int] = 1
     """Chosen options per weight rounded over all rows by the run: the file's, and the anchor's if the run
     makes it (for the run-time estimate)."""
+    keeps_priced_roundings: ClassVar[bool] = False
+    """Whether :meth:`price_all` offers the full-row roundings it makes to ``kept`` (for the run-time
+    estimate: those tensors are not rounded again)."""
     heldout_prices: ClassVar[bool] = False
     """Price error-compensating rounding cross-fitted on two halves of the calibration windows
     (:meth:`~compressor.policy.quantplan.Site.fit_pairs`) rather than on the Ĥ it is fitted to."""
@@ -67,8 +70,15 @@ class SizeTarget:
         keeps it)."""
         raise NotImplementedError
 
-    def price_all(self, sites: list, rounding: str) -> dict[str, list[Option]]:
-        """Every site's options: exact bytes and predicted loss increase, priced with the rounding each gets."""
+    def price_all(self, sites: list, rounding: str, kept=None) -> dict[str, list[Option]]:
+        """Every site's options: exact bytes and predicted loss increase, priced with the rounding each gets.
+        ``kept``: a :class:`~compressor.policy.quantplan.Rounded` offered the bytes of roundings made over every
+        row of a tensor while pricing it, for :meth:`store` (a target may offer none)."""
+        raise NotImplementedError
+
+    def store(self, name: str, option: str, raw, request):
+        """What :meth:`round_full` returns, from bytes that pricing kept (:meth:`price_all`'s ``kept``); only
+        called for what the target offered."""
         raise NotImplementedError
 
     def priced(self, sites: list) -> list:
@@ -90,10 +100,13 @@ class SizeTarget:
         """``size`` resolved for this model: a :class:`~compressor.pipeline.size.budget.Budget`."""
         raise NotImplementedError
 
-    def round_full(self, name: str, option: str, weight: torch.Tensor, h: torch.Tensor, priced, request):
+    def round_full(self, name: str, option: str, weight: torch.Tensor, h: torch.Tensor, priced, request,
+                   alongside: list[str] | None = None):
         """A chosen compensated option over all rows of ``weight`` (GPTQ through ``h``, Ĥ's act-order
         :func:`~compressor.fitting.gridround.factor`, one per layer shared by its options): what the writer
-        stores as it is (:attr:`SizePlan.stored`)."""
+        stores as it is (:attr:`SizePlan.stored`). ``alongside``: the options pricing rounded this tensor in
+        together over all its rows, when it did (a target that keeps pricing's roundings rounds them together
+        again, so that a run with cached prices writes the same bytes)."""
         raise NotImplementedError
 
     def anchor_plan(self, run, preset: dict):
