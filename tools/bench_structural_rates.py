@@ -81,11 +81,13 @@ def ffn_bytes(model, choice: dict[str, str], i: int) -> int:
 
 
 def affine_bytes(model, rank: int | None) -> int:
-    """Bytes of an FFN's affine map (``rank`` None) or reduced-rank map in Q8_0, with its float32 bias."""
-    from compressor.core.ggml import GGMLType, bytes_per_row
+    """Bytes of an FFN's affine map (``rank`` None) or reduced-rank map: its weights in Q8_0, its bias in float32."""
+    from compressor.core.ggml import GGMLType, bits_per_weight
+    from compressor.fitting.solve import affine_params
 
     d = model.config.hidden_size
-    return (d if rank is None else 2 * rank) * bytes_per_row(GGMLType.Q8_0, d) + 4 * d
+    weights = affine_params(d, d, rank) - d  # less the bias
+    return int(weights * bits_per_weight(GGMLType.Q8_0) / 8) + 4 * d
 
 
 def size_budget(size: str, presets: Path, model, layout) -> int:
@@ -146,11 +148,12 @@ def main() -> None:
         p = plan(units, priced, budget - overhead)
         choice = {r["tensor"]: r["type"] for r in p.rows}
         if p.tensor_bytes > budget - overhead:  # below every tensor's smallest type: only structure gets there
-            saved = sum(max(ffn_bytes(model, choice, i) - affine_bytes(model, r) for r in [None, *args.ranks])
-                        for i in range(layers))
+            smallest_map = min([None, *args.ranks], key=lambda r: affine_bytes(model, r))
+            saved = sum(ffn_bytes(model, choice, i) - affine_bytes(model, smallest_map) for i in range(layers))
             rows.append({"size": size, "budget_bytes": budget, "below_quantization_floor": True,
                          "floor_file_bytes": p.tensor_bytes + overhead, "types_used": p.to_json()["types_used"],
-                         "every_ffn_replaced_saves_bytes": saved,
+                         "every_ffn_replaced_saves_bytes": saved, "every_ffn_replaced_rank": smallest_map,
+                         "every_ffn_replaced_predicted_nll": sum(maps[i][smallest_map] for i in range(layers)),
                          "reachable_by_replacing_every_ffn": p.tensor_bytes + overhead - saved <= budget})
             print(f"{size}: {budget:,} bytes is below the smallest file quantization makes "
                   f"({p.tensor_bytes + overhead:,}); replacing every FFN by a low-rank map saves {saved:,.0f}")

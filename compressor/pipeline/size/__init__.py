@@ -165,12 +165,12 @@ def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: in
     checked where they run."""
     from compressor.pipeline.size.prices import FISHER_TOKENS
     from compressor.pipeline.size.target import target_for
-    from compressor.policy.quantplan import MAX_PRICED_ELEMENTS
+    from compressor.policy.quantplan import priced_rows
 
     if recipe.output.size is None:
         return None
     weights = [p for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2]
-    priced = sum(min(p.numel(), MAX_PRICED_ELEMENTS) for p in weights)
+    priced = sum(min(p.shape[0], priced_rows(p.shape[1])) * p.shape[1] for p in weights)
     out = {"baseline": evals * fwd,
            "statistics": fwd * (FISHER_FACTOR * min(cal, FISHER_TOKENS) + MOMENTS_FACTOR * cal),
            "pricing": priced * 8 * PRICE_SECONDS, "write + verify": 4 * evals * fwd + params * 1e-7}
@@ -181,11 +181,11 @@ def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: in
         # per layer: one Ĥ factor (in³) per fold, then GPTQ (rows·in²) per option on the priced rows; the
         # rounding reads the moments the pricing kept (in memory, or spilled to the work folder)
         out["pricing"] += folds * sum(FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.gptq_options * i * i * min(
-            o, max(MAX_PRICED_ELEMENTS // i, 256)) for o, i in linears)
+            o, priced_rows(i)) for o, i in linears)
         # a target that keeps pricing's full-row roundings rounds again only the tensors priced on a sample
         out["rounding"] = sum(
             FACTOR_SECONDS * i ** 3 + GPTQ_SECONDS * target.full_roundings * o * i * i for o, i in linears
-            if not (target.keeps_priced_roundings and o * i <= MAX_PRICED_ELEMENTS))
+            if not (target.keeps_priced_roundings and o <= priced_rows(i)))
     return out
 
 
