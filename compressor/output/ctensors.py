@@ -358,9 +358,11 @@ def _compress(model: nn.Module, schemes: dict[str, IntScheme | None], rounded: d
                            f"(differ: {sorted(targeted ^ set(rounded))[:5]})")
     for name, r in rounded.items():
         mod = model.get_submodule(name)
-        # float32 ints·scales is exact, so the compressor's own quantize() recovers the codes
-        mod.weight = nn.Parameter(r.weight, requires_grad=False)
-        mod.weight_scale = nn.Parameter(r.scales, requires_grad=False)
+        # float32 ints·scales is exact, so the compressor's own quantize() recovers the codes; on the layer's
+        # device, where apply_quantization_config made its zero point (a model on a GPU: tools/gpu_check.py)
+        device = mod.weight.device
+        mod.weight = nn.Parameter(r.weight.to(device), requires_grad=False)
+        mod.weight_scale = nn.Parameter(r.scales.to(device), requires_grad=False)
     compressor = ModelCompressor(quantization_config=qconfig)
     compressor.compress_model(model)
     return compressor

@@ -235,7 +235,7 @@ def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
             name = gguf_name(f"{module_name}.weight")
             if name is None:  # a format that keeps the embedding as it is
                 continue
-            w = embed.weight.detach().float()
+            w = embed.weight.detach().float().cpu()
             imat = (fisher.grad_sq[EMBEDDING] * float(freq.mean())).float()
             h = f = None
             if tied:
@@ -250,7 +250,7 @@ def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
             if name is None:
                 continue
             h = moments[module_name].float()
-            out.append(Site(name, module_name, module.weight.detach().float(), h, fisher.grad_sq[module_name],
+            out.append(Site(name, module_name, module.weight.detach().float().cpu(), h, fisher.grad_sq[module_name],
                             _imatrix(torch.diagonal(h)), folds=_folds(folds, module_name)))
     return [sample_rows(s) for s in out]
 

@@ -92,7 +92,7 @@ class Compensator:
                 # the targets' GPTQ checks it was made with their settings (act-order, default damping)
                 fac = factor(moments[module].float())
                 for name, t in by_module[module]:
-                    weight = model.get_submodule(self.priced[name].module).weight.detach().float()
+                    weight = model.get_submodule(self.priced[name].module).weight.detach().float().cpu()
                     self._done[name, t] = self.target.round_full(name, t, weight, fac, self.priced[name], self.request,
                                                                  alongside=self._alongside(name, t))
                     bar.update(1)
