@@ -13,6 +13,10 @@ The calibration is the first ``--tokens`` tokens of ``--text`` in windows of ``-
 tokens ``llama-imatrix`` and compressor read in ``tools/bench_size_frontier.py``). ``--iters 0`` is
 AutoRound's tuning-free path (its own importance-weighted round to nearest); its default is 200. The
 seconds AutoRound took (load, tune, export) are written beside the file as ``<output>.json``.
+
+auto-round 0.15.1's bundled converter for qwen2 reads ``gguf.MODEL_ARCH.DFLASH``, which the newest ``gguf`` on PyPI
+(0.19.0) lacks: for a Qwen model put llama.cpp's own ``gguf-py`` first (``PYTHONPATH=<llama.cpp>/gguf-py``), as the
+off-grid Qwen2.5-Coder-1.5B runs did; llama models convert with the installed ``gguf``.
 """
 
 from __future__ import annotations
@@ -72,10 +76,12 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     import auto_round
 
-    out.with_suffix(".json").write_text(json.dumps({
+    sidecar = out.with_suffix(".json.part")
+    sidecar.write_text(json.dumps({
         "format": args.format, "iters": args.iters, "tokens": n * args.seq_len, "seq_len": args.seq_len,
         "lr": args.lr, "compile": args.compile, "batch_size": args.batch_size, "auto_round": auto_round.__version__, "seconds": seconds,
         "bytes": out.stat().st_size}, indent=2) + "\n")
+    os.replace(sidecar, out.with_suffix(".json"))
     print(f"{out}: {out.stat().st_size / 1e6:.1f} MB in {seconds:.0f} s")
 
 
