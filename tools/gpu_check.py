@@ -14,7 +14,7 @@ the same way on a wider tiny model whose rows take the k-quants and 128-wide gro
 gradients F and input moments Ĥ) come from the model's device, pricing and rounding from them on the CPU.
 Compared: the plan (every tensor's type, the predicted loss), the measured change of the written file on every
 gate domain (in llama.cpp for the GGUF), and the file itself (bytes that differ; logits in plain transformers
-for the compressed-tensors checkpoint). Ĥ summed in another order can move a GPTQ rounding by one grid step,
+for the compressed-tensors checkpoint). Ĥ summed in another order can turn a GPTQ near-tie the other way,
 so the JSON gives the share of differing bytes rather than failing on it.
 
 Float32 on both sides; the matrix products on the GPU run without TF32 (PyTorch's default for

@@ -20,6 +20,7 @@ whose bytes fit the budget.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -304,16 +305,18 @@ class Rounded(dict):
     """``(tensor, type name) → raw bytes`` (the weight's row order) of the GPTQ roundings that pricing made over
     every row of a tensor: the chosen plan's rounding of that tensor is then these bytes, not a second pass
     (SmolLM2-135M: 20 s of a 230 s run). Bounded by ``limit`` bytes; an offer past it is dropped (rounded
-    again later)."""
+    again later). Offered from :func:`price_all`'s threads: the check and the count are one step under a lock."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
         self.limit, self.nbytes = limit, 0
+        self._lock = threading.Lock()
 
     def offer(self, key: tuple[str, str], raw: np.ndarray) -> None:
-        if self.nbytes + raw.nbytes <= self.limit:
-            self[key] = raw
-            self.nbytes += raw.nbytes
+        with self._lock:
+            if self.nbytes + raw.nbytes <= self.limit:
+                self[key] = raw
+                self.nbytes += raw.nbytes
 
 
 #: Bytes of full-row GPTQ roundings that pricing keeps for the plan's rounding (:class:`Rounded`).

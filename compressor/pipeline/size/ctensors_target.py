@@ -175,7 +175,7 @@ class CompressedTensorsTarget(SizeTarget):
 
         # h: Ĥ or its act-order factor (shared by every option of the unit); Rounded kept without the float
         # weight (the writer decodes it): 6 GB for 1.5B
-        return {m: gptq(request.model.get_submodule(m).weight.detach().cpu(), h, option, scale_dtype=self.dtype,
+        return {m: gptq(request.model.get_submodule(m).weight.detach(), h, option, scale_dtype=self.dtype,
                         **GPTQ_ORDER)._replace(weight=None)
                 for m in unit_members(name)}
 
