@@ -667,6 +667,36 @@ def test_the_size_plan_summary_puts_the_file_beside_the_preset(capsys):
     assert "planned for a predicted +3.00 %; files measured: 0.8 MB over, 0.9 MB passed" in capsys.readouterr().out
 
 
+def test_the_layout_is_read_from_the_header_as_gguf_py_reads_the_file(tmp_path, tokenizer, ids):
+    """:func:`~compressor.pipeline.size.budget.header_layout` skips the metadata gguf-py decodes: the same data
+    offset, tensor names, shapes and data bytes, in F16 and in quantized types (an alignment of its own
+    included); a file that is not a GGUF is refused."""
+    needs_llama_cpp()
+    from compressor.pipeline.size.budget import header_layout
+
+    src = _size_source(tmp_path, tokenizer, ids, "q8_0")
+    f16 = tmp_path / "f16.gguf"
+    gw.GGUFWriter().write(_request(tiny("llama"), tokenizer, ids, quant="f16", expected=1.0, file="f16.gguf"), tmp_path)
+    aligned = tmp_path / "aligned.gguf"  # general.alignment set: the data offset moves with it
+    writer = gguf.GGUFWriter(str(aligned), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "", "déf"])
+    writer.add_tensor("w", np.ones((3, 64), dtype=np.float32))
+    writer.add_tensor("b", np.ones(5, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for path in (src, f16, aligned):
+        reader = gguf.GGUFReader(path)
+        offset, alignment, tensors = header_layout(path)
+        assert offset == reader.data_offset and alignment == reader.alignment
+        assert tensors == [(t.name, tuple(int(d) for d in t.shape), int(t.n_bytes)) for t in reader.tensors]
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        header_layout(tmp_path / "not.gguf")
+
+
 def test_a_size_above_the_f16_file_is_said(tmp_path, tokenizer, ids, caplog):
     """A size the F16 file already fits quantizes nothing: said in the log, not silent; the budget's layout is
     the F16 file's, to the byte."""

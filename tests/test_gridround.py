@@ -241,3 +241,35 @@ def _scale_free_mask(t: GGMLType, shape: tuple[int, int]) -> np.ndarray:
     lay = gr.layout(t)
     zeros = np.zeros(shape, dtype=np.uint8)
     return lay.pack(zeros, np.full((shape[0], shape[1] // lay.nbytes * lay.block), 2 ** lay.width - 1))
+
+
+def test_shared_factors_solve_each_matrix_once_and_keep_it_within_the_bytes(monkeypatch):
+    """One solve per Ĥ however many tensors (and threads) ask for it, released after the last expected ask, or kept
+    for a later round within ``keep_bytes``; the factor is :func:`factor`'s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    real, calls = gr.factor, []
+    monkeypatch.setattr(gr, "factor", lambda h, **kw: calls.append(id(h)) or real(h, **kw))
+    g = np.random.default_rng(3)
+    x1, x2 = g.standard_normal((64, 16)), g.standard_normal((64, 16))
+    h1, h2 = x1.T @ x1, x2.T @ x2
+    shared = gr.SharedFactors([h1, h1, h1, h2])
+    got = [shared.get(h1) for _ in range(3)]
+    assert got[0] is got[1] is got[2] and calls == [id(h1)]
+    assert np.array_equal(got[0].u, real(h1).u) and np.array_equal(got[0].order, real(h1).order)
+    shared.get(h2)
+    assert calls == [id(h1), id(h2)] and not shared._entries  # all released
+    shared.get(h1)  # not expected any more: solved again, not kept
+    assert calls.count(id(h1)) == 2 and not shared._entries
+    kept = gr.SharedFactors([h1], keep_bytes=1 << 20)
+    first = kept.get(h1)
+    kept.expect([h1])
+    assert kept.get(h1) is first and kept.kept_bytes == first.u.nbytes
+    small = gr.SharedFactors([h1], keep_bytes=16)
+    small.get(h1)
+    assert not small._entries and small.kept_bytes == 0
+    calls.clear()
+    many = gr.SharedFactors([h2] * 8)
+    with ThreadPoolExecutor(4) as pool:
+        made = list(pool.map(many.get, [h2] * 8))
+    assert all(m is made[0] for m in made) and calls == [id(h2)]

@@ -190,6 +190,68 @@ def test_fisher_is_the_squared_gradient_of_the_summed_loss(llama):
     assert torch.equal(wider.token_counts, torch.bincount(more.flatten(), minlength=llama.config.vocab_size).double())
 
 
+def test_gram_is_the_float32_product_of_what_the_layer_multiplies(monkeypatch):
+    """``gram``: a float32 input's float32 product (column blocks, the lower mirrored), under an autocast too; a
+    bfloat16 input's float32 product to 1e-5 of the largest entry, symmetric and positive semi-definite, where one
+    bfloat16 product is indefinite; where a device's GEMM would round before it accumulates, a float32 product."""
+    from compressor.engine import tensorstats
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 600, generator=g) * torch.logspace(-2, 1.5, 600)  # fewer tokens than inputs: singular
+    assert torch.allclose(tensorstats.gram(x), x.T @ x, rtol=1e-5, atol=1e-5 * float((x.T @ x).abs().max()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = tensorstats.gram(x)
+    assert under.dtype == torch.float32 and torch.allclose(under, x.T @ x, rtol=1e-5, atol=1e-3)
+    xb = x.bfloat16()
+    exact = xb.double().T @ xb.double()
+    scale = float(exact.abs().max())
+    got = tensorstats.gram(xb)
+    assert got.dtype == torch.float32 and torch.equal(got, got.T)
+    if tensorstats._two_pass_exact("cpu"):
+        assert float((got.double() - exact).abs().max()) <= 1e-5 * scale
+        assert float(torch.linalg.eigvalsh(got.double()).min()) > -1e-5 * scale
+        single = (xb.T @ xb).double()  # one bfloat16 product: what is not done
+        assert float(torch.linalg.eigvalsh(single).min()) < -1e-4 * scale
+    monkeypatch.setattr(tensorstats, "_two_pass_exact", lambda device_type: False)
+    assert float((tensorstats.gram(xb).double() - exact).abs().max()) <= 1e-6 * scale
+
+
+def test_bfloat16_statistics_where_native_and_close_to_float32(llama, monkeypatch):
+    """``output.size_precision: auto`` takes bfloat16 for a float32 model on a device that multiplies it natively,
+    float32 elsewhere and for a model already in half precision; the bfloat16 passes' Ĥ and F are close to the
+    float32 ones and Ĥ stays positive definite once damped (GPTQ's Cholesky)."""
+    import copy
+
+    from compressor.fitting.gridround import factor
+    from compressor.pipeline.size import prices
+
+    P = prices.StatisticsPrecision
+    monkeypatch.setattr(prices, "native_bfloat16", lambda device: True)
+    assert P.resolve("auto", llama).name == "bfloat16" and P.resolve("float32", llama).name == "float32"
+    assert P.resolve("auto", copy.deepcopy(llama).to(torch.bfloat16)).name == "float32"
+    monkeypatch.setattr(prices, "native_bfloat16", lambda device: False)
+    assert P.resolve("auto", llama).name == "float32" and P.resolve("bfloat16", llama).name == "bfloat16"
+    windows = _windows(llama)
+    names = linear_names(llama)
+    ref_h, ref_f = input_moments(llama, windows, names, batch_size=4), output_fisher(llama, windows, batch_size=4)
+    with P("bfloat16").context(llama):
+        assert torch.is_autocast_enabled("cpu")
+        h, f = input_moments(llama, windows, names, batch_size=4), output_fisher(llama, windows, batch_size=4)
+    assert not torch.is_autocast_enabled("cpu")
+    for n in names:
+        assert h[n].dtype == torch.float32 and float((h[n] - ref_h[n]).norm() / ref_h[n].norm()) < 0.05, n
+        assert float((f.grad_sq[n] - ref_f.grad_sq[n]).norm() / ref_f.grad_sq[n].norm()) < 0.1, n
+        factor(h[n])  # raises if the damped Ĥ is not positive definite
+    with P("float32").context(llama):
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_size_precision_is_read_only_with_a_size():
+    with pytest.raises(ValueError, match="size_precision"):
+        OutputConfig(size_precision="float32")
+    assert OutputConfig(size="Q4_K_M", size_precision="bfloat16").size_precision == "bfloat16"
+
+
 # --------------------------------------------------------------------------------------------------
 # Recipe
 # --------------------------------------------------------------------------------------------------
@@ -338,8 +400,9 @@ def test_pricing_keeps_the_bytes_of_full_row_roundings_for_the_plan():
 
 
 def test_a_type_another_beats_on_the_probe_with_no_more_bytes_is_not_offered(monkeypatch):
-    """:func:`undominated` keeps exactly the types no type of no more bytes beats by the margin (brute force on
-    random costs), and on an off-grid tensor the allocation over every type never picks one it dropped."""
+    """:func:`undominated` keeps exactly the types no type of fewer bytes beats by the margin and none of the same
+    bytes beats at all (brute force on random costs), and on an off-grid tensor the allocation over every type
+    never picks one it dropped."""
     pytest.importorskip("llama_cpp")
     from compressor.core.ggml import bytes_per_row
     from compressor.policy import quantplan
@@ -352,22 +415,49 @@ def test_a_type_another_beats_on_the_probe_with_no_more_bytes_is_not_offered(mon
         cost = dict(zip(kinds, g.uniform(0, 1, len(kinds)) * g.integers(0, 2, len(kinds))))
         kept = undominated(kinds, 256, cost)
         for t in kinds:
-            beaten = any(bytes_per_row(u, 256) <= bytes_per_row(t, 256) and cost[u] < DOMINATED_SHARE * cost[t]
-                         for u in kinds if u is not t)
+            size = {u: bytes_per_row(u, 256) for u in kinds}
+            beaten = any((size[u] < size[t] and cost[u] < DOMINATED_SHARE * cost[t])
+                         or (size[u] == size[t] and cost[u] < cost[t]) for u in kinds if u is not t)
             assert (t in kept) != beaten
     rows, n = 3 * PROBE_ROWS, 256
+    monkeypatch.setattr(quantplan, "SUPERSEDED", {})  # every type priced on the probe: the dominance rule alone
     x = g.standard_normal((4 * n, n)).astype(np.float32)
     h = torch.from_numpy(x.T @ x / x.shape[0])
     w = torch.from_numpy((g.standard_normal((rows, n)) * 0.05).astype(np.float32))
     imat = torch.diagonal(h).numpy() / float(torch.diagonal(h).max())
     site = Site("t", "m", w, h, torch.from_numpy(g.uniform(0.5, 2.0, rows)), imat)
     pruned = price(site)
-    monkeypatch.setattr(quantplan, "DOMINATED_SHARE", 0.0)
+    monkeypatch.setattr(quantplan, "undominated", lambda kinds, n, cost: kinds)
     every = price(site)
     assert len(pruned) < len(every) == len(kinds)
     names = {o.name for o in pruned}
     for budget in sorted({o.size for o in every}):
         assert allocate({"t": every}, budget)["t"].name in names
+
+
+def test_a_32_element_type_a_k_quant_supersedes_is_offered_only_to_a_tensor_on_its_grid():
+    """Rows the k-quants fit are not priced in the 32-element types they supersede, unless the tensor already sits
+    on that type's grid (ggml's rounding leaves the probe exact): a source on Q4_0's grid keeps Q4_0, at no cost."""
+    pytest.importorskip("llama_cpp")
+    from compressor.core.ggml import quantize
+    from compressor.fitting.gridround import dequantize
+    from compressor.policy.quantplan import SUPERSEDED, Site, price
+
+    g = np.random.default_rng(9)
+    rows, n = 64, 256
+    x = g.standard_normal((4 * n, n)).astype(np.float32)
+    h = torch.from_numpy(x.T @ x / x.shape[0])
+    imat = torch.diagonal(h).numpy() / float(torch.diagonal(h).max())
+    off = (g.standard_normal((rows, n)) * 0.05).astype(np.float32)
+    on = dequantize(quantize(off, GGMLType.Q4_0), GGMLType.Q4_0, (rows, n)).astype(np.float32)
+    names = {}
+    for label, w in (("off", off), ("on", on)):
+        opts = price(Site(label, "m", torch.from_numpy(w), h, torch.ones(rows), imat))
+        names[label] = {o.name: o for o in opts}
+    assert not set(names["off"]) & {t.name for t in SUPERSEDED}
+    assert "Q4_0" in names["on"] and names["on"]["Q4_0"].cost == 0.0
+    for t in SUPERSEDED:  # a finer grid that holds Q4_0's (Q5_0's, at the same scale) is exact too; no other
+        assert (t.name in names["on"]) == (t.name in names["on"] and names["on"][t.name].cost == 0.0)
 
 
 def test_the_plans_rounding_rounds_a_tensor_beside_the_types_pricing_rounded_it_with():

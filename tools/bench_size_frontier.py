@@ -192,6 +192,36 @@ def gate_and_types(report_path: Path) -> dict:
             "types_used": rep["size_plan"]["types_used"]}
 
 
+#: What counts as the planner's time in a run's report: the budget (F16 and preset sizes), the statistics,
+#: pricing, the chosen plan's rounding and writing the file; not the baseline, nor verifying and gating the file
+#: (llama.cpp's side has neither).
+PLANNER_PARTS = ("budget_s", "statistics_s", "pricing_s", "compensated_rounding_s")
+
+
+def planner_time(rows: list[dict], work: WorkFolder, presets: list[str]) -> dict:
+    """Per preset: compressor's planner seconds (:data:`PLANNER_PARTS` + writing, from its report) against
+    ``llama-imatrix`` + ``llama-quantize --imatrix`` on the same calibration tokens, timed in this run (issue
+    46's bar: at most 2×)."""
+    out = {}
+    for preset in presets:
+        row = next((r for r in rows if r["file"] == f"compressor-{preset}"), None)
+        report = work.path / f"compressor-{preset}" / "report.json"
+        llama = (work.seconds.get("imatrix"), work.seconds.get(f"{preset}-imatrix"))
+        if row is None or not report.exists() or None in llama:
+            continue
+        rep = json.loads(report.read_text())
+        plan = rep["size_plan"]
+        parts = {k: plan["timings"].get(k, 0.0) for k in PLANNER_PARTS}
+        parts["write_gguf_s"] = rep["timings"]["write_gguf_s"]
+        planner = sum(parts.values())
+        out[preset] = {"planner_s": planner, "parts": parts, "run_total_s": rep["timings"]["total_s"],
+                       "llama_imatrix_s": llama[0], "llama_quantize_s": llama[1],
+                       "planner_over_llama": planner / sum(llama),
+                       "prices_from_cache": plan["prices_from_cache"],
+                       "statistics_precision": plan.get("statistics_precision", "float32")}
+    return out
+
+
 def compare_with_presets(rows: list[dict], presets: list[str]) -> None:
     """Mark each of our files with how it fares against the plain and the importance-matrix preset."""
     for preset in presets:
@@ -238,11 +268,15 @@ def main() -> None:
               "ran_alone": bool(args.alone), "rows": rows,
               **({"autoround": {p: {"format": AUTOROUND_FORMATS[p], "iters": autoround_iters(args, p)}
                                 for p in args.presets}} if args.autoround else {}), "seconds": work.seconds,
+              "planner_time": planner_time(rows, work, args.presets),
               # the commands as run, from the log (`python -c` is F16_SNIPPET above)
               "commands": work.commands()}
     write_json(args.output, result)
     for r in rows:
         print(f"{r['file']:>22}  {r['bytes'] / 1e6:8.1f} MB  ppl {r['ppl']:8.3f}  {100 * r['change_vs_f16']:+6.2f} %")
+    for preset, t in result["planner_time"].items():
+        print(f"planner at {preset}: {t['planner_s']:.1f} s, {t['planner_over_llama']:.2f}x llama-imatrix + "
+              f"llama-quantize ({t['llama_imatrix_s'] + t['llama_quantize_s']:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -32,6 +31,7 @@ from torch import nn
 from compressor.core.ggml import BLOCKS, GGMLType, bits_per_weight, bytes_per_row, fits, requires_imatrix, roundtrip
 from compressor.core.params import tied_head
 from compressor.core.progress import progress
+from compressor.core.threads import side_by_side
 from compressor.engine.tensorstats import EMBEDDING, Fisher
 from compressor.policy.options import Option, allocate, smallest, total_cost, total_size
 
@@ -93,6 +93,17 @@ class Site:
             return float(per_row.sum())
         return float((per_row * (self.row_weight if at is None else self.row_weight[at])).sum())
 
+    def costs(self, deltas: list[torch.Tensor], h: torch.Tensor | None = None,
+              at: torch.Tensor | None = None) -> list[float]:
+        """:meth:`cost` of each of ``deltas`` (errors of the same rows), in one product with Ĥ."""
+        if not deltas:
+            return []
+        pos = torch.arange(deltas[0].shape[0]) if at is None else at
+        per_row = self.row_costs(torch.cat(deltas), h, pos.repeat(len(deltas))).view(len(deltas), -1)
+        if self.row_weight is not None:
+            per_row = per_row * (self.row_weight if at is None else self.row_weight[at])
+        return per_row.sum(1).tolist()
+
     def fit_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(Ĥ a rounding is fitted to, Ĥ its error is priced under)``; a fitted option's price is the mean over
         the pairs. With :attr:`folds`, cross-fitted — fitted on each half, priced on the other: GPTQ priced on
@@ -103,12 +114,14 @@ class Site:
         a, b = self.folds
         return [(a, b), (b, a)]
 
-    def fit_factors(self) -> list[tuple[object, torch.Tensor]]:
+    def fit_factors(self, shared=None) -> list[tuple[object, torch.Tensor]]:
         """:meth:`fit_pairs` with each fitted Ĥ as its GPTQ factor (act-order): made once per site, shared by
-        every option :meth:`fitted_cost` prices."""
+        every option :meth:`fitted_cost` prices; ``shared``: a :class:`~compressor.fitting.gridround.
+        SharedFactors` that makes each once for the sites that share it."""
         from compressor.fitting.gridround import factor
 
-        return [(factor(fit), priced) for fit, priced in self.fit_pairs()]
+        make = factor if shared is None else shared.get
+        return [(make(fit), priced) for fit, priced in self.fit_pairs()]
 
     def fitted_cost(self, factors: list[tuple[object, torch.Tensor]], error: Callable[[object], torch.Tensor]) -> float:
         """Predicted cost of a rounding fitted to Ĥ: ``error(factor)`` is the priced rows' error when fitted
@@ -174,11 +187,14 @@ def _embedding_lookup_cost(f_emb: torch.Tensor, freq: torch.Tensor):
     return cost
 
 
-#: Tensors with more elements than this are priced on a sample of their rows (:func:`sample_rows`): every
-#: type's round trip through ggml then costs about the same for every tensor (SmolLM2-135M: only the
-#: embeddings are sampled; Qwen2.5-1.5B: most tensors).
-MAX_PRICED_ELEMENTS = 1 << 21
-MIN_PRICED_ROWS = 256
+#: Tensors with more elements than this are priced on a sample of their rows (:func:`sample_rows`), at least
+#: :data:`MIN_PRICED_ROWS`: every type's scale search and GPTQ then cost about the same for every tensor, and
+#: only the chosen type is rounded over all rows (:mod:`compressor.pipeline.size.rounding`). At SmolLM2's and
+#: Qwen2.5's widths every tensor of more than 256 rows is priced on 256. Measured on the off-grid SmolLM2-135M
+#: (Q4_K_M size, ``tools/results/size_frontier_offgrid_smollm2_planner_speed.json``): the same file quality as pricing up to 2²¹
+#: elements over all rows, for a third of the pricing time.
+MAX_PRICED_ELEMENTS = 1 << 16
+MIN_PRICED_ROWS = 128
 
 
 def priced_rows(width: int) -> int:
@@ -268,17 +284,19 @@ def _imatrix(w: torch.Tensor) -> np.ndarray:
 
 
 #: 32-element types that a 256-element type of no more bits beats almost everywhere both fit (ggml's
-#: k-quants and IQ4_XS store finer scales): a large tensor (priced on a sample of rows) whose rows take the
-#: k-quants is not priced in them, to bound the time. Small tensors get every type: a source already on
-#: a 32-element grid (SmolLM2's Q4_1) is re-quantized onto it without loss.
+#: k-quants and IQ4_XS store finer scales): where the rows take the k-quants they are not priced, to bound
+#: the time, unless the tensor already sits on the type's grid (ggml's rounding leaves the probe rows exact:
+#: a source on a 32-element grid, SmolLM2's Q4_1, is re-quantized onto it without loss).
 SUPERSEDED = {GGMLType.Q4_0: GGMLType.IQ4_XS, GGMLType.IQ4_NL: GGMLType.IQ4_XS, GGMLType.Q4_1: GGMLType.Q4_K,
               GGMLType.Q5_0: GGMLType.Q5_K, GGMLType.Q5_1: GGMLType.Q5_K}
 
 
-def offered(types: tuple[GGMLType, ...], n_per_row: int, every: bool = True) -> list[GGMLType]:
-    """The types rows of ``n_per_row`` take; unless ``every``, less those a k-quant supersedes there."""
+def offered(types: tuple[GGMLType, ...], n_per_row: int, every: bool = True,
+            exact: set[GGMLType] = frozenset()) -> list[GGMLType]:
+    """The types rows of ``n_per_row`` take; unless ``every``, less those a k-quant supersedes there (:data:`
+    SUPERSEDED`) that are not in ``exact`` (types the tensor already sits on)."""
     fit = [t for t in types if fits(t, n_per_row)]
-    return fit if every else [t for t in fit if SUPERSEDED.get(t) not in fit]
+    return fit if every else [t for t in fit if t in exact or SUPERSEDED.get(t) not in fit]
 
 
 def variants(site: Site, t: GGMLType) -> list[np.ndarray | None]:
@@ -307,10 +325,13 @@ class Rounded(dict):
     (SmolLM2-135M: 20 s of a 230 s run). Bounded by ``limit`` bytes; an offer past it is dropped (rounded
     again later). Offered from :func:`price_all`'s threads: the check and the count are one step under a lock."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, factors=None) -> None:
         super().__init__()
         self.limit, self.nbytes = limit, 0
         self._lock = threading.Lock()
+        self.factors = factors
+        """A :class:`~compressor.fitting.gridround.SharedFactors` that keeps pricing's GPTQ factors of Ĥ for the
+        plan's rounding (None: pricing's are not kept)."""
 
     def offer(self, key: tuple[str, str], raw: np.ndarray) -> None:
         with self._lock:
@@ -330,16 +351,21 @@ DOMINATED_SHARE = 0.8
 
 
 def undominated(kinds: list[GGMLType], n_per_row: int, on_probe: dict[GGMLType, float]) -> list[GGMLType]:
-    """``kinds`` less each type that another of no more bytes per row clearly beats on the probe rows (its cost
-    there under :data:`DOMINATED_SHARE` of this one's): the allocation, which takes the least cost within the
-    bytes, would never choose it."""
+    """``kinds`` less each type that another of fewer bytes per row clearly beats on the probe rows (its cost
+    there under :data:`DOMINATED_SHARE` of this one's), or another of the same bytes beats at all (Q4_0 and
+    IQ4_NL: whichever is dearer there would be taken only if the probe misjudged two close prices, for a small
+    loss): the allocation, which takes the least cost within the bytes, would never choose it."""
     size = {t: bytes_per_row(t, n_per_row) for t in kinds}
-    return [t for t in kinds
-            if not any(u is not t and size[u] <= size[t] and on_probe[u] < DOMINATED_SHARE * on_probe[t] for u in kinds)]
+
+    def beats(u: GGMLType, t: GGMLType) -> bool:
+        if size[u] == size[t]:
+            return on_probe[u] < on_probe[t]
+        return size[u] < size[t] and on_probe[u] < DOMINATED_SHARE * on_probe[t]
+    return [t for t in kinds if not any(u is not t and beats(u, t) for u in kinds)]
 
 
 def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str = "gptq",
-          kept: Rounded | None = None) -> list[Option]:
+          kept: Rounded | None = None, factors=None) -> list[Option]:
     """One option per type whose blocks fit the rows: its bytes and predicted loss increase, priced with the
     rounding it will get, chosen on :data:`PROBE_ROWS` rows (:meth:`Site.probe`) as whichever costs least
     there: ggml's nearest rounding with or without the importance matrix (:func:`variants`), or, with
@@ -350,18 +376,23 @@ def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str
     all three over every row spent most of the planner's time on options never chosen.
     Types another of no more bytes clearly beats on the probe are not offered (:func:`undominated`).
     ``kept``: where the bytes of a GPTQ rounding of every row (a tensor priced on all its rows, on the Ĥ the
-    plan's rounding uses) are offered, for that rounding."""
+    plan's rounding uses) are offered, for that rounding. ``factors``: the :class:`~compressor.fitting.
+    gridround.SharedFactors` of the sites priced together."""
     n_rows, n = site.weight.shape
     full = site.priced_weight()
     probe = site.probe(PROBE_ROWS)
     part = full[probe]
-    compensate = _compensator(site) if rounding == "gptq" else None
-    kinds = offered(types, n, every=site.rows is None)
+    compensate = _compensator(site, factors) if rounding == "gptq" else None
+    kinds = offered(types, n)
     nearest: dict[GGMLType, tuple[float, np.ndarray | None]] = {}
-    for t in kinds:  # every type's cost on the probe: it chooses the rounding, and which types are dominated
-        options = variants(site, t)
-        tried = [(site.cost(torch.from_numpy(roundtrip(part.numpy(), t, m)) - part, at=probe), m) for m in options]
-        nearest[t] = min(tried, key=lambda c: c[0])
+    # every type's cost on the probe (one product for all): it chooses the rounding, and which types are dominated;
+    # a type a k-quant supersedes only unweighted, which tells whether the tensor sits on its grid (else it goes)
+    tried = [(t, m) for t in kinds for m in (variants(site, t) if SUPERSEDED.get(t) not in kinds else [None])]
+    on_rows = site.costs([torch.from_numpy(roundtrip(part.numpy(), t, m)) - part for t, m in tried], at=probe)
+    for (t, m), c in zip(tried, on_rows):
+        if t not in nearest or c < nearest[t][0]:
+            nearest[t] = (c, m)
+    kinds = offered(tuple(kinds), n, every=False, exact={t for t in kinds if nearest[t][0] <= 0})
     # error-compensating rounding where the source is not on the type's grid, kept where it wins on the probe
     tried_gptq = [t for t in kinds if compensate is not None and compensates(t) and nearest[t][0] > 0]
     on_probe = compensate(tried_gptq, probe) if tried_gptq else []
@@ -374,15 +405,17 @@ def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str
     gptq_cost = dict(zip(gptq, compensate(gptq, raws=raws))) if gptq else {}
     for t, raw in (raws or {}).items():
         kept.offer((site.name, t.name), raw)
+    rest = [t for t in kinds if t not in gptq_cost]
+    nearest_cost = dict(zip(rest, site.costs([torch.from_numpy(roundtrip(full.numpy(), t, nearest[t][1])) - full
+                                              for t in rest])))
     opts = []
     for t in kinds:
         size = n_rows * bytes_per_row(t, n)
         if t in gptq_cost:
             opts.append(Option(site.name, t.name, size, max(gptq_cost[t], 0.0), payload=Choice(t, True, True)))
-            continue
-        m = nearest[t][1]
-        cost = site.cost(torch.from_numpy(roundtrip(full.numpy(), t, m)) - full)
-        opts.append(Option(site.name, t.name, size, max(cost, 0.0), payload=Choice(t, m is not None, False)))
+        else:
+            opts.append(Option(site.name, t.name, size, max(nearest_cost[t], 0.0),
+                               payload=Choice(t, nearest[t][1] is not None, False)))
     return opts
 
 
@@ -401,7 +434,7 @@ def compensates(t: GGMLType) -> bool:
     return BLOCKS[t][0] > 1 and bits_per_weight(t) < COMPENSATED_BELOW_BPW and gridround.supports(t) is None
 
 
-def _compensator(site: Site) -> Callable[..., list[float]] | None:
+def _compensator(site: Site, factors=None) -> Callable[..., list[float]] | None:
     """``(types, at=None) ->`` the predicted cost of the priced rows (those at positions ``at``) rounded by
     GPTQ onto each type's importance-weighted scales, all types in one pass of GPTQ's column loop
     (:func:`~compressor.fitting.gridround.gptq_quantize_many`; one factor of each fitted Ĥ shared by every
@@ -411,7 +444,7 @@ def _compensator(site: Site) -> Callable[..., list[float]] | None:
     if site.h is None:
         return None
     full = site.priced_weight()
-    pairs = site.fit_factors()
+    pairs = site.fit_factors(factors)
 
     def cost(types: list[GGMLType], at: torch.Tensor | None = None, raws: dict | None = None) -> list[float]:
         """``raws``: filled with each type's bytes (of the last pair's fit)."""
@@ -419,10 +452,10 @@ def _compensator(site: Site) -> Callable[..., list[float]] | None:
         sums = [0.0] * len(types)
         for fac, h in pairs:
             got = gridround.gptq_quantize_many(w.numpy(), fac, types, site.imatrix)
-            for i, (t, raw) in enumerate(zip(types, got)):
-                sums[i] += site.cost(torch.from_numpy(gridround.dequantize(raw, t, tuple(w.shape))) - w, h, at)
-                if raws is not None:
-                    raws[t] = raw
+            errors = [torch.from_numpy(gridround.dequantize(raw, t, tuple(w.shape))) - w for t, raw in zip(types, got)]
+            sums = [a + b for a, b in zip(sums, site.costs(errors, h, at))]
+            if raws is not None:
+                raws.update(zip(types, got))
         return [x / len(pairs) for x in sums]
     return cost
 
@@ -430,11 +463,14 @@ def _compensator(site: Site) -> Callable[..., list[float]] | None:
 def price_all(all_sites: list[Site], types: tuple[GGMLType, ...] = DEFAULT_TYPES,
               threads: int | None = None, rounding: str = "gptq",
               kept: Rounded | None = None) -> dict[str, list[Option]]:
-    """:func:`price` for every site; ggml's quantizer releases the GIL, so sites run on ``threads``."""
-    threads = threads or max(1, torch.get_num_threads())
-    with ThreadPoolExecutor(threads) as pool:
-        priced = list(progress(pool.map(lambda s: price(s, types, rounding, kept), all_sites),
-                               total=len(all_sites), desc="price: tensor types", unit="tensor"))
+    """:func:`price` for every site; ggml's quantizer releases the GIL, so sites run side by side on
+    ``threads`` (default: one per core; :func:`~compressor.core.threads.side_by_side`)."""
+    from compressor.fitting.gridround import SharedFactors
+
+    factors = kept.factors if kept is not None and kept.factors is not None else SharedFactors()
+    factors.expect(fit for s in all_sites if s.h is not None and rounding == "gptq" for fit, _ in s.fit_pairs())
+    priced = list(progress(side_by_side(lambda s: price(s, types, rounding, kept, factors), all_sites, threads),
+                           total=len(all_sites), desc="price: tensor types", unit="tensor"))
     return {s.name: opts for s, opts in zip(all_sites, priced)}
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from compressor.core import ggml
+from compressor.core.threads import side_by_side
 from compressor.output.base import WriteRequest
 from compressor.output.gated import NotRepresentableError
 from compressor.output.gguf.encode import _FTYPES, encode, quantize_file
@@ -85,15 +86,20 @@ def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
     tensors, types = _metadata_and_tensors(writer, request, plan, meta, final_quant)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     stored = {**(options.get("stored") or {}), **(plan.size_plan.stored if plan.size_plan is not None else {})}
-    for t in sorted(tensors, key=lambda t: _sort_key(t.name)):
+    def payload(t: Tensor):
+        """``(bytes, type)`` of tensor ``t`` as the file stores it."""
         if t.raw_type is not None:
-            writer.add_tensor(t.name, t.data, raw_dtype=t.raw_type)
-        elif (raw := _stored_bytes(t, plan, types, stored)) is not None:
-            writer.add_tensor(t.name, raw[1], raw_dtype=raw[0])
-        else:
-            qtype = _target_type(t, plan, types)
-            imatrix = plan.size_plan.imatrix.get(t.name) if plan.quant == "plan" else None
-            writer.add_tensor(t.name, encode(t.data, qtype, imatrix), raw_dtype=qtype)
+            return t.data, t.raw_type
+        if (raw := _stored_bytes(t, plan, types, stored)) is not None:
+            return raw[1], raw[0]
+        qtype = _target_type(t, plan, types)
+        imatrix = plan.size_plan.imatrix.get(t.name) if plan.quant == "plan" else None
+        return encode(t.data, qtype, imatrix), qtype
+
+    ordered = sorted(tensors, key=lambda t: _sort_key(t.name))
+    # encoded side by side (ggml's quantizer and numpy's casts release the GIL), added in the file's order
+    for t, (data, dtype) in zip(ordered, side_by_side(payload, ordered)):
+        writer.add_tensor(t.name, data, raw_dtype=dtype)
     _finish(writer)
     if final_quant:
         try:

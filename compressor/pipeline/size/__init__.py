@@ -141,10 +141,11 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         check_floor(planner, budget)
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
         compensator = Compensator(request, measured.priced, windows, recipe.calibration.batch_size, timings, target,
-                                  moments=measured.moments, rounded=measured.rounded, units=measured.units)
+                                  moments=measured.moments, rounded=measured.rounded, units=measured.units,
+                                  precision=measured.precision)
         run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator, target,
                       head={"prices_from_cache": measured.cached, "timings": timings,
-                            "rounding": recipe.output.rounding})
+                            "rounding": recipe.output.rounding, "statistics_precision": measured.precision.name})
         return run.search()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -163,7 +164,7 @@ def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: in
     a sample of rows), error-compensating rounding (GPTQ's pricing, and the chosen plan's, and the anchor's
     where the run makes it, over all rows, on the moments the pricing kept), and the file and its anchor
     checked where they run."""
-    from compressor.pipeline.size.prices import FISHER_TOKENS
+    from compressor.pipeline.size.prices import FISHER_TOKENS, StatisticsPrecision
     from compressor.pipeline.size.target import target_for
     from compressor.policy.quantplan import priced_rows
 
@@ -171,8 +172,9 @@ def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: in
         return None
     weights = [p for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2]
     priced = sum(min(p.shape[0], priced_rows(p.shape[1])) * p.shape[1] for p in weights)
+    fisher, moments = STATISTICS_FACTORS[StatisticsPrecision.resolve(recipe.output.size_precision, model).name]
     out = {"baseline": evals * fwd,
-           "statistics": fwd * (FISHER_FACTOR * min(cal, FISHER_TOKENS) + MOMENTS_FACTOR * cal),
+           "statistics": fwd * (fisher * min(cal, FISHER_TOKENS) + moments * cal),
            "pricing": priced * 8 * PRICE_SECONDS, "write + verify": 4 * evals * fwd + params * 1e-7}
     if recipe.output.rounding == "gptq":
         target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
@@ -197,11 +199,11 @@ FACTOR_SECONDS = 1e-11
 #: Seconds per weight per GGML type to price (quantize, decode, cost) on the 2-core machine: SmolLM2-135M's
 #: 108 M priced weights in about 8 types each took 46 s (``report.json`` → ``size_plan.timings``).
 PRICE_SECONDS = 5.3e-8
-#: The loss-gradient pass per token, over a forward's, with its hooks (SmolLM2-135M: 16.5 s for 4,096 tokens);
-#: and the input moments of every linear per token (the forward and the ``XᵀX`` products, about as costly:
-#: SmolLM2-135M, 14,336 tokens, 37.5 s).
-FISHER_FACTOR = 4.6
-MOMENTS_FACTOR = 3.0
+#: Per statistics precision (:class:`~.prices.StatisticsPrecision`): the loss-gradient pass per token, over a
+#: float32 forward's, with its hooks; and the input moments of every linear per token (the forward and the
+#: ``XᵀX`` products). SmolLM2-135M (a forward 0.87 ms a token): float32 16.5 s for 4,096 tokens and 37.5 s for
+#: 14,336; bfloat16 4.4 s for 2,048 and 15.4 s for 14,336.
+STATISTICS_FACTORS = {"float32": (4.6, 3.0), "bfloat16": (2.5, 1.25)}
 
 __all__ = ["baseline_only", "check", "check_output", "default_formats", "estimate", "ship", "structural",
            "size_refusal", "writer_refusal"]

@@ -19,9 +19,10 @@ import torch
 
 from compressor.core.params import tied_head
 from compressor.core.progress import progress
+from compressor.core.threads import side_by_side
 from compressor.engine.tensorstats import input_moments
-from compressor.fitting.gridround import factor
-from compressor.pipeline.size.prices import moment_groups
+from compressor.fitting.gridround import SharedFactors
+from compressor.pipeline.size.prices import StatisticsPrecision, moment_groups
 from compressor.policy.quantplan import Priced, SizePlan, priced_rows
 
 logger = logging.getLogger(__name__)
@@ -32,18 +33,21 @@ class Compensator:
 
     def __init__(self, request, priced: list[Priced], windows: torch.Tensor, batch_size: int,
                  timings: dict, target, moments: dict | None = None, rounded: dict | None = None,
-                 units: dict | None = None) -> None:
+                 units: dict | None = None, precision: "StatisticsPrecision | None" = None) -> None:
         """``moments``: every linear layer's Ĥ over ``windows``, as the pricing pass measured it (None: measured
         here, in groups). ``rounded``: ``(tensor, type) → bytes`` pricing already rounded over every row on the
         same Ĥ (:attr:`~.prices.Measured.rounded`): stored as they are, not rounded again. ``units``: every
-        tensor's priced options, whose compensated ones a tensor priced on all its rows is rounded beside."""
+        tensor's priced options, whose compensated ones a tensor priced on all its rows is rounded beside.
+        ``precision``: how moments measured here are measured (the pricing pass's, so that a run with cached
+        prices writes a fresh run's bytes; default float32)."""
         self.request, self.windows, self.batch_size, self.timings = request, windows, batch_size, timings
         self.priced = {p.name: p for p in priced}
         self.target = target
         self.moments = moments
         self._done: dict[tuple[str, str], object] = {}
-        self._rounded = rounded or {}
+        self._rounded = rounded if rounded is not None else {}
         self.units = units or {}
+        self.precision = precision or StatisticsPrecision("float32")
 
     def fill(self, *plans: SizePlan) -> None:
         """Put every compensated tensor's bytes on each plan's ``stored``: what none was rounded in before, in
@@ -77,6 +81,25 @@ class Compensator:
             return names[id(model.get_output_embeddings())]
         return module
 
+    def _measure(self, model, group: list[str]) -> dict:
+        """Ĥ of ``group`` over the windows, measured as the pricing pass measured it (:attr:`precision`)."""
+        with self.precision.context(model):
+            return input_moments(model, self.windows, group, batch_size=self.batch_size)
+
+    def _round_layer(self, module: str, h: torch.Tensor, tensors: list[tuple[str, str]],
+                     factors: SharedFactors) -> int:
+        """Every ``(tensor, type)`` of layer ``module`` rounded through its input moment ``h``; how many."""
+        # one solve per input, shared by every option rounded here (the plan's and the anchor's) and the layers
+        # that read the same input; the targets' GPTQ checks it was made with their settings (act-order, default
+        # damping)
+        fac = factors.get(h)
+        model = self.request.model
+        for name, t in tensors:
+            weight = model.get_submodule(self.priced[name].module).weight.detach().float().cpu()
+            self._done[name, t] = self.target.round_full(name, t, weight, fac, self.priced[name], self.request,
+                                                         alongside=self._alongside(name, t))
+        return len(tensors)
+
     def _round(self, need: list[tuple[str, str]]) -> None:
         model = self.request.model
         by_module: dict[str, list[tuple[str, str]]] = {}
@@ -86,16 +109,16 @@ class Compensator:
         bar = progress(total=len(need), desc="size plan: compensated rounding", unit="tensor")
         for group in moment_groups(model, order):
             moments = (self.moments if self.moments is not None and all(m in self.moments for m in group) else
-                       input_moments(model, self.windows, group, batch_size=self.batch_size))
-            for module in group:
-                # one solve per layer, shared by every option of it rounded here (the plan's and the anchor's);
-                # the targets' GPTQ checks it was made with their settings (act-order, default damping)
-                fac = factor(moments[module].float())
-                for name, t in by_module[module]:
-                    weight = model.get_submodule(self.priced[name].module).weight.detach().float().cpu()
-                    self._done[name, t] = self.target.round_full(name, t, weight, fac, self.priced[name], self.request,
-                                                                 alongside=self._alongside(name, t))
-                    bar.update(1)
-                del fac
+                       self._measure(model, group))
+
+            layers = [(m, moments[m].float(), by_module[m]) for m in group]
             del moments
+            factors = getattr(self._rounded, "factors", None) or SharedFactors()  # pricing's, where it kept them
+            factors.expect(h for _, h, _ in layers)
+            # layers side by side where the target's rounding is single-threaded numpy and ggml work (each
+            # tensor's bytes are its own, whatever ran beside it); else one at a time on torch's own threads
+            threads = None if self.target.rounds_side_by_side else 1
+            for done in side_by_side(lambda layer: self._round_layer(*layer, factors), layers, threads):
+                bar.update(done)
+            del layers
         bar.close()

@@ -45,6 +45,9 @@ class SizeTarget:
     keeps_priced_roundings: ClassVar[bool] = False
     """Whether :meth:`price_all` offers the full-row roundings it makes to ``kept`` (for the run-time
     estimate: those tensors are not rounded again)."""
+    rounds_side_by_side: ClassVar[bool] = False
+    """Whether :meth:`round_full` of several layers may run at once, one per core (single-threaded numpy and ggml
+    work that releases the GIL); False: one at a time (a torch GPTQ, on torch's own threads)."""
     heldout_prices: ClassVar[bool] = False
     """Price error-compensating rounding cross-fitted on two halves of the calibration windows
     (:meth:`~compressor.policy.quantplan.Site.fit_pairs`) rather than on the Ĥ it is fitted to."""
