@@ -244,6 +244,10 @@ def test_bfloat16_statistics_where_native_and_close_to_float32(llama, monkeypatc
         factor(h[n])  # raises if the damped Ĥ is not positive definite
     with P("float32").context(llama):
         assert not torch.is_autocast_enabled("cpu")
+    offloaded = copy.deepcopy(llama)
+    offloaded.get_input_embeddings().to("meta")  # an offloaded weight: the passes compute where the others are
+    with P("bfloat16").context(offloaded):
+        assert torch.is_autocast_enabled("cpu")
 
 
 def test_size_precision_is_read_only_with_a_size():

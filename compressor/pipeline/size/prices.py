@@ -108,17 +108,26 @@ class StatisticsPrecision:
         """``setting`` (``auto``, ``float32``, ``bfloat16``) for ``model`` where it runs."""
         if setting != "auto":
             return cls(setting)
-        param = model.get_input_embeddings().weight
-        return cls("bfloat16" if param.dtype == torch.float32 and native_bfloat16(param.device) else "float32")
+        dtype, device = _dtype_and_device(model)
+        return cls("bfloat16" if dtype == torch.float32 and native_bfloat16(device) else "float32")
 
     def context(self, model):
         """The context the passes run in: autocast to bfloat16 for a float32 model, else nothing."""
         from contextlib import nullcontext
 
-        param = model.get_input_embeddings().weight
-        if self.name == "bfloat16" and param.dtype == torch.float32:
-            return torch.autocast(param.device.type, dtype=torch.bfloat16)
+        dtype, device = _dtype_and_device(model)
+        if self.name == "bfloat16" and dtype == torch.float32:
+            return torch.autocast(device.type, dtype=torch.bfloat16)
         return nullcontext()
+
+
+def _dtype_and_device(model) -> tuple[torch.dtype, torch.device]:
+    """The token embedding's dtype, and the device the passes compute on: the embedding's, or where that is the
+    meta device (an offloaded weight, brought in by a hook), the first parameter's that is not; else the CPU."""
+    weight = model.get_input_embeddings().weight
+    if weight.device.type != "meta":
+        return weight.dtype, weight.device
+    return weight.dtype, next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
 def native_bfloat16(device: torch.device) -> bool:
