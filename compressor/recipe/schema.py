@@ -311,7 +311,7 @@ class OutputConfig(_Section):
     size_precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="output.size: how the calibration passes that price every weight (the input second "
         "moments Ĥ and the loss gradients F) multiply a float32 model — bfloat16: under a bfloat16 autocast, each "
-        "XᵀX the float32 product of the bfloat16 activations, every sum in float32 (Ĥ within 0.15 %, the "
+        "XᵀX the float32 product of the bfloat16 activations, every sum in float32 (Ĥ within 0.15 % where checked, the "
         "statistics in 40 % of the time where the hardware has it, the file's score within noise: docs/size.md); "
         "float32: in float32; auto: bfloat16 where the device multiplies it natively (a GPU that supports it, a "
         "CPU with AVX512-BF16 or AMX), else float32")

@@ -76,7 +76,7 @@ def header_layout(path: Path) -> tuple[int, int, list[tuple[str, tuple[int, ...]
     """``(data offset, alignment, [(tensor name, shape, data bytes)])`` of a GGUF file, read from its header:
     metadata values are skipped, not decoded (gguf-py's reader decodes every one, the tokenizer's ~100k
     strings included: 1.7 s of SmolLM2's size run, where this takes a few hundredths). GGUF v2/v3, with
-    gguf-py's constants for the value and tensor types; ``tests/test_size.py`` checks it against the reader."""
+    gguf-py's constants for the value and tensor types; ``tests/test_gguf.py`` checks it against the reader."""
     import mmap
     import struct
 
