@@ -372,10 +372,10 @@ def test_refuses_non_empty_output_unless_overwrite(tmp_path):
     assert [p.name for p in out.iterdir()] == ["old.txt"]
     (out / "old.txt").unlink()
     assert compressor.run(make_recipe(src, out)).exit_code == 0
-    (out / "stale.txt").write_text("from the earlier run")
+    (out / "notes.txt").write_text("added by the user")
     res = compressor.run(make_recipe(src, out, output={"overwrite": True}))
     assert res.exit_code == 0
-    assert not (out / "stale.txt").exists()
+    assert (out / "notes.txt").read_text() == "added by the user"  # not compressor's: kept (issue 57)
     assert (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # old folder removed, no temp left
 

@@ -15,7 +15,9 @@ gradients F and input moments Ĥ) come from the model's device, pricing and roun
 Compared: the plan (every tensor's type, the predicted loss), the measured change of the written file on every
 gate domain (in llama.cpp for the GGUF), and the file itself (bytes that differ; logits in plain transformers
 for the compressed-tensors checkpoint). Ĥ summed in another order can turn a GPTQ near-tie the other way,
-so the JSON gives the share of differing bytes rather than failing on it.
+so the JSON gives the share of differing bytes rather than failing on it. The GGUF size run is also made
+onloaded (``model.offload: disk`` on the CPU, ``cpu`` on the GPU: one layer's weights at a time), whose file
+on the same device is the one the run holding the model writes, byte for byte.
 
 Float32 on both sides; the matrix products on the GPU run without TF32 (PyTorch's default for
 float32 matmuls), so the differences are summation order. Choices are discrete (the search picks
@@ -47,13 +49,17 @@ SEARCHES = {
     "greedy-affine": {"replacement": {"kind": "affine"}, "policy": {"threshold": -100}},
 }
 DEVICES = {"cpu": {"device": "cpu"}, "cuda": {"device": "cuda"}, "cuda-offload-cpu": {"device": "cuda", "offload": "cpu"}}
+#: Where a size run may also run onloaded: a GGUF size streams one layer at a time (``model.offload``), on the CPU
+#: from disk and on the GPU from host RAM; a compressed-tensors size is planned in memory.
+SIZE_DEVICES = {"gguf": {"cpu": DEVICES["cpu"], "cpu-offload-disk": {"device": "cpu", "offload": "disk"},
+                         "cuda": DEVICES["cuda"], "cuda-offload-cpu": DEVICES["cuda-offload-cpu"]},
+                "compressed-tensors": {"cpu": DEVICES["cpu"], "cuda": DEVICES["cuda"]}}
 
-#: Size runs: the file users ship at a byte budget (size runs refuse onloading, so no offload variant).
+#: Size runs: the file users ship at a byte budget.
 SIZES = {
     "size-gguf-Q4_K_M": {"output": {"size": "Q4_K_M", "formats": ["gguf"]}, "file": "model.gguf"},
     "size-ctensors-W4A16": {"output": {"size": "W4A16", "formats": ["compressed-tensors"]}, "file": None},
 }
-SIZE_DEVICES = {"cpu": DEVICES["cpu"], "cuda": DEVICES["cuda"]}
 #: The size runs' tiny model: every row a multiple of 256 (k-quant super-blocks) and of 128 (W4A16 groups).
 SIZE_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 64}
@@ -236,8 +242,11 @@ def main() -> int:
             continue
         source = size_source(args.work / f"src-size-{model_type}", model_type)
         for sname, search in ((k, v) for k, v in SIZES.items() if k in args.searches):
+            devices = SIZE_DEVICES[search["output"]["formats"][0]]
+            if args.cpu_only:
+                devices = {d: dev for d, dev in devices.items() if dev["device"] == "cpu"}
             runs = {d: run(source, args.work, f"{model_type}-{sname}-{d}", search, dev)
-                    for d, dev in ({"cpu": SIZE_DEVICES["cpu"]} if args.cpu_only else SIZE_DEVICES).items()}
+                    for d, dev in devices.items()}
             row = {"model": model_type, "search": sname, "runs": runs}
             ref = runs["cpu"]
             row["compared_with_cpu"] = {

@@ -5,7 +5,8 @@ each with ``add_parsers(sub)`` that adds its sub-commands and sets
 ``handler``; a new command is a new module named in :data:`COMMANDS`.
 
 Logs go to stderr; stdout gets a short summary. Exit codes: 0 success,
-1 runtime error, 2 invalid recipe or input, 3 perplexity gate failed.
+1 runtime error, 2 invalid recipe or input, 3 perplexity gate failed, 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM, which unwinds the run as Ctrl-C does: :mod:`compressor.core.signals`).
 Nothing heavy (torch, transformers) is imported until a command needs it, so
 ``compressor --help`` is instant.
 """
@@ -47,10 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     from compressor.core.distributed import RankFailed
     from compressor.core.errors import (EXIT_ERROR, EXIT_GATE, EXIT_INVALID, INVALID_INPUT_ERRORS, GateFailed,
-                                        NonFiniteActivationError)
+                                        NonFiniteActivationError, exit_code_for, stop_name)
+    from compressor.core.signals import stop_signals_raise
 
     try:
-        return args.handler(args)
+        with stop_signals_raise():  # SIGTERM (timeout, docker, Slurm) cleans up as Ctrl-C does
+            return args.handler(args)
     except RankFailed as e:  # rank 0 failed while writing and printed why; exit as it does
         return e.exit_code
     except INVALID_INPUT_ERRORS as e:
@@ -62,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except GateFailed as e:
         print(f"gate failed: {e}", file=sys.stderr)
         return EXIT_GATE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        print(stop_name(stop), file=sys.stderr)
+        return exit_code_for(stop)
     except Exception as e:  # noqa: BLE001 - the CLI turns every failure into an exit code
         if args.verbose:
             logger.exception("failed")

@@ -19,6 +19,8 @@ EXIT_CODES_EPILOG = """exit codes:
      --resume with no saved state or one of a different model/data/recipe…):
      detected before anything is written
   3  perplexity gate failed: nothing is written (the --report file still is)
+  130  interrupted (Ctrl-C); 143  terminated (SIGTERM: timeout, docker, Slurm),
+     cleaned up as Ctrl-C is (docs/exit-codes.md)
 """
 
 

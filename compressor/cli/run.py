@@ -130,15 +130,13 @@ def handle(args) -> int:
         report, output, code = res.report, res.output, EXIT_OK
     except GateFailed as failed:  # nothing was written; the report says why
         report, output, code = failed.report, None, EXIT_GATE
-    except KeyboardInterrupt:
-        from compressor.engine.resume import state_dir
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (compressor.core.signals)
+        from compressor.core.errors import exit_code_for
 
-        kept = state_dir(recipe.output.path)
-        if is_main() and kept.is_dir() and any(kept.iterdir()):
-            print(f"interrupted: the finished steps are kept in {kept}; run the same command with --resume to "
-                  "continue where it stopped (the result is the same as an uninterrupted run)", file=sys.stderr)
-            return 130
-        raise
+        if not is_main():
+            raise
+        print(_stopped_message(recipe, stop, cache=recipe.measure.cache and not args.no_cache), file=sys.stderr)
+        return exit_code_for(stop)
     if not is_main():  # rank 0 prints and writes
         return code
     _print_summary(report, output)
@@ -150,6 +148,27 @@ def handle(args) -> int:
             print(f"error: {published}the report could not be written to {report_path}: {e}", file=sys.stderr)
             return 1
     return code
+
+
+def _stopped_message(recipe, stop: KeyboardInterrupt, *, cache: bool) -> str:
+    """What a stopped run left and how to go on: a size run starts over (it records nothing to resume: its
+    statistics are measured again, and its work folder is gone); a structural run with finished steps kept
+    resumes from them."""
+    from compressor.core.errors import stop_name
+    from compressor.engine.resume import state_dir
+
+    what = stop_name(stop)
+    if recipe.output.size is not None:
+        cached = (" (unless an earlier run of this model and calibration text stored its prices in the statistics "
+                  "cache, measure.cache)" if cache else "")
+        return (f"{what}: nothing was written, and the size run's work folder and staging folder were removed. "
+                "A size run does not resume: its statistics are not kept, so run the same command again, without "
+                f"--resume, to start over; the statistics are measured again{cached}")
+    kept = state_dir(recipe.output.path)
+    if kept.is_dir() and any(kept.iterdir()):
+        return (f"{what}: the finished steps are kept in {kept}; run the same command with --resume to "
+                "continue where it stopped (the result is the same as an uninterrupted run)")
+    return f"{what}: nothing was written"
 
 
 def _print_summary(r: dict, output) -> None:
@@ -183,10 +202,10 @@ def _print_summary(r: dict, output) -> None:
     size = r.get("size") or {}
     agree = r.get("agreement") or {}
     if agree.get("next_token") is not None:
-        c = agree.get("continuations") or {}
-        print(f"greedy agreement with the original: {agree['next_token']:.1%} of next tokens; "
-              f"{c.get('identical', float('nan')):.0%} of {c.get('prompts', 0)} continuations of {c.get('tokens', 0)} "
-              f"tokens identical ({c.get('matching_prefix', float('nan')):.0%} of tokens before the first difference)")
+        c = agree.get("continuations")
+        print(f"greedy agreement with the original: {agree['next_token']:.1%} of next tokens" + (
+              f"; {c['identical']:.0%} of {c['prompts']} continuations of {c['tokens']} tokens identical "
+              f"({c['matching_prefix']:.0%} of tokens before the first difference)" if c else ""))
     for row in (r.get("tasks") or {}).get("tasks", []):
         print(f"task {row['task']}: {row['metric']} {_num(row['original'])} → {_num(row['compressed'])}"
               + (f" (±{row['stderr']:.4f})" if row.get("stderr") is not None else ""))

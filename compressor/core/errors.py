@@ -1,7 +1,8 @@
 """Every error class whose type decides an exit code, and the exit codes.
 
 One class per exit code: :class:`InputError` (and its subclasses) → 2, :class:`GateFailed` → 3,
-anything else → 1 (:func:`exit_code_for`).
+Ctrl-C (``KeyboardInterrupt``) → 130, :class:`Terminated` (SIGTERM) → 143, anything else → 1
+(:func:`exit_code_for`).
 
 The bottom of the package: it imports nothing. A module that detects bad input
 raises one of these (or a subclass), and the CLI maps the type to the exit
@@ -14,7 +15,8 @@ EXIT_OK = 0
 EXIT_ERROR = 1  # runtime error
 EXIT_INVALID = 2  # invalid recipe / bad input (nothing was loaded or written)
 EXIT_GATE = 3  # perplexity gate failed: nothing written
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): 128 + 2, the shell's convention
+EXIT_TERMINATED = 143  # SIGTERM (timeout, docker stop, Slurm): 128 + 15
 
 
 class InputError(ValueError):
@@ -58,6 +60,27 @@ class GateFailed(RuntimeError):
         self.result = result
 
 
+class Terminated(KeyboardInterrupt):
+    """The process was asked to stop by a signal other than Ctrl-C (SIGTERM: ``timeout``, ``docker stop``,
+    Slurm at its time limit), raised where the run stands as Ctrl-C raises ``KeyboardInterrupt`` — a subclass
+    of it, so the run unwinds the same way (its work folder and staging removed) — and exiting with
+    128 + the signal's number (:data:`EXIT_TERMINATED` for SIGTERM)."""
+
+    def __init__(self, signum: int = 15, name: str = "SIGTERM") -> None:
+        super().__init__(name)
+        self.signum = signum
+        self.name = name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def stop_name(error: KeyboardInterrupt) -> str:
+    """How a stop is named to the user: ``terminated (SIGTERM)`` or ``interrupted (Ctrl-C)``."""
+    return f"terminated ({error.name})" if isinstance(error, Terminated) else "interrupted (Ctrl-C)"
+
+
 class MissingExtraError(InputError):
     """A recipe asks for something an optional extra provides, and it is not installed (exit 2)."""
 
@@ -72,7 +95,7 @@ INVALID_INPUT_ERRORS: tuple[type[BaseException], ...] = (
 def exit_code_for(error: BaseException) -> int:
     """The CLI's exit code for an exception (see ``docs/exit-codes.md``)."""
     if isinstance(error, KeyboardInterrupt):
-        return EXIT_INTERRUPTED
+        return error.exit_code if isinstance(error, Terminated) else EXIT_INTERRUPTED
     if isinstance(error, GateFailed):
         return EXIT_GATE
     return EXIT_INVALID if isinstance(error, INVALID_INPUT_ERRORS) else EXIT_ERROR

@@ -119,6 +119,12 @@ def tensor(module: nn.Module, name: str) -> torch.Tensor:
     return weights[leaf].to(t.dtype)
 
 
+def weight(model: nn.Module, module_name: str) -> torch.Tensor:
+    """Module ``module_name``'s weight as a float32 CPU tensor, read from the offload store when the layer is
+    onloaded (only that tensor is read: a safetensors checkpoint is memory-mapped)."""
+    return tensor(model, f"{module_name}.weight" if module_name else "weight").detach().float().cpu()
+
+
 def named_tensors(model: nn.Module, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` over parameters (and buffers), one real tensor at a time (offloaded ones are read back)."""
     seen: set[int] = set()

@@ -121,3 +121,73 @@ def estimate(*, d: int, d_ff: int, layers: int, vocab: int, heads: int, kv_heads
     live = TREE_DEPTH + 2 if batches is None else min(TREE_DEPTH + 2, batches + 1)
     accumulation = (1 + live) * partial
     return MemoryEstimate(resident, layer, acts, stats, accumulation, work, resident + layers * layer)
+
+
+#: Anonymous memory of the process before it loads anything: Python, torch, transformers, compressor and
+#: llama.cpp's library imported (measured: 0.28 GB on the 2-core CPU).
+PROCESS_BYTES = 350 << 20
+
+
+def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_tokens: int = 2048,
+                    heads: int | None = None, kv_heads: int | None = None, tied: bool = False, seq_len: int = 512,
+                    offload: str = "disk", batch_size: int = 8) -> dict[str, int]:
+    """Host bytes a GGUF size plan holds at its peak, by component, for a Llama-shaped model (float32 compute):
+
+    * ``process``: the interpreter and libraries (:data:`PROCESS_BYTES`);
+    * ``resident``: the token embedding and the output head (untied), float32;
+    * ``model``: without onloading, every decoder layer's float32 weights; onloaded, one layer's, plus the float32
+      copy of that layer's weights that pricing and rounding read;
+    * ``hidden_states``: every calibration token's hidden state at the current layer and the next (float32), for
+      the layer-sequential Ĥ;
+    * ``fisher``: F's backward over micro-batches of :func:`~compressor.engine.sensitivity.backward_rows` windows:
+      onloaded, every layer's input for ``fisher_tokens`` (kept for recomputation) and one micro-batch's logits,
+      their float copy and gradient (3 · rows · seq_len · vocab floats); in memory, every layer's saved activations
+      of the micro-batch (about ``4·ff + 10·d`` floats a token a layer) besides its logits;
+    * ``moments``: one layer's input second moments (q/k/v and gate/up share theirs: ``3·d² + ff²`` floats) and
+      their GPTQ factors (float64 Cholesky factors of the same size).
+
+    The peak is the largest phase: the F pass (process + resident + model + fisher) or the Ĥ and pricing pass
+    (process + resident + model + hidden states + moments). ``tools/bench_size_memory.py`` measures it against
+    this."""
+    from compressor.engine.sensitivity import BACKWARD_BUDGET_BYTES
+
+    heads = heads or max(1, d // 128)
+    kv_heads = kv_heads or heads
+    f4 = 4
+    one_layer = layer_params(d, ff, heads, kv_heads) * f4
+    resident = vocab * d * f4 * (1 if tied else 2)
+    model = 2 * one_layer if offload != "none" else layers * one_layer + one_layer
+    hidden = 2 * tokens * d * f4
+    per_window = 4 * seq_len * (layers * (4 * ff + 10 * d) + 4 * vocab)
+    rows = max(1, min(batch_size, BACKWARD_BUDGET_BYTES // per_window, -(-fisher_tokens // seq_len)))
+    logits = 3 * rows * seq_len * vocab * f4
+    if offload != "none":
+        fisher = (layers + 2) * fisher_tokens * d * f4 + logits
+    else:
+        fisher = rows * seq_len * layers * (4 * ff + 10 * d) * f4 + logits
+    moments = (3 * d * d + ff * ff) * f4 + (3 * d * d + ff * ff) * 8
+    return {"process": PROCESS_BYTES, "resident": resident, "model": model, "hidden_states": hidden,
+            "fisher": fisher, "moments": moments,
+            "peak": PROCESS_BYTES + resident + model + max(fisher, hidden + moments)}
+
+
+def size_peak(**kwargs) -> int:
+    """:func:`size_components`' peak (bytes)."""
+    return size_components(**kwargs)["peak"]
+
+
+def size_peak_of(config, *, offload: str, dtype: str = "float32", tokens: int = 16384) -> int | None:
+    """:func:`size_peak` for a Hugging Face ``config`` (its text config for a multimodal one), the weights in
+    ``dtype`` (the float32 estimate scaled); None where the config lacks a decoder's shape fields."""
+    cfg = getattr(config, "text_config", None) or config
+    try:
+        d, ff, layers, vocab = (int(getattr(cfg, k)) for k in ("hidden_size", "intermediate_size",
+                                                               "num_hidden_layers", "vocab_size"))
+    except (AttributeError, TypeError):
+        return None
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0) or None
+    kv = int(getattr(cfg, "num_key_value_heads", 0) or 0) or heads
+    peak = size_peak(d=d, ff=ff, layers=layers, vocab=vocab, tokens=tokens, heads=heads, kv_heads=kv,
+                     tied=bool(getattr(config, "tie_word_embeddings", False)), offload=offload)
+    scale = {"float32": 1.0, "auto": 1.0}.get(dtype, 0.5)  # bfloat16 / float16 weights take half
+    return int(peak * scale)

@@ -55,42 +55,58 @@ def linear_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
+class GradSquares:
+    """Sums of the squared loss gradient at module outputs: backward hooks on every module in ``names``, added
+    per batch (float32 within a batch, float64 across), removed on exit."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        self.model, self.names = model, names
+        self.sums: dict[str, torch.Tensor] = {}
+        self._handles: list = []
+
+    def add(self, key: str, g: torch.Tensor) -> None:
+        # squares summed in float32 within a batch (a few thousand positive terms), then float64 across batches:
+        # a float64 copy of every gradient took 13 % of SmolLM2's pass
+        g = g.detach().reshape(-1, g.shape[-1]).float()
+        g2 = g.square().sum(0).double().cpu()
+        self.sums[key] = g2 if key not in self.sums else self.sums[key] + g2
+
+    def __enter__(self) -> "GradSquares":
+        def hook(name: str):
+            def fwd(module, args, output):
+                if output.requires_grad:
+                    output.register_hook(lambda g: self.add(name, g))
+            return fwd
+
+        self._handles = [self.model.get_submodule(n).register_forward_hook(hook(n)) for n in self.names]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def fisher(self, n_tokens: int, counted: torch.Tensor) -> Fisher:
+        """The means over ``n_tokens`` and the token counts of ``counted``."""
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        counts = torch.bincount(counted.flatten().cpu(), minlength=vocab).double()[:vocab]
+        return Fisher({k: v / n_tokens for k, v in self.sums.items()}, counts, counted.numel())
+
+
 def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8,
                   names: list[str] | None = None, counted: torch.Tensor | None = None) -> Fisher:
     """One forward + backward per batch of ``windows`` ([n, seq_len] token ids): ``F`` at the output of
     each linear in ``names`` (default: all) and of the token embedding. The token counts are of
     ``counted`` (default ``windows``): a token's frequency needs no pass, so it can come from more text
-    than the gradients do."""
+    than the gradients do. The whole model's weights are alive during each backward: an onloaded model is
+    measured one layer at a time instead (:func:`compressor.engine.layerwise.output_fisher_sequential`)."""
     names = linear_names(model) if names is None else names
-    sums: dict[str, torch.Tensor] = {}
-
-    def add(key: str, g: torch.Tensor) -> None:
-        # squares summed in float32 within a batch (a few thousand positive terms), then float64 across batches:
-        # a float64 copy of every gradient took 13 % of SmolLM2's pass
-        g = g.detach().reshape(-1, g.shape[-1]).float()
-        g2 = g.square().sum(0).double().cpu()
-        sums[key] = g2 if key not in sums else sums[key] + g2
-
-    def hook(name: str):
-        def fwd(module, args, output):
-            output.register_hook(lambda g: add(name, g))
-        return fwd
-
-    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
     embed = model.get_input_embeddings()
-    vocab = embed.weight.shape[0]
-    counted = windows if counted is None else counted
-    counts = torch.bincount(counted.flatten().cpu(), minlength=vocab).double()[:vocab]
     rows = backward_rows(model, windows.shape[1], batch_size)
-    try:
-        with frozen(model):
-            for first in progress(range(0, windows.shape[0], rows), desc="price: loss gradients", unit="batch"):
-                add(EMBEDDING, summed_loss_backward(model, windows[first:first + rows].to(embed.weight.device)))
-    finally:
-        for h in handles:
-            h.remove()
-    n_tokens = windows.numel()
-    return Fisher({k: v / n_tokens for k, v in sums.items()}, counts, counted.numel())
+    with GradSquares(model, names) as squares, frozen(model):
+        for first in progress(range(0, windows.shape[0], rows), desc="price: loss gradients", unit="batch"):
+            squares.add(EMBEDDING, summed_loss_backward(model, windows[first:first + rows].to(embed.weight.device)))
+    return squares.fisher(windows.numel(), windows if counted is None else counted)
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
@@ -147,54 +163,73 @@ class _AllSeen(Exception):
     forward pass would compute nothing it needs."""
 
 
-def input_moments(model: nn.Module, windows: torch.Tensor, names: list[str], *,
-                  batch_size: int = 8) -> dict[str, torch.Tensor]:
-    """``Ĥ = mean_t x_t x_tᵀ`` (float32 [d_in, d_in], CPU) at the input of each linear in ``names``; modules
-    that read the same tensor get the same matrix object. Each batch's forward pass stops once every named
-    module has read its input (moments of the first layers cost only the first layers' compute)."""
-    sums: dict[str, torch.Tensor] = {}
-    seen: set[str] = set()
-    # this batch's inputs by tensor identity → (the module that took it first, the tensor, held so that
-    # its memory cannot be reused by a later input of the same batch)
-    first_reader: dict[int, tuple[str, torch.Tensor]] = {}
-    alias: dict[str, str] = {}
+class MomentTaps:
+    """Forward pre-hooks that add each batch's ``XᵀX`` at the input of every linear in ``names``: modules that
+    read the same tensor (q/k/v, gate/up) share one sum. With ``stop``, a batch's forward is cut short
+    (:class:`_AllSeen`) once every module has read its input. Call :meth:`next_batch` before each batch;
+    the hooks are removed on exit."""
 
-    def hook(name: str):
+    def __init__(self, model: nn.Module, names: list[str], stop: bool = False) -> None:
+        self.model, self.wanted, self.stop = model, set(names), stop
+        self.sums: dict[str, torch.Tensor] = {}
+        self.alias: dict[str, str] = {}
+        self._seen: set[str] = set()
+        # this batch's inputs by tensor identity → (the module that took it first, the tensor, held so that
+        # its memory cannot be reused by a later input of the same batch)
+        self._first_reader: dict[int, tuple[str, torch.Tensor]] = {}
+        self._handles: list = []
+
+    def _hook(self, name: str):
         def fwd(module, args):
             x = args[0]
-            reader = first_reader.get(id(x))
+            reader = self._first_reader.get(id(x))
             if reader is not None and reader[1] is x and reader[0] != name:
-                alias[name] = reader[0]
+                self.alias[name] = reader[0]
             else:
-                first_reader[id(x)] = (name, x)
+                self._first_reader[id(x)] = (name, x)
                 x = x.detach().reshape(-1, x.shape[-1])
                 if _autocast_bfloat16(x.device.type):  # the input as the layer multiplies it
                     x = x.to(torch.bfloat16)
                 xx = gram(x).cpu()
-                sums[name] = xx if name not in sums else sums[name] + xx
-            seen.add(name)
-            if len(seen) == len(wanted):
+                self.sums[name] = xx if name not in self.sums else self.sums[name] + xx
+            self._seen.add(name)
+            if self.stop and len(self._seen) == len(self.wanted):
                 raise _AllSeen
         return fwd
 
-    wanted = set(names)
-    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in wanted]
-    device = model.get_input_embeddings().weight.device
-    try:
-        with torch.no_grad():
-            for first in progress(range(0, windows.shape[0], batch_size), desc="price: input moments",
-                                  unit="batch"):
-                first_reader.clear()
-                seen.clear()
-                try:
-                    model(windows[first:first + batch_size].to(device), use_cache=False)
-                except _AllSeen:
-                    pass
-    finally:
-        for h in handles:
+    def __enter__(self) -> "MomentTaps":
+        self._handles = [self.model.get_submodule(n).register_forward_pre_hook(self._hook(n)) for n in self.wanted]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
             h.remove()
-    n = windows.numel()
-    out = {k: v.div_(n) for k, v in sums.items()}
-    for name, src in alias.items():
-        out[name] = out[src]
-    return out
+        self._handles.clear()
+
+    def next_batch(self) -> None:
+        self._first_reader.clear()
+        self._seen.clear()
+
+    def moments(self, n_tokens: int) -> dict[str, torch.Tensor]:
+        """The means over ``n_tokens`` (float32 [d_in, d_in], CPU), shared matrices kept shared."""
+        out = {k: v.div_(n_tokens) for k, v in self.sums.items()}
+        for name, src in self.alias.items():
+            out[name] = out[src]
+        return out
+
+
+def input_moments(model: nn.Module, windows: torch.Tensor, names: list[str], *,
+                  batch_size: int = 8) -> dict[str, torch.Tensor]:
+    """``Ĥ = mean_t x_t x_tᵀ`` (float32 [d_in, d_in], CPU) at the input of each linear in ``names``; modules
+    that read the same tensor get the same matrix object. Each batch's forward pass stops once every named
+    module has read its input (moments of the first layers cost only the first layers' compute). An onloaded
+    model is measured one layer at a time instead (:func:`compressor.engine.layerwise.layer_moments`)."""
+    device = model.get_input_embeddings().weight.device
+    with MomentTaps(model, names, stop=True) as taps, torch.no_grad():
+        for first in progress(range(0, windows.shape[0], batch_size), desc="price: input moments", unit="batch"):
+            taps.next_batch()
+            try:
+                model(windows[first:first + batch_size].to(device), use_cache=False)
+            except _AllSeen:
+                pass
+    return taps.moments(windows.numel())

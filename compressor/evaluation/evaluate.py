@@ -194,6 +194,21 @@ def _batches(tokens: torch.Tensor, seq_len: int, stride: int, batch_size: int, k
     return wins, out
 
 
+#: Bytes of one evaluation batch's logits and their log-softmax (float32, about three copies alive): a batch of
+#: 8 windows of 512 tokens over Llama 3's 128,256-token vocabulary would hold 6.3 GB, more than an onloaded 8B's
+#: layer; so a batch is cut to what this holds (at least one window).
+LOGITS_BUDGET_BYTES = 1 << 30
+
+
+def logits_batch(batch_size: int, seq_len: int, model: nn.Module) -> int:
+    """Windows per evaluation batch: ``batch_size``, or fewer where their logits would pass
+    :data:`LOGITS_BUDGET_BYTES`."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    per_window = 3 * 4 * seq_len * max(vocab, 1)
+    return max(1, min(batch_size, LOGITS_BUDGET_BYTES // per_window))
+
+
 def _share(n_batches: int, shard: bool) -> list[int]:
     """The batches this rank scores: a contiguous share under a process group, else all."""
     return list(dist.shard(n_batches)) if shard else list(range(n_batches))
@@ -223,7 +238,7 @@ def perplexity(
     collective: every rank must call it); False for a call made on one rank alone."""
     _check_stride(seq_len, stride)
     tokens = tokens.flatten()
-    wins, batches = _batches(tokens, seq_len, stride, batch_size)
+    wins, batches = _batches(tokens, seq_len, stride, logits_batch(batch_size, seq_len, model))
     device = model.get_input_embeddings().weight.device
     sums = torch.zeros(len(wins), dtype=torch.float64)
     counts = torch.zeros(len(wins), dtype=torch.float64)
@@ -296,6 +311,7 @@ class TeacherCache:
         if top_k < 1:
             raise ValueError(f"top_k must be ≥ 1, got {top_k}")
         tokens = tokens.flatten().cpu()
+        batch_size = logits_batch(batch_size, seq_len, model)
         wins, batches = _batches(tokens, seq_len, stride, batch_size)
         counts = torch.tensor([min(s, e - b - 1) for b, e, s in wins], dtype=torch.long)
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])

@@ -335,6 +335,15 @@ class SharedFactors:
         return made
 
 
+    def settle(self) -> None:
+        """Drop every entry not kept: a tensor expected but never asking (none of its types was compensated)
+        would otherwise hold its Ĥ (and any factor made) until the end of the run, a layer's moments per
+        group of layers."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if not e.kept]:
+                del self._entries[key]
+
+
 class _Shared:
     """One Ĥ's place in :class:`SharedFactors` (holding Ĥ keeps its identity from being reused)."""
 

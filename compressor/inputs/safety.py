@@ -5,7 +5,9 @@ The rule: a run never deletes anything it reads (recipe, data, model, cache),
 the current directory, the home folder or a parent of any of them, and with
 ``overwrite`` it only replaces an empty folder or an earlier compressor output
 (recognised by its ``config.json`` ``compression`` section or its
-``report.json``). Everything is checked before a model is loaded.
+``report.json``) — and of that output only the files compressor wrote: what a
+user added there is kept (:func:`added_entries`). Everything is checked before
+a model is loaded.
 
 No torch / transformers import here: the checks run before anything heavy.
 """
@@ -18,6 +20,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,45 @@ def is_compressor_output(folder: Path) -> bool:
         return isinstance(report, dict) and str(report.get("schema", "")).startswith(REPORT_SCHEMA_PREFIX)
     except (OSError, ValueError):
         return False
+
+
+#: What compressor writes at the top of an output folder (``fnmatch`` patterns: every writer's files, the
+#: tokenizer's, the report, recipe and card). An earlier output's ``report.json`` lists its own files
+#: (``files``); these tell compressor's files from a user's in one written before that list was kept, and
+#: name the files a user added that a new output could replace.
+WRITTEN_PATTERNS = (
+    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.gguf",
+    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "chat_template.*",
+    "*.model", "modeling_*.py", "recipe.yaml", "README.md", "report.json",
+)
+
+
+def _written_list(folder: Path) -> set[str] | None:
+    """The files an earlier output's ``report.json`` says compressor wrote; None when it lists none."""
+    try:
+        files = json.loads((folder / "report.json").read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return set(files) if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
+
+
+def looks_written(name: str) -> bool:
+    """Whether ``name`` is a file name compressor writes into an output (:data:`WRITTEN_PATTERNS`)."""
+    return any(fnmatchcase(name, p) for p in WRITTEN_PATTERNS)
+
+
+def added_entries(folder: Path) -> list[str]:
+    """The entries of an earlier compressor output that compressor did not write — notes, data, anything a
+    user put beside the model — sorted: not in its ``report.json`` ``files`` list, or, for an output written
+    before that list was kept, not named like a file compressor writes. ``--overwrite`` keeps them."""
+    written = _written_list(folder)
+    return sorted(p.name for p in folder.iterdir()
+                  if (p.name not in written if written is not None else not looks_written(p.name)))
+
+
+def _describe(folder: Path, names: list[str]) -> str:
+    shown = [n + ("/" if (folder / n).is_dir() else "") for n in names[:8]]
+    return ", ".join(shown) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
 def _protected(reads: Iterable[tuple[str, Path]]) -> list[tuple[str, Path]]:
@@ -107,6 +149,14 @@ def check_output_folder(
                 f"{out} is not empty and is not an earlier compressor output (no config.json `compression` section "
                 "and no compressor report.json), so --overwrite will not delete it: it may hold files you need. "
                 "Choose a new or empty folder, or remove that folder yourself if you really want it replaced"
+            )
+        clash = [n for n in added_entries(out) if looks_written(n)]
+        if clash:  # kept files must not collide with the new output's: refused rather than replaced
+            raise OutputError(
+                f"{out} holds {_describe(out, clash)}, which the earlier compressor output there did not write (its "
+                "report.json does not list them) and a new output may write under the same name, so --overwrite "
+                f"would replace them. Move them out of {out}, or choose another output folder; other files you "
+                "added there are kept by --overwrite"
             )
     _check_dir_writable(out, "output folder")
     return out

@@ -126,14 +126,19 @@ def get_writer(name: str) -> Writer:
 # --------------------------------------------------------------------------------------------------
 
 
+def staging_path(out: Path) -> Path:
+    """Where this process stages ``out``: ``.<name>.tmp-<pid>`` beside it."""
+    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+
 def staging_folder(out: Path) -> Path:
-    """A fresh, empty staging folder beside ``out`` (``.<name>.tmp-<pid>``); leftovers of
+    """A fresh, empty staging folder beside ``out`` (:func:`staging_path`); leftovers of
     killed runs are removed first (see :func:`compressor.inputs.safety.clean_stale_temps`)."""
     from compressor.inputs.safety import clean_stale_temps
 
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp = staging_path(out)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -156,14 +161,50 @@ def apply_umask(folder: Path) -> None:
 
 def publish(tmp: Path, out: Path) -> Path:
     """Rename the finished staging folder into place; an earlier output (already
-    judged safe to replace) is moved aside first and removed after."""
+    judged safe to replace) is moved aside first and removed after — but what
+    compressor did not write there (a user's notes or data beside the model:
+    :func:`~compressor.inputs.safety.added_entries`) is moved into the new output
+    first, so ``--overwrite`` replaces only compressor's own files. The moves and
+    renames all happen before a Ctrl-C or SIGTERM takes effect."""
+    from compressor.core.signals import signals_deferred
+    from compressor.inputs.safety import OutputError, added_entries
+
     apply_umask(tmp)
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
+    old, added = None, []
+    with signals_deferred():  # a stop half-way would leave the user's files in a folder about to be deleted
+        if out.exists():
+            added = added_entries(out)
+            clash = [n for n in added if (tmp / n).exists() or (tmp / n).is_symlink()]
+            if clash:  # added during the run under a name the new output writes: neither is thrown away
+                raise OutputError(f"{out}: {', '.join(clash)} appeared there during the run (the earlier output's "
+                                  "report.json does not list them) and the new output writes the same names; nothing "
+                                  f"was replaced. Move them out of {out} and run again")
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            _swap(tmp, out, old, added)
+        else:
+            tmp.rename(out)
+    if old is not None:
         shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+    if added:
+        logger.info("kept what compressor did not write in the earlier output: %s", ", ".join(added))
     logger.info("published %s", out)
     return out
+
+
+def _swap(tmp: Path, out: Path, old: Path, added: list[str]) -> None:
+    """``added`` (entries of the earlier output ``out``) moved into ``tmp``, ``out`` renamed to ``old`` and
+    ``tmp`` to ``out``; on any failure everything is put back where it was, so that the staging folder the
+    caller then removes holds none of the user's files."""
+    moved = []
+    try:
+        for name in added:
+            (out / name).rename(tmp / name)
+            moved.append(name)
+        out.rename(old)
+        tmp.rename(out)
+    except BaseException:
+        if old.exists() and not out.exists():
+            old.rename(out)
+        for name in moved:
+            (tmp / name).rename(out / name)
+        raise

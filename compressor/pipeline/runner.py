@@ -19,6 +19,7 @@ from typing import Any
 
 from compressor.core import distributed as dist
 from compressor.core.errors import EXIT_GATE, EXIT_OK, GateFailed, InputError, exit_code_for
+from compressor.output.base import staging_path
 from compressor.pipeline import size, stages
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import Recipe
@@ -255,6 +256,10 @@ def _execute(recipe: Recipe, given: stages.Loaded | None, *, use_cache: bool | N
         if not checked.state.resumed:
             _end_state(checked)
         raise
+    except BaseException:  # Ctrl-C, SIGTERM, exit 1: a size run records no step to resume from (it starts over)
+        if not size.structural(recipe):
+            _end_state(checked)
+        raise
     finally:
         checked.release()
 
@@ -286,9 +291,11 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
         return _wait_for_main(loaded, result)
     try:
         request = stages.write_request(recipe, loaded, checked, result, report)
-        tmp = _ship(recipe, request, calibrated, checked, report, result)
+        tmp = _ship(recipe, request, calibrated, checked, report, result, use_cache)
         out = stages.publish_output(tmp, checked.out, report, t_start, recipe)
     except BaseException as err:
+        # whatever stopped it (Ctrl-C, SIGTERM, a full disk) between two steps that each clean up after themselves
+        stages.remove_tree(staging_path(checked.out))
         dist.broadcast_object(((exit_code_for(err), f"{type(err).__name__}: {err}"), None))
         raise
     dist.broadcast_object((None, report))
@@ -301,9 +308,10 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
 
 
 def _ship(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stages.Checked, report: dict,
-          result: CompressionResult) -> Path:
+          result: CompressionResult, use_cache: bool) -> Path:
     """The verified staging folder: the size stage's planned file (:mod:`compressor.pipeline.size`), or every
-    format written and checked as it is."""
+    format written and checked as it is. ``use_cache``: the run's statistics cache setting (``--no-cache``
+    reaches the size plan's prices too)."""
     import torch
 
     def write() -> Path:  # every format into a staging folder, each reloaded and checked
@@ -312,7 +320,8 @@ def _ship(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stage
         return tmp
 
     cal = calibrated.cal
-    tmp = size.ship(recipe, request, torch.cat([cal.fit, cal.heldout]), checked, report, result, write=write)
+    tmp = size.ship(recipe, request, torch.cat([cal.fit, cal.heldout]), checked, report, result, write=write,
+                    use_cache=use_cache)
     return tmp if tmp is not None else write()
 
 

@@ -147,8 +147,16 @@ def preflight(recipe: Recipe, *, given: Loaded | None = None, output_required: b
     src = given.source if given is not None else resolve_source(recipe.model.source, recipe.model.gguf_file)
     default_formats(recipe, model_type, src)
     mc = recipe.model
-    check_context(recipe, given.model.config if given is not None else model_config(
-        src, trust_remote_code=mc.trust_remote_code, revision=mc.revision))
+    config = given.model.config if given is not None else model_config(
+        src, trust_remote_code=mc.trust_remote_code, revision=mc.revision)
+    check_context(recipe, config)
+    if write:  # where a size run's F16 goes: said before the model loads, as the output folder is
+        from compressor.pipeline.size.workdir import check_workdir
+
+        check_workdir(recipe, Path(src.path).expanduser().resolve() if src.is_local else None)
+    size.check_source(recipe, config)
+    if given is None and write:  # a size run that would not fit memory onloads (or is refused) before loading
+        size.fit_memory(recipe, config)
     _fetch_hub_calibration(recipe)
     for name in recipe.output.writers():
         try:
@@ -306,8 +314,9 @@ def _check_writers(recipe: Recipe, tokenizer, model_type: str, src: ResolvedSour
 
 
 def _check_offload_dtype(mc: ModelConfig, oc: OutputConfig) -> None:
-    """An onloaded model is saved shard by shard in its compute dtype (see :mod:`compressor.output.hf`)."""
-    if mc.offload == "none" or mc.dtype == "auto":
+    """An onloaded model is saved shard by shard in its compute dtype (see :mod:`compressor.output.hf`); a run
+    that writes no Hugging Face folder (a GGUF size) saves none."""
+    if mc.offload == "none" or mc.dtype == "auto" or not any(w.startswith("hf") for w in oc.writers()):
         return
     wanted = str(output_dtype(oc.dtype, resolve_source(mc.source, mc.gguf_file), revision=mc.revision))
     wanted = wanted.removeprefix("torch.")
@@ -513,8 +522,13 @@ def reference(recipe: Recipe, loaded: Loaded, checked: Checked) -> Reference:
     recipe names ``evaluation.tasks``, its task scores (:mod:`compressor.evaluation.tasks`)."""
     from compressor.evaluation.agreement import continuation_reference
 
+    from compressor.pipeline import size
+
     e = recipe.evaluation_domains()[0]
-    conts = continuation_reference(loaded.model, checked.eval_streams[e.domain_name()], seq_len=e.seq_len)
+    # a size plan leaves the model in memory as it is: its continuations would be compared with themselves (and
+    # generating them token by token reads an onloaded model's every layer per token)
+    conts = (continuation_reference(loaded.model, checked.eval_streams[e.domain_name()], seq_len=e.seq_len)
+             if size.structural(recipe) else None)
     tasks = None
     section = recipe.task_section()
     if section is not None:
@@ -538,7 +552,8 @@ def compare(recipe: Recipe, loaded: Loaded, ref: Reference, result: CompressionR
     rep["agreement"] = {
         "next_token": getattr(final, "agreement", None), "next_token_se": getattr(final, "agreement_se", None),
         "domains": {n: getattr(ev, "agreement", None) for n, ev in domains.items()},
-        "continuations": continuation_agreement(loaded.model, ref.continuations),
+        "continuations": (continuation_agreement(loaded.model, ref.continuations)
+                          if ref.continuations is not None else None),
     }
     if ref.tasks is None:
         return
@@ -686,6 +701,8 @@ def publish_output(tmp: Path, out: Path, rep: dict, t_start: float, recipe: Reci
             for name, text in (("recipe.yaml", recipe.to_yaml()), ("README.md", model_card(rep))):
                 if not (tmp / name).exists():
                     (tmp / name).write_text(text)
+        # what this run wrote: a later --overwrite replaces these and keeps whatever else is put beside them
+        rep["files"] = sorted({p.name for p in tmp.iterdir()} | {"report.json"})
         (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
         return publish(tmp, out)
     except BaseException:

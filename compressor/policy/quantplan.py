@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compressor.core import onload
 from compressor.core.ggml import BLOCKS, GGMLType, bits_per_weight, bytes_per_row, fits, requires_imatrix, roundtrip
 from compressor.core.params import tied_head
 from compressor.core.progress import progress
@@ -252,7 +253,7 @@ def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
             name = gguf_name(f"{module_name}.weight")
             if name is None:  # a format that keeps the embedding as it is
                 continue
-            w = embed.weight.detach().float().cpu()
+            w = onload.weight(model, module_name)
             imat = (fisher.grad_sq[EMBEDDING] * float(freq.mean())).float()
             h = f = None
             if tied:
@@ -267,7 +268,7 @@ def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
             if name is None:
                 continue
             h = moments[module_name].float()
-            out.append(Site(name, module_name, module.weight.detach().float().cpu(), h, fisher.grad_sq[module_name],
+            out.append(Site(name, module_name, onload.weight(model, module_name), h, fisher.grad_sq[module_name],
                             _imatrix(torch.diagonal(h)), folds=_folds(folds, module_name)))
     return [sample_rows(s) for s in out]
 
@@ -471,6 +472,7 @@ def price_all(all_sites: list[Site], types: tuple[GGMLType, ...] = DEFAULT_TYPES
     factors.expect(fit for s in all_sites if s.h is not None and rounding == "gptq" for fit, _ in s.fit_pairs())
     priced = list(progress(side_by_side(lambda s: price(s, types, rounding, kept, factors), all_sites, threads),
                            total=len(all_sites), desc="price: tensor types", unit="tensor"))
+    factors.settle()
     return {s.name: opts for s, opts in zip(all_sites, priced)}
 
 

@@ -320,6 +320,11 @@ class OutputConfig(_Section):
         "own (not tied to the input embedding) is a unit of the size plan like any linear layer (transformers loads "
         "it; vLLM since its PR #37291); keep — it stays in the saved dtype, as llm-compressor leaves it, for a runtime "
         "that cannot read a quantized lm_head. A tied head always stays with the embedding")
+    workdir: str | None = Field(
+        None, description="output.size: the folder a size run's work folder goes in — the model's F16, llama.cpp's "
+        "preset made from it and the plans tried (Llama-3.1-8B at Q4_K_M: about 16 + 4.6 + 4.6 GB), removed when the run "
+        "ends; an existing folder, e.g. a scratch disk with room (the run checks the space before it writes the "
+        "F16, docs/size.md#disk-space-and-interruptions); null: beside the output folder, on its disk")
     gguf_unquantizable: Literal["error", "f16", "pad"] = Field(
         "error", description="gguf format: an FFN width the quantization block does not divide is an error, keeps "
         "its down projection in F16, or is padded with dead units"
@@ -352,6 +357,12 @@ class OutputConfig(_Section):
         if self.size is None and "size_precision" in self.model_fields_set and self.size_precision != "auto":
             raise ValueError(f"output.size_precision: {self.size_precision} is read only with output.size (it says "
                              "how a size plan's calibration passes multiply); remove it, or give output.size")
+        if self.size is None and self.workdir is not None:
+            raise ValueError(f"output.workdir: {self.workdir} is read only with output.size (it says where a size "
+                             "run keeps the model's F16 and preset); remove it, or give output.size")
+        if self.workdir is not None and not self.workdir.strip():
+            raise ValueError("output.workdir: empty; give an existing folder (e.g. /scratch), or null for the "
+                             "output folder's own disk")
         if self.size is None and "ct_head" in self.model_fields_set and self.ct_head != "plan":
             raise ValueError(f"output.ct_head: {self.ct_head} is read only with output.size (it says whether a "
                              "compressed-tensors size plan may quantize the output head); remove it, or give "

@@ -275,10 +275,10 @@ def agreement_line(r: dict) -> str:
     a = r.get("agreement") or {}
     if a.get("next_token") is None:
         return ""
-    c = a.get("continuations") or {}
+    c = a.get("continuations")
     return (f"Greedy agreement with the original on the gate's held-out windows: {a['next_token']:.1%} of next "
-            f"tokens; {c.get('identical', float('nan')):.0%} of {c.get('prompts', 0)} greedy continuations of "
-            f"{c.get('tokens', 0)} tokens identical.\n")
+            "tokens" + (f"; {c['identical']:.0%} of {c['prompts']} greedy continuations of {c['tokens']} tokens "
+                        "identical" if c else "") + ".\n")
 
 
 def tasks_section(r: dict) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -57,10 +58,24 @@ def rope_permutation(n_rows: int, n_head: int) -> np.ndarray:
 
 @dataclass
 class Tensor:
+    """One tensor of the file: float32 values to encode, or raw bytes ``[rows, row_bytes]`` of ``raw_type``.
+    ``data`` may be left None with ``load`` and ``shape`` given: the values are then read only when the
+    tensor is written (:func:`~compressor.output.gguf.write.write_gguf` streams), so a model that lives on
+    disk is never held whole."""
+
     name: str
-    data: np.ndarray
-    """float32 values, or raw bytes ``[rows, row_bytes]`` of ``raw_type``."""
+    data: np.ndarray | None
     raw_type: object = None
+    load: Callable[[], np.ndarray] | None = None
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The values' shape, known before they are read."""
+        return tuple(self.data.shape) if self.data is not None else tuple(self.shape)
+
+    def values(self) -> np.ndarray:
+        return self.data if self.data is not None else self.load()
 
 
 def _permute_qk(name: str, data: np.ndarray, config) -> np.ndarray:

@@ -57,6 +57,21 @@ class Plan:
     def widths(self) -> list[int]:
         return [g.width for g in self.ffns]
 
+    @property
+    def unchanged(self) -> bool:
+        """No block replaced: the FFNs are the model's own tensors, written by name like every other tensor
+        (read one at a time when written), not converted to gated MLPs in memory."""
+        return not any(self.replaced)
+
+
+@dataclass
+class UnchangedFFN:
+    """An FFN the run did not replace: its width and which biases it has, read off its modules' shapes (an
+    onloaded layer's weights are not read)."""
+
+    width: int
+    has_bias: dict[str, bool]
+
 
 def writable() -> list[str]:
     """The model types the gguf writer writes (rows with a ``gguf_native``), sorted."""
@@ -144,8 +159,9 @@ def plan_for(request: WriteRequest, options: dict) -> Plan:
     _, blocks = find_blocks(model, spec)
     hidden = model.config.hidden_size
     modules = [b.get_submodule(spec.ffn_out) for b in blocks]
-    ffns = [as_gated(m, spec.ffn_up, spec.ffn_down, in_features=hidden) for m in modules]
     replaced = [isinstance(m, _REPLACEMENTS) for m in modules]
+    ffns = ([as_gated(m, spec.ffn_up, spec.ffn_down, in_features=hidden) for m in modules] if any(replaced) else
+            [_unchanged(m, spec) for m in modules])
     size_plan = request.size_plan
     quant = "plan" if size_plan is not None else resolve_quant(options.get("quant", "source"), request)
     src = Path(request.source.path) / request.source.gguf_file if quant == "source" else None
@@ -156,6 +172,14 @@ def plan_for(request: WriteRequest, options: dict) -> Plan:
     plan.arch = (spec.gguf_native if equal and (spec.gguf_native_ffn_bias or not needs_bias)
                  else spec.gguf_per_layer)
     return plan
+
+
+def _unchanged(module: nn.Module, spec: ArchSpec) -> UnchangedFFN:
+    ups = [module.get_submodule(n) for n in spec.ffn_up]
+    down = module.get_submodule(spec.ffn_down)
+    bias = [getattr(m, "bias", None) is not None for m in ups]
+    return UnchangedFFN(int(down.weight.shape[-1]), {"gate_b": bias[0], "up_b": bias[-1],
+                                                     "down_b": getattr(down, "bias", None) is not None})
 
 
 def _fit_widths(plan: Plan, types: dict, options: dict) -> None:

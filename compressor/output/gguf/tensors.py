@@ -3,9 +3,12 @@ gated FFNs; attn_q/attn_k rows permuted where the written architecture's RoPE la
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from torch import nn
 
+from compressor.core import onload
 from compressor.core.archs import ARCHITECTURES, find_blocks
 from compressor.output.gated import NotRepresentableError
 from compressor.output.gguf.naming import (
@@ -15,15 +18,17 @@ from compressor.output.gguf.plan import Plan
 
 
 def model_tensors(model: nn.Module, plan: Plan) -> list[Tensor]:
-    """Every tensor of the in-memory model except the FFNs, GGUF-named, float32."""
+    """Every tensor of the model (except the FFNs when a block was replaced), GGUF-named, float32: each read
+    when it is written (an onloaded model's from its offload store, :func:`compressor.core.onload.tensor`)."""
     gguf = _gguf()
     spec = ARCHITECTURES[plan.model_type]
     path, blocks = find_blocks(model, spec)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, spec.gguf_arch), len(blocks))
-    ffn_prefixes = tuple(f"{path}.{i}.{spec.ffn_out}." for i in range(len(blocks)))
+    # the FFNs of a changed model are written from their gated form (:func:`ffn_tensors`)
+    ffn_prefixes = () if plan.unchanged else tuple(f"{path}.{i}.{spec.ffn_out}." for i in range(len(blocks)))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out = []
-    for hf_name, t in model.state_dict().items():
+    for hf_name, t in model.state_dict(keep_vars=True).items():
         if hf_name.startswith(ffn_prefixes):
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -31,11 +36,15 @@ def model_tensors(model: nn.Module, plan: Plan) -> list[Tensor]:
             raise NotRepresentableError(f"no GGUF tensor name for {hf_name!r} of a {plan.model_type} model")
         if name == "output.weight" and tied:
             continue  # llama.cpp falls back to token_embd
-        data = t.detach().float().cpu().numpy()
-        if _needs_permute(name, "neox", ROPE_LAYOUT[plan.arch]):
-            data = _permute_qk(name, data, model.config)
-        out.append(Tensor(name, data))
+        permute = _needs_permute(name, "neox", ROPE_LAYOUT[plan.arch])
+        out.append(Tensor(name, None, load=functools.partial(_read, model, hf_name, name, permute),
+                          shape=tuple(t.shape)))
     return out
+
+
+def _read(model: nn.Module, hf_name: str, name: str, permute: bool) -> np.ndarray:
+    data = onload.tensor(model, hf_name).detach().float().cpu().numpy()
+    return _permute_qk(name, data, model.config) if permute else data
 
 
 def source_tensors(reader, plan: Plan, config) -> list[Tensor]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from compressor.core import ggml
-from compressor.core.threads import side_by_side
+from compressor.core.threads import side_by_side, workers
 from compressor.output.base import WriteRequest
 from compressor.output.gated import NotRepresentableError
 from compressor.output.gguf.encode import _FTYPES, encode, quantize_file
@@ -27,11 +27,42 @@ def requantizes(request: WriteRequest, options: dict) -> bool:
     return not any(isinstance(m, _REPLACEMENTS) for m in request.model.modules())
 
 
-def _finish(writer) -> None:
+def stream(writer, ordered: list[Tensor], qtype_of, payload) -> None:
+    """Write the header, metadata and every tensor's info (each payload's type and bytes are known before its
+    values are read), then the tensors' data in ``ordered``'s order, encoded a few at a time side by side
+    (ggml's quantizer and numpy's casts release the GIL): at most that many tensors are held, so the model
+    is never copied whole (an 8B's float32 tensors would be 32 GB)."""
+    infos = [_info(t.dims if t.raw_type is None else None, t, qtype_of(t)) for t in ordered]
+    for t, (shape, dtype, nbytes, raw_dtype) in zip(ordered, infos):
+        writer.add_tensor_info(t.name, shape, dtype, nbytes, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    step = max(1, workers())
+    for first in range(0, len(ordered), step):
+        chunk = ordered[first:first + step]
+        for t, info, data in zip(chunk, infos[first:first + step], side_by_side(payload, chunk)):
+            data = np.ascontiguousarray(data)
+            if data.nbytes != info[2]:
+                raise ValueError(f"{t.name}: {data.nbytes} bytes to write, {info[2]} announced in its header")
+            writer.write_tensor_data(data if data.dtype == info[1] else data.view(info[1]))
     writer.close()
+
+
+def _info(dims, t: Tensor, qtype) -> tuple:
+    """``(shape, numpy dtype, bytes, GGML type)`` of a tensor's payload, as gguf-py's ``add_tensor_info`` takes
+    them (quantized types: the byte shape ``[..., row bytes]`` of uint8)."""
+    Q = _gguf().GGMLQuantizationType
+    if dims is None:  # a source's raw bytes, as they are
+        return t.data.shape, t.data.dtype, t.data.nbytes, qtype
+    n = int(np.prod(dims))
+    if qtype == Q.F32:
+        return dims, np.dtype(np.float32), 4 * n, qtype
+    if qtype == Q.F16:
+        return dims, np.dtype(np.float16), 2 * n, qtype
+    row = ggml.bytes_per_row(ggml.GGMLType(int(qtype)), dims[-1])
+    shape = (*dims[:-1], row)
+    return shape, np.dtype(np.uint8), int(np.prod(shape)), qtype
 
 
 def write_requantized(source: Path, path: Path, types: dict[str, str], imatrix: dict[str, np.ndarray] | None = None,
@@ -50,21 +81,34 @@ def write_requantized(source: Path, path: Path, types: dict[str, str], imatrix: 
     copy_source_metadata(writer, reader, arch, {"general.file_type", "general.quantization_version"})
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if not types else gguf.LlamaFileType.GUESSED))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for t in reader.tensors:
-        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if data.ndim < 2 or int(np.prod(data.shape[:-1])) == 1:
-            writer.add_tensor(t.name, data, raw_dtype=Q.F32)
-            continue
-        qtype = getattr(Q, types.get(t.name, default))
+    ordered = [Tensor(t.name, None, load=_dequantizer(t), shape=tuple(int(d) for d in reversed(t.shape)))
+               for t in reader.tensors]
+
+    def qtype_of(t: Tensor):
+        if len(t.dims) < 2 or int(np.prod(t.dims[:-1])) == 1:
+            return Q.F32
+        return getattr(Q, types.get(t.name, default))
+
+    def payload(t: Tensor):
+        data, qtype = t.values(), qtype_of(t)
+        if qtype == Q.F32:
+            return data
         raw = (stored or {}).get(t.name)
         if raw is not None and raw[0] == qtype.name:
-            writer.add_tensor(t.name, np.ascontiguousarray(raw[1], dtype=np.uint8).reshape(
-                *data.shape[:-1], -1), raw_dtype=qtype)
-            continue
+            return np.ascontiguousarray(raw[1], dtype=np.uint8).reshape(*data.shape[:-1], -1)
+        if qtype == Q.F16:
+            return encode(data, qtype)
         weights = (imatrix or {}).get(t.name)
-        writer.add_tensor(t.name, encode(data.reshape(-1, data.shape[-1]), qtype, weights).reshape(
-            *data.shape[:-1], -1) if qtype not in (Q.F32, Q.F16) else encode(data, qtype), raw_dtype=qtype)
-    _finish(writer)
+        return encode(data.reshape(-1, data.shape[-1]), qtype, weights).reshape(*data.shape[:-1], -1)
+
+    stream(writer, ordered, qtype_of, payload)
+
+
+def _dequantizer(t):
+    """A GGUF tensor's float32 values, read from the memory-mapped source when called."""
+    def load() -> np.ndarray:
+        return np.asarray(_gguf().quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    return load
 
 
 def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
@@ -86,21 +130,24 @@ def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
     tensors, types = _metadata_and_tensors(writer, request, plan, meta, final_quant)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     stored = {**(options.get("stored") or {}), **(plan.size_plan.stored if plan.size_plan is not None else {})}
-    def payload(t: Tensor):
-        """``(bytes, type)`` of tensor ``t`` as the file stores it."""
-        if t.raw_type is not None:
-            return t.data, t.raw_type
-        if (raw := _stored_bytes(t, plan, types, stored)) is not None:
-            return raw[1], raw[0]
-        qtype = _target_type(t, plan, types)
-        imatrix = plan.size_plan.imatrix.get(t.name) if plan.quant == "plan" else None
-        return encode(t.data, qtype, imatrix), qtype
 
-    ordered = sorted(tensors, key=lambda t: _sort_key(t.name))
-    # encoded side by side (ggml's quantizer and numpy's casts release the GIL), added in the file's order
-    for t, (data, dtype) in zip(ordered, side_by_side(payload, ordered)):
-        writer.add_tensor(t.name, data, raw_dtype=dtype)
-    _finish(writer)
+    def qtype_of(t: Tensor):
+        if t.raw_type is not None:
+            return t.raw_type
+        if _stored_fits(t, plan, types, stored):
+            return getattr(gguf.GGMLQuantizationType, stored[t.name][0])
+        return _target_type(t, plan, types)
+
+    def payload(t: Tensor):
+        """Tensor ``t``'s bytes as the file stores them (read from the model only now)."""
+        if t.raw_type is not None:
+            return t.data
+        if (raw := _stored_bytes(t, plan, types, stored)) is not None:
+            return raw[1]
+        imatrix = plan.size_plan.imatrix.get(t.name) if plan.quant == "plan" else None
+        return encode(t.values(), qtype_of(t), imatrix)
+
+    stream(writer, sorted(tensors, key=lambda t: _sort_key(t.name)), qtype_of, payload)
     if final_quant:
         try:
             llama_quantize(tmp, path, plan)
@@ -130,7 +177,7 @@ def _metadata_and_tensors(writer, request: WriteRequest, plan: Plan, meta, final
         tensors += source_tensors(meta, plan, config) + ffn_tensors(plan, [i for i in range(n) if plan.replaced[i]])
         return tensors, _tensor_types(meta)
     writer.add_file_type(int(getattr(gguf.LlamaFileType, _FTYPES["f16" if final_quant else plan.quant])))
-    tensors += model_tensors(request.model, plan) + ffn_tensors(plan, range(n))
+    tensors += model_tensors(request.model, plan) + ([] if plan.unchanged else ffn_tensors(plan, range(n)))
     if meta is not None:  # tensors that are not model weights (Llama 3's rope_freqs)
         have = {t.name for t in tensors}
         tensors += [t for t in source_tensors(meta, plan, config) if t.name not in have
@@ -148,7 +195,7 @@ def _target_type(t: Tensor, plan: Plan, source_types: dict):
     """The GGML type tensor ``t`` (float32 values) is written in."""
     gguf = _gguf()
     Q = gguf.GGMLQuantizationType
-    if t.data.ndim == 1:
+    if len(t.dims) == 1:
         return Q.F32
     if (m := _FFN_TENSOR.match(t.name)) and m.group(2) == "down" and int(m.group(1)) in plan.kept_f16:
         return Q.F16
@@ -160,14 +207,21 @@ def _target_type(t: Tensor, plan: Plan, source_types: dict):
     return {"f32": Q.F32, "bf16": Q.BF16}.get(plan.quant, Q.F16)
 
 
+def _stored_fits(t: Tensor, plan: Plan, source_types: dict, stored: dict) -> bool:
+    """Whether ``stored`` holds ``t``'s bytes in the type the plan writes it in, of its shape."""
+    if t.name not in stored:
+        return False
+    name, raw = stored[t.name]
+    qtype = _target_type(t, plan, source_types)
+    rows, width = int(np.prod(t.dims[:-1])), t.dims[-1]
+    return qtype.name == name and tuple(raw.shape) == (rows, ggml.bytes_per_row(ggml.GGMLType[name], width))
+
+
 def _stored_bytes(t: Tensor, plan: Plan, source_types: dict, stored: dict):
     """``(GGML type, bytes)`` of a fit snapped onto the file's grid (:mod:`compressor.fitting.snap`), when the
     plan stores ``t`` in that type and the bytes hold ``t``'s shape; else None (quantized here)."""
-    if t.name not in stored:
+    if not _stored_fits(t, plan, source_types, stored):
         return None
     name, raw = stored[t.name]
-    qtype = _target_type(t, plan, source_types)
     raw = raw.numpy() if hasattr(raw, "numpy") else np.asarray(raw)
-    if qtype.name != name or raw.shape != (t.data.shape[0], ggml.bytes_per_row(ggml.GGMLType[name], t.data.shape[1])):
-        return None
-    return qtype, np.ascontiguousarray(raw, dtype=np.uint8)
+    return _target_type(t, plan, source_types), np.ascontiguousarray(raw, dtype=np.uint8)

@@ -46,20 +46,87 @@ def default_formats(oc: OutputConfig) -> list[str] | None:
 
 def check(recipe: Recipe, model_type: str, src, *, given=None) -> None:
     """What a size needs, before the model loads: one sized format in ``output.formats`` (the one the size's
-    name belongs to), a model held in memory, and an architecture that format can be planned for."""
-    from compressor.pipeline.size.target import target_for
+    name belongs to), a model held in memory unless that format streams (:attr:`~.target.SizeTarget.streams`:
+    a GGUF is planned one onloaded layer at a time), and an architecture that format can be planned for."""
+    from compressor.pipeline.size.target import target_for, targets
 
     oc = recipe.output
     if oc.size is None:
         return
     target = target_for(oc.formats, oc.size, oc)
-    if recipe.model.offload != "none" and given is None:
-        raise InputError("output.size prices every weight from one backward pass over the whole model, which an "
-                         f"onloaded model (model.offload: {recipe.model.offload}) does not hold; use model.offload: none")
+    if recipe.model.offload != "none" and given is None and not target.streams:
+        streamed = sorted(f for f, cls in targets().items() if cls.streams)
+        raise InputError(f"output.size: a {target.format} file is planned from a model held in memory, and "
+                         f"model.offload is {recipe.model.offload}; use model.offload: none (the model in "
+                         f"float32 must fit in memory), or plan {' or '.join(streamed)}, which onloads one "
+                         "layer at a time")
     why = target.refusal(model_type, src)
     if why:
         raise InputError(f"output.size: {why}; remove output.size to write only a Hugging Face folder "
                          "(output.formats: [hf])")
+
+
+def check_source(recipe: Recipe, config) -> None:
+    """A size plans from float weights: a checkpoint whose weights are already integer codes (a
+    compressed-tensors folder, llm-compressor's or compressor's own) is refused before it loads, naming what
+    to give instead (the plan would otherwise fail after loading on the codes' scale tensors)."""
+    if recipe.output.size is None:
+        return
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    raise InputError(f"output.size: {recipe.model.source} is a quantized checkpoint ("
+                     f"{method or 'quantization_config'} in its config.json): its weights are integer codes and "
+                     "scales, not the float weights a size is planned from; give the float (bf16/fp16/fp32) "
+                     "checkpoint it was made from, or a GGUF of it (model.source: FILE.gguf)")
+
+
+def fit_memory(recipe: Recipe, config) -> None:
+    """Before the model loads: a size run whose model, held in memory in its compute dtype, with its statistics,
+    does not fit the memory available (:func:`~compressor.core.hostmem.available_bytes`) onloads its layers
+    (``model.offload: disk``, said in the log) when its format streams, else is refused naming what it needs.
+    Never the kernel's OOM killer half-way through."""
+    from compressor.core.hostmem import LIMIT_ENV, available_bytes
+    from compressor.engine.memory import size_peak_of
+    from compressor.pipeline.size.target import target_for, targets
+
+    mc = recipe.model
+    if recipe.output.size is None:
+        return
+    avail = available_bytes()
+    if mc.offload != "none":
+        _warn_onloaded(config, mc.dtype, avail)
+        return
+    need = size_peak_of(config, offload="none", dtype=mc.dtype)
+    if avail is None or need is None or need <= avail:
+        return
+    target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
+    held = (f"held in memory ({mc.dtype}) the size plan needs about {need / 1e9:.1f} GB, {avail / 1e9:.1f} GB are "
+            "available")
+    if target.streams:
+        onloaded = size_peak_of(config, offload="disk", dtype=mc.dtype)
+        logger.warning("output.size: %s: onloading the decoder layers from disk (model.offload: disk, about "
+                       "%.1f GB); set model.offload to choose", held, onloaded / 1e9)
+        mc.offload = "disk"
+        _warn_onloaded(config, mc.dtype, avail)
+        return
+    streamed = sorted(f for f, cls in targets().items() if cls.streams)
+    raise InputError(f"output.size: {held} (within {LIMIT_ENV} or the container's limit, where set), and a "
+                     f"{target.format} size is planned from a model held in memory; run on a machine with more "
+                     f"memory, or plan {' or '.join(streamed)} (output.formats), which onloads one layer at a time")
+
+
+def _warn_onloaded(config, dtype: str, avail: int | None) -> None:
+    """Said before loading when even the onloaded run's estimated peak (resident embedding and head, one layer,
+    its statistics) passes the memory available: an estimate, so a warning, with what to change."""
+    from compressor.engine.memory import size_peak_of
+
+    need = size_peak_of(config, offload="disk", dtype=dtype)
+    if avail is not None and need is not None and need > avail:
+        logger.warning("output.size: the onloaded run needs about %.1f GB at its peak (memory model: "
+                       "compressor.engine.memory.size_components), %.1f GB are available; it may be stopped for "
+                       "memory: free memory, or give fewer calibration tokens", need / 1e9, avail / 1e9)
 
 
 def check_output(recipe: Recipe, *, writes: bool) -> None:
@@ -112,13 +179,18 @@ def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> Co
 
 
 def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, report: dict,
-         result: CompressionResult, *, write: Callable[[], Path]) -> Path | None:
+         result: CompressionResult, *, write: Callable[[], Path], use_cache: bool = True) -> Path | None:
     """plan → allocate → write → gate → back off; returns the verified staging folder of the chosen file
     (:class:`~compressor.core.errors.GateFailed` when none passes). None without a size. ``write()``: the
     pipeline's write and verify stages for ``request`` as it stands (each attempt sets its plan on it), the
-    staging folder they made. The F16 and the preset live in a work folder beside the output, removed on
-    every exit (and reclaimed after a kill)."""
-    from compressor.pipeline.size.budget import workdir_for
+    staging folder they made. ``use_cache``: the run's cache setting (False: ``--no-cache``, prices measured
+    afresh whatever ``measure.cache`` says).
+
+    The F16 and the preset live in a work folder beside the output (or under ``output.workdir``), removed on
+    every exit, Ctrl-C and SIGTERM included (and reclaimed after a kill). The disk it needs is checked before
+    the F16 is written; a write that fails for want of space says which file and what is free
+    (:mod:`.workdir`)."""
+    from compressor.pipeline.size import workdir as work
     from compressor.pipeline.size.planner import Planner
     from compressor.pipeline.size.prices import measure_and_price
     from compressor.pipeline.size.rounding import Compensator
@@ -127,10 +199,15 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
 
     if recipe.output.size is None:
         return None
-    workdir = workdir_for(checked.out)
-    try:
+    if use_cache != recipe.measure.cache:  # the prices read measure.cache: --no-cache must reach them
+        recipe = recipe.model_copy(update={"measure": recipe.measure.model_copy(update={"cache": use_cache})})
+    workdir, need, since = work.work_folder(recipe, checked.out), None, time.time()
+    try:  # the folder is made inside: a stop right after it is made still removes it
+        work.make_work_folder(recipe, checked.out, workdir)
         t0 = time.perf_counter()
         target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
+        need = work.disk_need(recipe, request, target.format)
+        work.check_disk(need, workdir, checked.out)
         budget = target.budget(recipe.output.size, request, workdir)
         timings = {"budget_s": time.perf_counter() - t0}
         logger.info("output.size %s: %s bytes of %s (%s%s bytes are not planned)", budget.size,
@@ -147,6 +224,11 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
                       head={"prices_from_cache": measured.cached, "timings": timings,
                             "rounding": recipe.output.rounding, "statistics_precision": measured.precision.name})
         return run.search()
+    except (OSError, RuntimeError) as exc:  # a full disk says which file, what is free and what the run needs
+        full = work.disk_full_error(exc, workdir, checked.out, need, since)
+        if full is None:
+            raise
+        raise full from exc
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -205,5 +287,5 @@ PRICE_SECONDS = 5.3e-8
 #: 14,336; bfloat16 4.4 s for 2,048 and 15.4 s for 14,336.
 STATISTICS_FACTORS = {"float32": (4.6, 3.0), "bfloat16": (2.5, 1.25)}
 
-__all__ = ["baseline_only", "check", "check_output", "default_formats", "estimate", "ship", "structural",
-           "size_refusal", "writer_refusal"]
+__all__ = ["baseline_only", "check", "check_output", "check_source", "default_formats", "estimate", "fit_memory",
+           "ship", "structural", "size_refusal", "writer_refusal"]

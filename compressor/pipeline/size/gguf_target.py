@@ -24,6 +24,7 @@ class GGUFTarget(SizeTarget):
     gptq_options = 9  # the offered types below COMPENSATED_BELOW_BPW that take it
     keeps_priced_roundings = True
     rounds_side_by_side = True  # ggml's scale searches and numpy's GPTQ column loop
+    streams = True
 
     def __init__(self, output=None) -> None:
         super().__init__(output)

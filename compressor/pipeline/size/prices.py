@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from compressor.core.onload import is_offloaded
+from compressor.core.archs import arch_for, find_blocks
+from compressor.engine.layerwise import layer_moments, output_fisher_sequential
 from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
 from compressor.fitting.gridround import SharedFactors
 from compressor.policy.quantplan import ROUNDED_BYTES, Rounded, from_tensors, sites, to_tensors
@@ -37,14 +40,12 @@ MOMENTS_BUDGET_BYTES = 2 << 30
 
 def moments_budget() -> int:
     """Bytes of moments per pass: a third of the memory available now (the model is loaded; pricing a
-    group's tensors takes round trips and products beside them), at least :data:`MOMENTS_BUDGET_BYTES`.
-    Fewer groups, fewer passes."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return MOMENTS_BUDGET_BYTES
-    return max(MOMENTS_BUDGET_BYTES, avail // 3)
+    group's tensors takes round trips and products beside them; :func:`~compressor.core.hostmem.available_bytes`:
+    within a container's or job's limit), at least :data:`MOMENTS_BUDGET_BYTES`. Fewer groups, fewer passes."""
+    from compressor.core.hostmem import available_bytes
+
+    avail = available_bytes()
+    return MOMENTS_BUDGET_BYTES if avail is None else max(MOMENTS_BUDGET_BYTES, avail // 3)
 
 
 def moment_groups(model, names: list[str], budget: int | None = None, copies: int = 1) -> list[list[str]]:
@@ -112,12 +113,15 @@ class StatisticsPrecision:
         return cls("bfloat16" if dtype == torch.float32 and native_bfloat16(device) else "float32")
 
     def context(self, model):
-        """The context the passes run in: autocast to bfloat16 for a float32 model, else nothing."""
+        """The context the passes run in: autocast to bfloat16 for a float32 model, else nothing. Autocast keeps
+        each weight's bfloat16 cast (and the weight) until the context ends; an onloaded layer's weights are new
+        tensors each time they are read, so with the cache every layer read would stay alive (a random-weight 1B's
+        layer-0 capture held 6 GB): onloaded, each use casts anew."""
         from contextlib import nullcontext
 
         dtype, device = _dtype_and_device(model)
         if self.name == "bfloat16" and dtype == torch.float32:
-            return torch.autocast(device.type, dtype=torch.bfloat16)
+            return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not is_offloaded(model))
         return nullcontext()
 
 
@@ -185,29 +189,23 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     bs = recipe.calibration.batch_size
     t0 = time.perf_counter()
     # gradients from a spread subset; a token's frequency (an embedding row's lookup weight) from every window
+    # an onloaded model: one layer's weights at a time, its forward recomputed for the backward
+    fisher_of = output_fisher_sequential if is_offloaded(model) else output_fisher
     with precision.context(model):
-        fisher = output_fisher(model, fisher_windows(windows), batch_size=bs, counted=windows)
+        fisher = fisher_of(model, fisher_windows(windows), batch_size=bs, counted=windows)
     timings["statistics_s"] = time.perf_counter() - t0
     units, priced, namer = {}, [], target.namer(model)
     crossfit = target.heldout_prices and recipe.output.rounding == "gptq" and windows.shape[0] >= 2
-    groups = moment_groups(model, linear_names(model), copies=3 if crossfit else 1)
-    kept: dict | None = {} if len(groups) == 1 or spill is not None else None
+    passes = MomentPasses(model, windows, bs, precision, crossfit)
+    kept: dict | None = {} if passes.count == 1 or spill is not None else None
     # pricing's GPTQ factors are kept for the plan's rounding when that reads the same Ĥ objects (one group)
-    rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if len(groups) == 1 else 0))
-    for i, group in enumerate(groups):
-        t0 = time.perf_counter()
-        with precision.context(model):
-            if crossfit:
-                folds = fold_moments(model, windows, group, bs)
-                moments = mean_moments(*folds, windows.shape[0])
-            else:
-                folds, moments = None, input_moments(model, windows, group, batch_size=bs)
-        timings["statistics_s"] += time.perf_counter() - t0
+    rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if passes.count == 1 else 0))
+    for i, (group, folds, moments) in enumerate(passes):
         t0 = time.perf_counter()
         these = sites(model, fisher, moments, namer, modules=set(group), folds=folds)
         if kept is not None:
             try:
-                kept.update(moments if len(groups) == 1 else _spilled(moments, spill / f"moments-{i}.pt"))
+                kept.update(moments if passes.count == 1 else _spilled(moments, spill / f"moments-{i}.pt"))
             except OSError as exc:  # a full disk costs a second pass, not the run
                 logger.warning("size plan: the input moments could not be kept in %s (%s); the rounding of the "
                                "chosen plan measures them again", spill, exc)
@@ -217,10 +215,52 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
         priced += target.priced(these)
         del these  # the statistics go with the sites, before the next group's moments are measured
         timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
+    timings["statistics_s"] += passes.seconds
     if key is not None:
         tensors, meta = to_tensors(units, priced)
         cache.put(key, tensors, {"prices": json.dumps(meta)})
     return Measured(units, priced, False, kept, rounded, precision)
+
+
+class MomentPasses:
+    """The input moments of every linear layer, group by group: ``(modules, folds, moments)`` per group, each
+    measured when the caller asks for it (then priced and spilled before the next). A model held in memory is
+    measured in groups of layers whose moments fit memory (:func:`moment_groups`), each group a pass over the
+    windows; an onloaded one a decoder layer at a time in one layer-sequential pass
+    (:func:`~compressor.engine.layerwise.layer_moments`: one layer's weights and moments resident). ``folds``:
+    each half's moments for cross-fitted prices (in memory only), else None."""
+
+    def __init__(self, model, windows: torch.Tensor, batch_size: int, precision: StatisticsPrecision,
+                 crossfit: bool) -> None:
+        self.model, self.windows, self.batch_size, self.precision = model, windows, batch_size, precision
+        self.crossfit = crossfit
+        self.layered = is_offloaded(model) and not crossfit
+        names = linear_names(model)
+        self.groups = None if self.layered else moment_groups(model, names, copies=3 if crossfit else 1)
+        self.count = len(self.groups) if self.groups is not None else len(find_blocks(model, arch_for(model)[1])[1]) + 1
+        self.seconds = 0.0
+
+    def __iter__(self):
+        if self.layered:
+            passes = layer_moments(self.model, self.windows, batch_size=self.batch_size)
+            while True:
+                t0 = time.perf_counter()
+                with self.precision.context(self.model):  # the layer runs when the next item is asked for
+                    item = next(passes, None)
+                self.seconds += time.perf_counter() - t0
+                if item is None:
+                    return
+                yield item[0], None, item[1]
+        for group in self.groups:
+            t0 = time.perf_counter()
+            with self.precision.context(self.model):
+                if self.crossfit:
+                    folds = fold_moments(self.model, self.windows, group, self.batch_size)
+                    moments = mean_moments(*folds, self.windows.shape[0])
+                else:
+                    folds, moments = None, input_moments(self.model, self.windows, group, batch_size=self.batch_size)
+            self.seconds += time.perf_counter() - t0
+            yield group, folds, moments
 
 
 def _spilled(moments: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:

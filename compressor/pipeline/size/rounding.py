@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from compressor.core import onload
 from compressor.core.params import tied_head
 from compressor.core.progress import progress
 from compressor.core.threads import side_by_side
@@ -95,7 +96,7 @@ class Compensator:
         fac = factors.get(h)
         model = self.request.model
         for name, t in tensors:
-            weight = model.get_submodule(self.priced[name].module).weight.detach().float().cpu()
+            weight = onload.weight(model, self.priced[name].module)
             self._done[name, t] = self.target.round_full(name, t, weight, fac, self.priced[name], self.request,
                                                          alongside=self._alongside(name, t))
         return len(tensors)
@@ -107,7 +108,8 @@ class Compensator:
             by_module.setdefault(self._moments_module(name), []).append((name, t))
         order = [n for n, _ in model.named_modules() if n in by_module]
         bar = progress(total=len(need), desc="size plan: compensated rounding", unit="tensor")
-        for group in moment_groups(model, order):
+        # an onloaded model rounds one layer (one parent module) at a time: its moments and factors only
+        for group in moment_groups(model, order, budget=0 if onload.is_offloaded(model) else None):
             moments = (self.moments if self.moments is not None and all(m in self.moments for m in group) else
                        self._measure(model, group))
 

@@ -127,7 +127,7 @@ class SizeRun:
         kept = None
         if passed:  # set aside: a later attempt writes the same staging folder
             kept = self.workdir / f"attempt-{len(self.records)}"
-            tmp.rename(kept)
+            shutil.move(tmp, kept)  # a rename, or a copy where output.workdir is on another disk
         else:
             shutil.rmtree(tmp, ignore_errors=True)
         self.report["message"] = message(check, self.recipe.policy)
@@ -166,7 +166,7 @@ class SizeRun:
         self.report["size_plan"] = self.to_json(size_plan)
         tmp = staging_folder(self.checked.out)
         tmp.rmdir()
-        kept.rename(tmp)
+        shutil.move(kept, tmp)
         # the card describes the file chosen (its types, bytes and measured change), whatever else was written
         (tmp / "README.md").write_text(model_card(self.report))
         return tmp

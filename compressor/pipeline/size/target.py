@@ -48,6 +48,9 @@ class SizeTarget:
     rounds_side_by_side: ClassVar[bool] = False
     """Whether :meth:`round_full` of several layers may run at once, one per core (single-threaded numpy and ggml
     work that releases the GIL); False: one at a time (a torch GPTQ, on torch's own threads)."""
+    streams: ClassVar[bool] = False
+    """Whether a size plans this format with the decoder layers onloaded (``model.offload: disk``, or ``cpu``
+    with ``device: cuda``): statistics, pricing, rounding and the file made one layer or tensor at a time."""
     heldout_prices: ClassVar[bool] = False
     """Price error-compensating rounding cross-fitted on two halves of the calibration windows
     (:meth:`~compressor.policy.quantplan.Site.fit_pairs`) rather than on the Ĥ it is fitted to."""

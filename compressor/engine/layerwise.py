@@ -1,0 +1,191 @@
+"""The size plan's statistics, one decoder layer resident at a time: F at every linear's output, Ĥ at its input.
+
+:func:`compressor.engine.tensorstats.output_fisher` runs one forward + backward through the whole model: autograd
+keeps every layer's weights alive until the backward reaches them, so an onloaded model (``model.offload``) would
+be materialised whole. Here the same quantity is measured with recomputation, as activation checkpointing does,
+per layer:
+
+1. one forward with no graph, which keeps each layer's input hidden states and arguments (masks, position
+   embeddings) for every batch, and the last layer's output;
+2. what comes after the layers (final norm, head, an architecture's soft-capping: the model run from
+   ``inputs_embeds`` with its layer list emptied), the summed next-token loss, backward to the last hidden state;
+3. from the top layer down: the layer's forward recomputed from its kept input, backward with the gradient from
+   above; its input's gradient goes to the layer below. accelerate's hooks read the layer's weights when it runs,
+   and autograd frees them after its backward, so one layer's weights and activations are alive at a time;
+4. the embedding's gradient from layer 0's input gradient.
+
+Every batch and layer computes what the whole-model pass computes, batch by batch in the same order, so each
+module's sum is added up in the same order (``tests/test_size_stream.py`` compares the two).
+
+Ĥ (:func:`layer_moments`) is measured the way the layer-sequential engine walks (:class:`~compressor.engine.walker.
+LayerWalker`): every calibration window's hidden states go through layer ``i``, its linears' inputs are summed,
+and the layer's moments are handed to the caller (priced, spilled) before layer ``i + 1`` runs; one pass over the
+layers, where measuring in groups of layers re-runs every layer below each group.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compressor.core.archs import arch_for, find_blocks
+from compressor.core.onload import execution_device
+from compressor.core.progress import progress
+from compressor.engine.measure import _first_tensor
+from compressor.engine.sensitivity import backward_rows, frozen
+from compressor.engine.tensorstats import EMBEDDING, Fisher, GradSquares, MomentTaps, _AllSeen, linear_names
+from compressor.engine.walker import LayerWalker
+
+
+class _Stop(Exception):
+    pass
+
+
+@contextmanager
+def _without_layers(model: nn.Module, path: str):
+    """``model`` with its decoder-layer list emptied (restored on exit): a forward from ``inputs_embeds`` runs
+    only what comes after the layers."""
+    parent_path, _, leaf = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    layers = getattr(parent, leaf)
+    setattr(parent, leaf, nn.ModuleList())
+    try:
+        yield
+    finally:
+        setattr(parent, leaf, layers)
+
+
+@torch.no_grad()
+def _layer_inputs(model: nn.Module, layers: nn.ModuleList, emb: torch.Tensor):
+    """Every layer's ``(hidden input, other args, kwargs)`` and the last layer's output, from one forward."""
+    inputs: list = []
+    last: dict = {}
+
+    def pre(module, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        inputs.append((h.detach(), tuple(args[1:]) if args else (),
+                       {k: v for k, v in kwargs.items() if k != "hidden_states"}))
+
+    def post(module, args, kwargs, output):
+        last["h"] = _first_tensor(output).detach()
+        raise _Stop
+
+    handles = [layer.register_forward_pre_hook(pre, with_kwargs=True) for layer in layers]
+    handles.append(layers[-1].register_forward_hook(post, with_kwargs=True))
+    try:
+        model(inputs_embeds=emb, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs, last["h"]
+
+
+def _head_backward(model: nn.Module, path: str, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The summed next-token loss from the last hidden state ``h``, backward: the gradient at ``h``."""
+    h = h.detach().requires_grad_(True)
+    with _without_layers(model, path):
+        logits = model(inputs_embeds=h, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+    del logits
+    loss.backward()
+    return h.grad
+
+
+def _layer_backward(layer: nn.Module, saved, grad: torch.Tensor) -> torch.Tensor:
+    """Layer ``layer`` recomputed from its saved input, backward with ``grad`` at its output: its input's gradient."""
+    h, args, kwargs = saved
+    x = h.detach().requires_grad_(True)
+    out = _first_tensor(layer(x, *args, **kwargs))
+    torch.autograd.backward(out, grad)
+    return x.grad
+
+
+def _embedding_backward(model: nn.Module, layers: nn.ModuleList, emb: torch.Tensor, grad: torch.Tensor):
+    """The gradient at the token embeddings ``emb`` from ``grad`` at layer 0's input (whatever the model does
+    between them, recomputed)."""
+    emb = emb.detach().requires_grad_(True)
+    got: dict = {}
+
+    def pre(module, args, kwargs):
+        got["h"] = args[0] if args else kwargs["hidden_states"]
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        model(inputs_embeds=emb, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    torch.autograd.backward(got["h"], grad)
+    return emb.grad
+
+
+def output_fisher_sequential(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8,
+                             names: list[str] | None = None, counted: torch.Tensor | None = None) -> Fisher:
+    """:func:`~compressor.engine.tensorstats.output_fisher`, measured one decoder layer at a time (the same
+    arguments and result): for a model whose layers are onloaded (:mod:`compressor.core.onload`). Holds every
+    layer's input hidden states of ``windows`` (float32: ``layers × tokens × d × 4`` bytes; 8,192 tokens of
+    an 8B are 4.3 GB) besides one layer's weights and activations."""
+    names = linear_names(model) if names is None else names
+    _, spec = arch_for(model)
+    path, layers = find_blocks(model, spec)
+    embed = model.get_input_embeddings()
+    device = execution_device(embed)
+    rows = backward_rows(model, windows.shape[1], batch_size)
+    batches = [windows[f:f + rows].to(device) for f in range(0, windows.shape[0], rows)]
+    with frozen(model):
+        embs, saved, grads = [], [], []
+        for ids in progress(batches, desc="price: loss gradients (forward)", unit="batch"):
+            with torch.no_grad():
+                embs.append(embed(ids))
+            inputs, last = _layer_inputs(model, layers, embs[-1])
+            saved.append(inputs)
+            grads.append(last)
+        with GradSquares(model, names) as squares:
+            for b, ids in enumerate(batches):  # the head: one batch at a time, in order
+                grads[b] = _head_backward(model, path, grads[b], ids)
+            for i in progress(range(len(layers) - 1, -1, -1), desc="price: loss gradients (backward)",
+                              unit="layer"):
+                for b in range(len(batches)):
+                    grads[b] = _layer_backward(layers[i], saved[b][i], grads[b])
+                    saved[b][i] = None  # this layer's input is no longer needed
+            for b in range(len(batches)):
+                squares.add(EMBEDDING, _embedding_backward(model, layers, embs[b], grads[b]))
+    return squares.fisher(windows.numel(), windows if counted is None else counted)
+
+
+def layer_moments(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8,
+                  names: list[str] | None = None) -> Iterator[tuple[list[str], dict[str, torch.Tensor]]]:
+    """:func:`~compressor.engine.tensorstats.input_moments` of every linear in ``names`` (default: all), one
+    decoder layer at a time: yields ``(that layer's linears, their moments)`` layer by layer, then the linears
+    that run after the layers (the output head, fed the final norm of the last layer's output). The same
+    batches and sums as the whole-model passes. Holds the hidden states of every window (float32) and one
+    layer's weights and moments."""
+    names = linear_names(model) if names is None else names
+    walker = LayerWalker(model, {"calibration": windows}, batch_size=batch_size)
+    path, n_tokens = walker.blocks_path, windows.numel()
+    stream = walker.inputs
+    for i in range(len(walker.layers)):
+        mine = [n for n in names if n.startswith(f"{path}.{i}.")]
+        with MomentTaps(model, mine) as taps:
+            taps.next_batch()
+            stream = walker.forward_layer(i, stream, on_batch=lambda b, y: taps.next_batch())
+        yield mine, taps.moments(n_tokens)
+    rest = [n for n in names if not n.startswith(f"{path}.")]
+    if rest:
+        device = execution_device(model.get_input_embeddings())
+        with MomentTaps(model, rest, stop=True) as taps, _without_layers(model, path), torch.no_grad():
+            for h in stream:
+                taps.next_batch()
+                try:
+                    model(inputs_embeds=h.to(device), use_cache=False)
+                except _AllSeen:
+                    pass
+        yield rest, taps.moments(n_tokens)
