@@ -58,7 +58,7 @@ def check(recipe: Recipe, model_type: str, src, *, given=None) -> None:
         streamed = sorted(f for f, cls in targets().items() if cls.streams)
         raise InputError(f"output.size: a {target.format} file is planned from a model held in memory, and "
                          f"model.offload is {recipe.model.offload}; use model.offload: none (the model in "
-                         f"float32 must fit in memory), or plan {' or '.join(streamed)}, which onloads one "
+                         f"float32 must fit in memory), or plan {_streamed_fix(streamed)}, which onloads one "
                          "layer at a time")
     why = target.refusal(model_type, src)
     if why:
@@ -114,7 +114,20 @@ def fit_memory(recipe: Recipe, config) -> None:
     streamed = sorted(f for f, cls in targets().items() if cls.streams)
     raise InputError(f"output.size: {held} (within {LIMIT_ENV} or the container's limit, where set), and a "
                      f"{target.format} size is planned from a model held in memory; run on a machine with more "
-                     f"memory, or plan {' or '.join(streamed)} (output.formats), which onloads one layer at a time")
+                     f"memory, or plan {_streamed_fix(streamed)}, which onloads one layer at a time")
+
+
+def _streamed_fix(streamed: list[str]) -> str:
+    """The formats that stream, as settings that are not refused in turn: the format and a size of its own (a
+    compressed-tensors size name with ``output.formats: [gguf]`` is refused as another format's size)."""
+    from compressor.pipeline.size.target import targets
+
+    def sizes(f: str) -> str:
+        presets = targets()[f].presets
+        example = "Q4_K_M" if "Q4_K_M" in presets else (presets[0] if presets else "750MB")
+        return f"output.size: one of its sizes, e.g. {example}, or bytes"
+
+    return " or ".join(f"{f} (output.formats: [{f}], {sizes(f)})" for f in streamed)
 
 
 def _warn_onloaded(config, dtype: str, avail: int | None) -> None:
