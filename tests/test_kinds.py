@@ -29,6 +29,7 @@ from compressor.fitting.replace import count_params
 from compressor.core.stats import Moments
 from tiny import (
     COMPRESSIBLE,
+    HIDDEN_UNITS,
     INTERMEDIATE,
     activation_name,
     ffn_down_reference,
@@ -131,7 +132,7 @@ def _ridge_rows(a: np.ndarray, y: np.ndarray, prior: np.ndarray, ridge: float) -
 
 @pytest.mark.parametrize("ridge", [0.0, 1.0])
 @pytest.mark.parametrize("kind_name", ["prune", "hybrid"])
-@pytest.mark.parametrize("model_type", COMPRESSIBLE)
+@pytest.mark.parametrize("model_type", HIDDEN_UNITS)
 def test_hidden_unit_fit_matches_lstsq_on_captured_rows(model_type, kind_name, ridge):
     """The re-solve equals float64 lstsq on captured rows: exactly (ridge 0), or with the ridge toward the
     original down projection written out as extra rows (ridge 1, the default)."""
@@ -167,7 +168,7 @@ def test_hidden_unit_fit_matches_lstsq_on_captured_rows(model_type, kind_name, r
 
 
 @pytest.mark.parametrize("kind_name", ["prune", "hybrid"])
-@pytest.mark.parametrize("model_type", COMPRESSIBLE)
+@pytest.mark.parametrize("model_type", HIDDEN_UNITS)
 def test_all_units_reproduce_the_original_ffn(model_type, kind_name):
     model = tiny_model(model_type)  # float32, as compressed in practice; statistics in float64
     fit_w, held_w = random_windows(16, SEQ, seed=0), random_windows(4, SEQ, seed=1)
@@ -454,7 +455,7 @@ def _expected_params(model_type: str, kind: str, d: int, k: int) -> int:
 
 
 @pytest.mark.parametrize("kind_name", ["prune", "hybrid"])
-@pytest.mark.parametrize("model_type", COMPRESSIBLE)
+@pytest.mark.parametrize("model_type", HIDDEN_UNITS)
 def test_parameter_counts_are_honest(model_type, kind_name):
     model = tiny_model(model_type)
     data = _block_data(model, model_type, random_windows(16, SEQ, seed=0), random_windows(4, SEQ, seed=1))

@@ -150,12 +150,12 @@ def test_an_interrupted_size_run_says_it_starts_over(tmp_path, recipe, capsys, m
 def test_a_disk_without_room_for_the_f16_is_refused_up_front(tmp_path, recipe, capsys, monkeypatch):
     """Before the F16 is written, the run adds up what it will write (the F16 at two bytes a weight, the preset,
     the planned file) and refuses a disk without room: exit 2, the numbers, and where to put the work folder."""
-    import compressor.output.gguf as gguf
+    import compressor.output.gguf.converter as converter
 
     def never(*args, **kwargs):
         raise AssertionError("the F16 was written")
 
-    monkeypatch.setattr(gguf, "write_gguf", never)
+    monkeypatch.setattr(converter, "convert", never)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 10 << 30, 1000))
     assert main(["run", str(recipe)]) == EXIT_INVALID
     err = capsys.readouterr().err
@@ -169,13 +169,13 @@ def test_a_disk_without_room_for_the_f16_is_refused_up_front(tmp_path, recipe, c
 def test_a_full_disk_names_the_file_the_space_and_the_work_folder(tmp_path, recipe, capsys, monkeypatch, failure):
     """The disk fills while the F16 is written: the error names the file, what is free and what the run
     needs, and that the work folder sits beside the output (or output.workdir); nothing is left behind."""
-    import compressor.output.gguf as gguf
+    import compressor.output.gguf.converter as converter
 
-    def full(request, path, options):
+    def full(folder, path, workdir, **kwargs):  # llama.cpp's converter writing the F16
         Path(path).write_bytes(b"\0" * 52128)
         raise failure
 
-    monkeypatch.setattr(gguf, "write_gguf", full)
+    monkeypatch.setattr(converter, "convert", full)
     assert main(["run", str(recipe)]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "the disk is full" in err and "f16.gguf" in err and str(tmp_path) in err, err
@@ -186,17 +186,17 @@ def test_a_full_disk_names_the_file_the_space_and_the_work_folder(tmp_path, reci
 
 def test_output_workdir_puts_the_f16_elsewhere_and_removes_it(tmp_path, recipe, capsys, monkeypatch):
     """``output.workdir``: the work folder goes there (a scratch disk), and is removed as beside the output."""
-    import compressor.output.gguf as gguf
+    import compressor.output.gguf.converter as converter
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     written = []
 
-    def stopped(request, path, options):
+    def stopped(folder, path, workdir, **kwargs):  # llama.cpp's converter writing the F16
         written.append(Path(path))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf, "write_gguf", stopped)
+    monkeypatch.setattr(converter, "convert", stopped)
     assert main(["run", str(recipe), "--set", f"output.workdir={scratch}"]) == EXIT_INTERRUPTED
     assert len(written) == 1 and written[0].name == "f16.gguf" and written[0].parent.parent == scratch
     assert written[0].parent.name.startswith(".out@") and list(scratch.iterdir()) == []

@@ -27,13 +27,21 @@ ARCH_MATRIX = [
     "qwen2",
     "qwen3",
     "gemma3_text",
+    "phi3",
     "bert",
     "roberta",
 ]
 
+# Mixtures of experts: size plans only (their rows say ``moe``); not in ARCH_MATRIX, which the structural
+# paths run over.
+MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral"]
+
 # Architectures whose FFN is one module that ``compressor.fitting.replace`` can swap.
 PROFILE_ONLY = ("bert", "roberta")
 COMPRESSIBLE = [t for t in ARCH_MATRIX if t not in PROFILE_ONLY]
+# Compressible types with separate up (and gate) projections: the hidden-unit kinds (prune, hybrid). Phi-3's
+# gate and up are one fused gate_up_proj, which those kinds refuse (its ArchSpec has no ffn_up).
+HIDDEN_UNITS = [t for t in COMPRESSIBLE if t != "phi3"]
 
 
 def _decoder_common() -> dict:
@@ -78,6 +86,16 @@ def _config_and_class(model_type: str):
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         )
         return cfg, t.Gemma3ForCausalLM
+    if model_type == "phi3":
+        return t.Phi3Config(**_decoder_common(), pad_token_id=0), t.Phi3ForCausalLM
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=INTERMEDIATE // 2)
+    if model_type == "qwen3_moe":
+        return t.Qwen3MoeConfig(**_decoder_common(), **moe, head_dim=HIDDEN // HEADS), t.Qwen3MoeForCausalLM
+    if model_type == "qwen2_moe":
+        return (t.Qwen2MoeConfig(**_decoder_common(), **moe, shared_expert_intermediate_size=INTERMEDIATE),
+                t.Qwen2MoeForCausalLM)
+    if model_type == "mixtral":
+        return t.MixtralConfig(**_decoder_common(), num_local_experts=4, num_experts_per_tok=2), t.MixtralForCausalLM
     if model_type == "bert":
         return t.BertConfig(**_common_fields()), t.BertModel
     if model_type == "roberta":

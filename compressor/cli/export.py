@@ -92,8 +92,13 @@ def preflight(args) -> dict:
         _fail(f"the folder of --output, {out.parent}, does not exist")
     source = _original_gguf(compression)
     if args.quant == "source" and source is None:
-        logger.info("the original GGUF (%s) is not on this machine: quant 'source' writes the folder's dtype",
-                    compression.get("source_model"))
+        original = str(compression.get("source_model") or "")
+        if original.endswith(".gguf"):
+            logger.info("the original GGUF (%s) is not on this machine: quant 'source' writes the folder's dtype",
+                        original)
+        else:  # a Hugging Face folder or hub id: there is no GGUF to take the types of, wherever it is
+            logger.info("the original (%s) is a Hugging Face checkpoint, not a GGUF: quant 'source' writes the "
+                        "folder's dtype", original or "not recorded")
     src = source or _folder_source(folder)
     if (why := _ask(writer, "check_widths", compression, cfg, src, options)) is not None:
         _fail(why)

@@ -68,7 +68,15 @@ class ArchSpec:
     int_refusal: str | None = None
     """Why the type's projections cannot take compressed-tensors integer schemes (None: they are ``nn.Linear``,
     which the library's schemes target)."""
+    moe: bool = False
+    """Routed experts (:mod:`compressor.core.moe`): planned to a GGUF size, each expert priced on the tokens routed
+    to it; no block is replaced (:func:`moe_refusal` refuses structural runs before loading)."""
     note: str = ""
+
+    @property
+    def causal_lm(self) -> bool:
+        """Loaded with its language-model head (``AutoModelForCausalLM``); False: an encoder (``AutoModel``)."""
+        return self.compressible or self.moe
 
 
 _DECODER = ArchSpec(blocks=("model.layers", "layers"), ffn_up=("gate_proj", "up_proj"), ffn_down="down_proj",
@@ -84,6 +92,8 @@ _BERT = ArchSpec(
     pre_ffn_norm=None,
     note="post-norm encoder: the FFN is split across `intermediate` and `output.dense`",
 )
+
+_MOE_NOTE = "routed experts: planned to a GGUF size, each expert on the tokens routed to it; no block is replaced"
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "gpt2": ArchSpec(
@@ -117,6 +127,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                      "GELU-gated with a post-FFN norm, which deci does not have",
         note="the FFN output passes a post-FFN RMSNorm before the residual add",
     ),
+    # Phi-3: q/k/v and gate/up are each one fused projection (qkv_proj, gate_up_proj)
+    "phi3": ArchSpec(
+        blocks=("model.layers", "layers"), pre_ffn_norm="post_attention_layernorm", gguf_arch="PHI3",
+        gguf_refusal="its gate and up projections are one fused matrix (gate_up_proj), which the structural gguf "
+                     "writer does not split (a size plan is written by llama.cpp's own converter and takes it)",
+        note="gate and up are one fused gate_up_proj: hidden-unit kinds (prune, hybrid) are not offered",
+    ),
+    # mixtures of experts: size plans only; names of the experts' projections on disk in compressor.core.moe
+    **{t: ArchSpec(blocks=("model.layers", "layers"), pre_ffn_norm="post_attention_layernorm", compressible=False,
+                   moe=True, gguf_refusal="its FFNs are routed experts, which no block replacement describes; a GGUF "
+                   "size plan is written by llama.cpp's own converter", note=_MOE_NOTE)
+       for t in ("qwen3_moe", "qwen2_moe", "mixtral")},
     "bert": _BERT,
     "roberta": replace(_BERT),
 }
@@ -143,19 +165,51 @@ def _is_moe(config) -> bool:
     return False
 
 
-def arch_for(model: nn.Module) -> tuple[str, ArchSpec]:
-    """Return ``(model_type, spec)`` for a loaded Hugging Face model, or raise."""
+#: What a user can do with a mixture-of-experts model today (a fix that works: llama.cpp's own tools).
+MOE_FIX = ("make its GGUF with llama.cpp's own tools (convert_hf_to_gguf.py, then llama-imatrix and llama-quantize); "
+           "compressor does not plan or compress it yet")
+
+
+def moe_refusal(config, *, size: bool, fmt: str | None = None, offload: str = "none") -> str | None:
+    """Why a mixture-of-experts model is refused, for a size plan into ``fmt`` (``size``) or a structural run,
+    with what to do instead; None for a dense model, and for a GGUF size of a family whose experts are planned
+    (a row with ``moe``) held in memory."""
+    if config is None or not _is_moe(config):
+        return None
+    model_type = getattr(config, "model_type", "?")
+    spec = ARCHITECTURES.get(model_type)
+    planned = sorted(t for t, s in ARCHITECTURES.items() if s.moe)
+    if not size:
+        why = "one affine map per FFN block does not describe routed experts, so compressor replaces no block of it"
+        fix = f"plan it to a GGUF size instead (output.size, e.g. Q4_K_M; {', '.join(planned)})"
+        if spec is None or not spec.moe:
+            fix = MOE_FIX
+    elif spec is None or not spec.moe:
+        why = (f"its routed experts are not mapped to per-expert linear layers here (done for {', '.join(planned)}), "
+               "which a size plan prices one by one")
+        fix = MOE_FIX
+    elif fmt not in (None, "gguf"):
+        why = f"its experts are planned into GGUF only, not {fmt}"
+        fix = "plan a GGUF (output.formats: [gguf], output.size: e.g. Q4_K_M)"
+    elif offload != "none":
+        why = f"its experts are planned with the model held in memory, and model.offload is {offload}"
+        fix = "use model.offload: none"
+    else:
+        return None
+    return f"model type {model_type!r} is a mixture-of-experts model: {why}; {fix}"
+
+
+def arch_for(model: nn.Module, *, structural: bool = True) -> tuple[str, ArchSpec]:
+    """Return ``(model_type, spec)`` for a loaded Hugging Face model, or raise. ``structural``: for a path that
+    measures or replaces FFN blocks, which a mixture of experts is refused (a size plan passes False)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type is None:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no `config.model_type`; pass a Hugging Face transformers model"
         )
-    if _is_moe(config):
-        raise UnsupportedModelError(
-            f"model type {model_type!r} is a mixture-of-experts model: not supported "
-            "(one affine map per FFN block does not describe routed experts)"
-        )
+    if _is_moe(config) and (structural or not (model_type in ARCHITECTURES and ARCHITECTURES[model_type].moe)):
+        raise UnsupportedModelError(moe_refusal(config, size=not structural))
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported. Supported types: "

@@ -172,6 +172,8 @@ class MomentTaps:
     def __init__(self, model: nn.Module, names: list[str], stop: bool = False) -> None:
         self.model, self.wanted, self.stop = model, set(names), stop
         self.sums: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = {}
+        """Tokens each module read (a routed expert reads the tokens sent to it; every other module all)."""
         self.alias: dict[str, str] = {}
         self._seen: set[str] = set()
         # this batch's inputs by tensor identity → (the module that took it first, the tensor, held so that
@@ -192,6 +194,7 @@ class MomentTaps:
                     x = x.to(torch.bfloat16)
                 xx = gram(x).cpu()
                 self.sums[name] = xx if name not in self.sums else self.sums[name] + xx
+                self.rows[name] = self.rows.get(name, 0) + x.shape[0]
             self._seen.add(name)
             if self.stop and len(self._seen) == len(self.wanted):
                 raise _AllSeen
@@ -211,19 +214,23 @@ class MomentTaps:
         self._seen.clear()
 
     def moments(self, n_tokens: int) -> dict[str, torch.Tensor]:
-        """The means over ``n_tokens`` (float32 [d_in, d_in], CPU), shared matrices kept shared."""
-        out = {k: v.div_(n_tokens) for k, v in self.sums.items()}
+        """The means over the tokens each module read (float32 [d_in, d_in], CPU): ``n_tokens``, or fewer for a
+        routed expert (its Ĥ is the mean over the tokens sent to it; its F, a mean over all tokens, carries how
+        often it is chosen). Shared matrices kept shared."""
+        out = {k: v.div_(min(self.rows.get(k, n_tokens), n_tokens) or 1) for k, v in self.sums.items()}
         for name, src in self.alias.items():
             out[name] = out[src]
+            self.rows[name] = self.rows[src]
         return out
 
 
 def input_moments(model: nn.Module, windows: torch.Tensor, names: list[str], *,
-                  batch_size: int = 8) -> dict[str, torch.Tensor]:
+                  batch_size: int = 8, tokens: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     """``Ĥ = mean_t x_t x_tᵀ`` (float32 [d_in, d_in], CPU) at the input of each linear in ``names``; modules
     that read the same tensor get the same matrix object. Each batch's forward pass stops once every named
     module has read its input (moments of the first layers cost only the first layers' compute). An onloaded
-    model is measured one layer at a time instead (:func:`compressor.engine.layerwise.layer_moments`)."""
+    model is measured one layer at a time instead (:func:`compressor.engine.layerwise.layer_moments`).
+    ``tokens``: filled with the tokens each module read (fewer than all for a routed expert)."""
     device = model.get_input_embeddings().weight.device
     with MomentTaps(model, names, stop=True) as taps, torch.no_grad():
         for first in progress(range(0, windows.shape[0], batch_size), desc="price: input moments", unit="batch"):
@@ -232,4 +239,7 @@ def input_moments(model: nn.Module, windows: torch.Tensor, names: list[str], *,
                 model(windows[first:first + batch_size].to(device), use_cache=False)
             except _AllSeen:
                 pass
-    return taps.moments(windows.numel())
+    out = taps.moments(windows.numel())
+    if tokens is not None:
+        tokens.update(taps.rows)
+    return out

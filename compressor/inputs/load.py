@@ -200,7 +200,7 @@ def load_model(
     check_model_files(src)
     config = model_config(src, trust_remote_code=trust_remote_code, revision=revision)
     spec = ARCHITECTURES.get(config.model_type)
-    auto = AutoModel if spec is not None and not spec.compressible else AutoModelForCausalLM
+    auto = AutoModel if spec is not None and not spec.causal_lm else AutoModelForCausalLM
     kwargs = dict(common, dtype=DTYPES[dtype])
     if device == "auto":
         kwargs["device_map"] = "auto"

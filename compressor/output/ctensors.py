@@ -391,7 +391,7 @@ class CompressedTensorsWriter(Writer):
         spec = ARCHITECTURES.get(model_type)
         if spec is not None and spec.int_refusal:
             return (f"model type {model_type!r} cannot be written as compressed-tensors: {spec.int_refusal}; use "
-                    "output.formats: [hf] (or gguf) for this model")
+                    "output.formats: [hf] for this model")
         if kind not in _PLAIN_KINDS:
             return (f"the compressed-tensors format stores the base model's own class, which has no place for "
                     f"{kind} replacements: only kind prune (saved at the pruned width) or none; use kind: prune, or "

@@ -150,6 +150,15 @@ def preflight(recipe: Recipe, *, given: Loaded | None = None, output_required: b
     config = given.model.config if given is not None else model_config(
         src, trust_remote_code=mc.trust_remote_code, revision=mc.revision)
     check_context(recipe, config)
+    from compressor.core.archs import moe_refusal
+
+    fmt = None
+    if recipe.output.size is not None:
+        from compressor.pipeline.size.target import target_for
+
+        fmt = target_for(recipe.output.formats, recipe.output.size, recipe.output).format
+    if (why := moe_refusal(config, size=fmt is not None, fmt=fmt, offload=recipe.model.offload)) is not None:
+        raise InputError(why)
     if write:  # where a size run's F16 goes: said before the model loads, as the output folder is
         from compressor.pipeline.size.workdir import check_workdir
 
@@ -172,7 +181,7 @@ def preflight(recipe: Recipe, *, given: Loaded | None = None, output_required: b
     _check_confirmation(recipe, streams)
     size.check_output(recipe, writes=write)
     if write:
-        _check_writers(recipe, tokenizer, model_type, src)
+        _check_writers(recipe, tokenizer, model_type, src, config)
         if given is None:
             _check_offload_dtype(mc, recipe.output)
     return Preflight(write, model_type, src, streams, _check_architecture(recipe, src, given))
@@ -293,24 +302,32 @@ def _gguf_source_block(src: ResolvedSource) -> int:
         return 1
 
 
-def _check_writers(recipe: Recipe, tokenizer, model_type: str, src: ResolvedSource) -> None:
+def _check_writers(recipe: Recipe, tokenizer, model_type: str, src: ResolvedSource, config=None) -> None:
     """Each requested format can represent this architecture and kind, takes its options and can carry
     the tokenizer: asked before the model loads, with the alternative in the message."""
     from compressor.pipeline import size
 
     oc = recipe.output
     options = writer_options(oc)
-    size.check(recipe, model_type, src)
+    size.check(recipe, model_type, src, config=config)
+    kind = recipe.replacement.kind if size.structural(recipe) else "none"  # a size replaces no block
     for name in oc.writers():
         writer = get_writer(name)
-        why = (writer.unsupported(model_type, recipe.replacement.kind) or writer.check_options(options)
+        why = (writer.unsupported(model_type, kind) or writer.check_options(options)
                or writer.check_tokenizer(tokenizer, src))
         why = size.writer_refusal(recipe, name, why, model_type, src)
         if why:
-            chosen = "" if not oc._defaulted else (
-                f" ({name} is in output.formats by default for a GGUF source; set output.formats: [hf] to write "
-                "only the Hugging Face folder)")
-            raise InputError(f"output.formats: {name}: {why}{chosen}")
+            raise InputError(f"output.formats: {name}: {why}{_defaulted_because(oc, name)}")
+
+
+def _defaulted_because(oc: OutputConfig, name: str) -> str:
+    """Why a format the recipe did not name is in ``output.formats``, and how to leave it out."""
+    if not oc._defaulted:
+        return ""
+    if oc.size is not None:
+        return f" ({name} is the format output.size {oc.size} plans; name another in output.formats, or another size)"
+    return (f" ({name} is in output.formats by default for a GGUF source; set output.formats: [hf] to write only the "
+            "Hugging Face folder)")
 
 
 def _check_offload_dtype(mc: ModelConfig, oc: OutputConfig) -> None:
@@ -359,10 +376,10 @@ def from_object(model: nn.Module, tokenizer) -> Loaded:
 def _loaded(model: nn.Module, tokenizer, src: ResolvedSource) -> Loaded:
     check_weights_finite(model)
     try:
-        model_type, spec = arch_for(model)
+        model_type, spec = arch_for(model, structural=False)  # a structural MoE run is refused before loading
     except UnsupportedModelError as e:
         raise InputError(str(e)) from None
-    if not spec.compressible:
+    if not spec.causal_lm:
         raise InputError(
             f"{model_type} models are profile-only ({spec.note}); `compress` refuses them. Use `compressor profile`."
         )

@@ -70,6 +70,8 @@ class Site:
     folds: tuple[torch.Tensor, torch.Tensor] | None = None
     """Ĥ of each half of the calibration windows (:attr:`h` is their mean), or None: what prices a rounding
     fitted to Ĥ (GPTQ) on tokens the fit did not see (:meth:`fit_pairs`)."""
+    tokens: int | None = None
+    """Calibration tokens that reached the weight, where fewer than all (a routed expert); None: all."""
 
     def row_costs(self, delta: torch.Tensor, h: torch.Tensor | None = None,
                   at: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,6 +171,9 @@ class SizePlan:
     stored: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict, repr=False)
     """GGUF tensor name → (type name, raw bytes ``[rows, row_bytes]`` in the file's row order): what the writer
     stores as it is — the compensated tensors, rounded over all their rows once the plan is chosen."""
+    base: object = None
+    """The GGUF file the plan re-quantizes when it is not the source: llama.cpp's converter's F16 of a Hugging
+    Face folder (:attr:`~compressor.pipeline.size.budget.Budget.base`); its other tensors are copied as they are."""
 
     def to_json(self) -> dict:
         counts: dict[str, int] = {}
@@ -231,7 +236,8 @@ def sample_rows(site: Site, limit: int | None = None, seed: int = 0) -> Site:
 
 def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
           gguf_name: Callable[[str], str | None], modules: set[str] | None = None,
-          folds: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None) -> list[Site]:
+          folds: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+          tokens: dict[str, int] | None = None) -> list[Site]:
     """Every 2-D weight the file stores (of ``modules`` only, when given: the token embedding counts as
     the output head's module), with what prices it. ``gguf_name`` maps a Hugging Face parameter name to
     its planned tensor name (None: not planned, e.g. a tied output head, or what a format keeps as it is).
@@ -267,9 +273,14 @@ def sites(model: nn.Module, fisher: Fisher, moments: dict[str, torch.Tensor],
             name = gguf_name(f"{module_name}.weight")
             if name is None:
                 continue
-            h = moments[module_name].float()
-            out.append(Site(name, module_name, onload.weight(model, module_name), h, fisher.grad_sq[module_name],
-                            _imatrix(torch.diagonal(h)), folds=_folds(folds, module_name)))
+            w = onload.weight(model, module_name)
+            seen = (tokens or {}).get(module_name)
+            if module_name not in moments:  # a routed expert no calibration token reached: no statistics
+                h, f, seen = torch.zeros(w.shape[1], w.shape[1]), torch.zeros(w.shape[0]), 0
+            else:
+                h, f = moments[module_name].float(), fisher.grad_sq.get(module_name, torch.zeros(w.shape[0]))
+            out.append(Site(name, module_name, w, h, f, _imatrix(torch.diagonal(h)), folds=_folds(folds, module_name),
+                            tokens=seen if seen is not None and seen < fisher.tokens else None))
     return [sample_rows(s) for s in out]
 
 

@@ -102,6 +102,20 @@ def _pre_signature(pre: dict | None) -> tuple:
     return tuple(sig)
 
 
+def pre_tokenizer_name(tokenizer) -> str | None:
+    """llama.cpp's ``tokenizer.ggml.pre`` for a byte-level BPE tokenizer whose ``pre_tokenizer`` structure is one
+    :data:`PRE_TOKENIZERS` names (None: another tokenizer, or a structure not listed)."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    if (spec.get("model") or {}).get("type") != "BPE":
+        return None
+    return PRE_TOKENIZERS.get(_pre_signature(spec.get("pre_tokenizer")))
+
+
 def tokenizer_problem(tokenizer) -> str | None:
     """Why a Hugging Face tokenizer cannot be written as GGUF metadata (None when it can)."""
     import json

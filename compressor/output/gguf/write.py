@@ -66,11 +66,12 @@ def _info(dims, t: Tensor, qtype) -> tuple:
 
 
 def write_requantized(source: Path, path: Path, types: dict[str, str], imatrix: dict[str, np.ndarray] | None = None,
-                      default: str = "F16", stored: dict[str, tuple[str, np.ndarray]] | None = None) -> None:
+                      default: str | None = "F16", stored: dict[str, tuple[str, np.ndarray]] | None = None) -> None:
     """The GGUF at ``source`` with every tensor of two or more dimensions dequantized (gguf-py) and written
     in ``types[name]`` (else ``default``) by ggml's quantizer with ``imatrix[name]`` as column weights, or
     as ``stored[name]``'s raw bytes when given in that type (error-compensating rounding, already in the
-    file's row order); 1-D tensors in F32; metadata (tokenizer, chat template) copied. The source's own
+    file's row order); 1-D tensors in F32; metadata (tokenizer, chat template) copied. ``default`` None: a
+    tensor not in ``types`` is copied as the source stores it (bytes and type). The source's own
     architecture and layout: the tensors are read as llama.cpp stores them, so nothing is renamed or
     permuted."""
     gguf = _gguf()
@@ -83,13 +84,18 @@ def write_requantized(source: Path, path: Path, types: dict[str, str], imatrix: 
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     ordered = [Tensor(t.name, None, load=_dequantizer(t), shape=tuple(int(d) for d in reversed(t.shape)))
                for t in reader.tensors]
+    as_stored = {t.name: t for t in reader.tensors if default is None and t.name not in types}
 
     def qtype_of(t: Tensor):
+        if t.name in as_stored:
+            return as_stored[t.name].tensor_type
         if len(t.dims) < 2 or int(np.prod(t.dims[:-1])) == 1:
             return Q.F32
         return getattr(Q, types.get(t.name, default))
 
     def payload(t: Tensor):
+        if t.name in as_stored:
+            return np.asarray(as_stored[t.name].data)
         data, qtype = t.values(), qtype_of(t)
         if qtype == Q.F32:
             return data
@@ -99,6 +105,9 @@ def write_requantized(source: Path, path: Path, types: dict[str, str], imatrix: 
         if qtype == Q.F16:
             return encode(data, qtype)
         weights = (imatrix or {}).get(t.name)
+        if weights is not None and np.ndim(weights) == 2:  # stacked experts: each with its own importance matrix
+            return np.stack([encode(np.ascontiguousarray(data[e]).reshape(-1, data.shape[-1]), qtype, weights[e])
+                             for e in range(data.shape[0])]).reshape(*data.shape[:-1], -1)
         return encode(data.reshape(-1, data.shape[-1]), qtype, weights).reshape(*data.shape[:-1], -1)
 
     stream(writer, ordered, qtype_of, payload)
@@ -114,9 +123,13 @@ def _dequantizer(t):
 def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
     """Write ``request.model`` to ``path``; returns the plan written (None for a re-quantized source)."""
     gguf = _gguf()
+    size_plan = request.size_plan
+    if size_plan is not None and size_plan.base is not None:  # the converter's F16 of a Hugging Face folder
+        write_requantized(Path(size_plan.base), path, dict(size_plan.types), size_plan.imatrix, default=None,
+                          stored=size_plan.stored)
+        return None
     if requantizes(request, options):
         src = Path(request.source.path) / request.source.gguf_file
-        size_plan = request.size_plan
         write_requantized(src, path, dict(size_plan.types) if size_plan is not None else {},
                           size_plan.imatrix if size_plan is not None else None,
                           stored=size_plan.stored if size_plan is not None else None)

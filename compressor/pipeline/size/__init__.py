@@ -44,7 +44,7 @@ def default_formats(oc: OutputConfig) -> list[str] | None:
     return [default_format(oc.size)] if oc.size is not None else None
 
 
-def check(recipe: Recipe, model_type: str, src, *, given=None) -> None:
+def check(recipe: Recipe, model_type: str, src, *, given=None, config=None) -> None:
     """What a size needs, before the model loads: one sized format in ``output.formats`` (the one the size's
     name belongs to), a model held in memory unless that format streams (:attr:`~.target.SizeTarget.streams`:
     a GGUF is planned one onloaded layer at a time), and an architecture that format can be planned for."""
@@ -60,7 +60,7 @@ def check(recipe: Recipe, model_type: str, src, *, given=None) -> None:
                          f"model.offload is {recipe.model.offload}; use model.offload: none (the model in "
                          f"float32 must fit in memory), or plan {_streamed_fix(streamed)}, which onloads one "
                          "layer at a time")
-    why = target.refusal(model_type, src)
+    why = target.refusal(model_type, src, config)
     if why:
         raise InputError(f"output.size: {why}; remove output.size to write only a Hugging Face folder "
                          "(output.formats: [hf])")
@@ -104,7 +104,9 @@ def fit_memory(recipe: Recipe, config) -> None:
     target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
     held = (f"held in memory ({mc.dtype}) the size plan needs about {need / 1e9:.1f} GB, {avail / 1e9:.1f} GB are "
             "available")
-    if target.streams:
+    from compressor.core.archs import moe_refusal
+
+    if target.streams and moe_refusal(config, size=True, fmt=target.format, offload="disk") is None:
         onloaded = size_peak_of(config, offload="disk", dtype=mc.dtype)
         logger.warning("output.size: %s: onloading the decoder layers from disk (model.offload: disk, about "
                        "%.1f GB); set model.offload to choose", held, onloaded / 1e9)
@@ -203,6 +205,7 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
     every exit, Ctrl-C and SIGTERM included (and reclaimed after a kill). The disk it needs is checked before
     the F16 is written; a write that fails for want of space says which file and what is free
     (:mod:`.workdir`)."""
+    from compressor.core.moe import unfused_experts
     from compressor.pipeline.size import workdir as work
     from compressor.pipeline.size.planner import Planner
     from compressor.pipeline.size.prices import measure_and_price
@@ -226,7 +229,8 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         logger.info("output.size %s: %s bytes of %s (%s%s bytes are not planned)", budget.size,
                     f"{budget.limit:,}", target.what, f"measured beside {budget.preset['name']}; " if budget.preset
                     else "", f"{budget.overhead:,}")
-        measured = measure_and_price(recipe, request.model, windows, timings, target, spill=workdir)
+        with unfused_experts(request.model):  # a routed expert's statistics are its own (compressor.core.moe)
+            measured = measure_and_price(recipe, request.model, windows, timings, target, spill=workdir)
         planner = Planner(measured.units, measured.priced, budget)
         check_floor(planner, budget)
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
@@ -235,7 +239,8 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
                                   precision=measured.precision)
         run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator, target,
                       head={"prices_from_cache": measured.cached, "timings": timings,
-                            "rounding": recipe.output.rounding, "statistics_precision": measured.precision.name})
+                            "rounding": recipe.output.rounding, "statistics_precision": measured.precision.name,
+                            **target.report()})
         return run.search()
     except (OSError, RuntimeError) as exc:  # a full disk says which file, what is free and what the run needs
         full = work.disk_full_error(exc, workdir, checked.out, need, since)

@@ -1,7 +1,9 @@
 """The byte budget of a size plan, and the exact bytes every plan's file will have.
 
 The model is written once as F16 (the file a deployer would quantize) in a work folder beside the
-output. Its layout fixes everything that is not a planned tensor's data: the header, metadata and
+output: a Hugging Face folder by llama.cpp's own ``convert_hf_to_gguf.py`` (:mod:`compressor.output.gguf.converter`:
+its names, layouts and metadata, whatever the architecture), which the plan's file then re-quantizes; a GGUF
+source re-read in F16. Its layout fixes everything that is not a planned tensor's data: the header, metadata and
 tokenizer (``data_offset``), the 1-D tensors, and the alignment padding after each tensor. A planned
 file has the same metadata and tensors in the same order, only other types, so its size is known
 exactly before it is written: :meth:`Budget.file_bytes`.
@@ -140,6 +142,12 @@ class Budget:
     layout: Layout
     preset: dict | None = None
     """llama.cpp's preset of that name, made from the same F16 (``name``, ``path``, ``file_bytes``)."""
+    base: Path | None = None
+    """The F16 a plan's file re-quantizes, when it is llama.cpp's converter's (a Hugging Face source); None: the
+    GGUF source is re-quantized."""
+    converted: object = None
+    """Where the converter put each weight's rows (:class:`~compressor.output.gguf.converter.ConverterLayout`)
+    when it made :attr:`base`."""
 
     @property
     def kind(self) -> str:
@@ -173,7 +181,11 @@ def measure_budget(size: str, request: WriteRequest, workdir: Path) -> Budget:
     from compressor.output.gguf import PRESETS, quantize_file, write_gguf
 
     f16 = workdir / "f16.gguf"
-    write_gguf(f16_request(request), f16, dict(F16_OPTIONS))
+    converted = None
+    if request.source.gguf_file:
+        write_gguf(f16_request(request), f16, dict(F16_OPTIONS))
+    else:
+        converted = convert_folder(request, f16, workdir)
     layout = read_layout(f16)
     kind, value = parse_size(size)
     preset = None
@@ -198,7 +210,31 @@ def measure_budget(size: str, request: WriteRequest, workdir: Path) -> Budget:
                        f"{layout.file_bytes:,}")
     elif kind in ("bytes", "bpw"):
         preset = largest_preset(f16, limit, layout, workdir)
-    return Budget(size, limit, layout, preset)
+    return Budget(size, limit, layout, preset, base=f16 if converted is not None else None, converted=converted)
+
+
+def convert_folder(request: WriteRequest, f16: Path, workdir: Path):
+    """The F16 llama.cpp's converter makes of the source's Hugging Face folder (a hub model's files from the
+    local cache), and its :class:`ConverterLayout`. A model object, or one whose folder holds no checkpoint, is
+    saved into ``workdir`` first."""
+    from compressor.output.gguf.converter import convert
+    from compressor.output.gguf.metadata import pre_tokenizer_name
+
+    src = request.source
+    folder = None
+    if src.is_local:
+        folder = Path(src.path).expanduser()
+    elif not src.in_memory and src.hub_id() is not None:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(src.path))
+    if src.in_memory or folder is None or not (folder / "config.json").is_file():
+        folder = workdir / "hf"
+        request.model.save_pretrained(folder)
+        if request.tokenizer is not None:
+            request.tokenizer.save_pretrained(folder)
+    pre = pre_tokenizer_name(request.tokenizer) if request.tokenizer is not None else None
+    return convert(folder, f16, workdir, pre_tokenizer=pre)
 
 
 #: llama.cpp's presets' bits per weight on Llama-3-8B (``llama-quantize --help``): where the search for the

@@ -77,7 +77,7 @@ class CompressedTensorsTarget(SizeTarget):
     def anchor_called(self, name: str) -> str:
         return f"the uniform {name} checkpoint"
 
-    def refusal(self, model_type: str, src) -> str | None:
+    def refusal(self, model_type: str, src, config=None) -> str | None:
         from compressor.output.ctensors import CompressedTensorsWriter
 
         return CompressedTensorsWriter().unsupported(model_type, "none")

@@ -8,12 +8,17 @@ size made from that F16 by llama.cpp's own quantizer, measured in llama.cpp on t
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
+from compressor.core.archs import ARCHITECTURES, MOE_FIX
+from compressor.pipeline.size.experts import MIN_EXPERT_TOKENS
 from compressor.core.errors import InputError
 from compressor.pipeline.size.target import SizeTarget, register_target
 from compressor.recipe.schema import SIZE_PRESETS
+
+logger = logging.getLogger(__name__)
 
 
 @register_target
@@ -29,36 +34,78 @@ class GGUFTarget(SizeTarget):
     def __init__(self, output=None) -> None:
         super().__init__(output)
         self._arch: str | None = None
+        self._converted = None  # the converter's layout, once the budget has made the F16 (a Hugging Face source)
+        self._stacks = None  # a layer's experts stacked in one tensor (:mod:`.experts`), with the converter's layout
 
     def anchor_called(self, name: str) -> str:
         return f"llama.cpp's {name}"
 
-    def refusal(self, model_type: str, src) -> str | None:
+    def refusal(self, model_type: str, src, config=None) -> str | None:
         """A GGUF source is re-quantized in its own architecture, which any llama.cpp-loadable model type with
-        a tensor-name map allows; a Hugging Face source needs the writer's own mapping."""
+        a tensor-name map allows; a Hugging Face folder is planned in the F16 llama.cpp's converter makes of it,
+        so any architecture the converter converts (:func:`~compressor.output.gguf.converter.refusal`)."""
         from compressor.output.gguf import REQUANTIZE_ARCH, arch_refusal, runtime_missing
+        from compressor.output.gguf.converter import refusal
 
         if src.gguf_file:
             return runtime_missing() or (None if model_type in REQUANTIZE_ARCH else arch_refusal(model_type))
-        return arch_refusal(model_type) or runtime_missing()
+        if config is None:
+            return arch_refusal(model_type) or runtime_missing()
+        spec = ARCHITECTURES.get(model_type)
+        if spec is not None and spec.int_refusal:  # its weights are not nn.Linear: no statistics to price them
+            return (f"model type {model_type!r} is not planned as GGUF: {spec.int_refusal}, whose inputs and outputs "
+                    f"the size statistics measure; {MOE_FIX}".replace("compressor does not plan or compress it yet",
+                                                                    "compressor does not plan it"))
+        return runtime_missing() or refusal(config)
 
     def writer_refusal(self, why: str | None, src) -> str | None:
-        """A GGUF source is re-quantized in its own architecture: the writer's architecture table does not
-        apply (:meth:`refusal` says what does)."""
-        return None if src.gguf_file else why
+        """A size plan's file is a re-quantized GGUF (the source, or the converter's F16 of a folder): the
+        writer's own architecture table does not apply (:meth:`refusal` says what does)."""
+        return None
 
     def namer(self, model) -> Callable[[str], str | None]:
-        return gguf_namer(model)
+        if self._converted is None:
+            return gguf_namer(model)
+        from compressor.core.moe import checkpoint_name
+        from compressor.pipeline.size.experts import ExpertStacks
+
+        model_type = str(model.config.model_type)
+        on_disk = lambda hf: checkpoint_name(model_type, hf)  # noqa: E731
+        self._stacks = ExpertStacks(self._converted.parts, on_disk)
+        return lambda hf: self._converted.gguf_name(on_disk(hf))
 
     def price_all(self, sites: list, rounding: str, kept=None) -> dict:
+        """Every site in every GGML type; a stack of experts (one GGUF tensor) as the sum over its experts,
+        priced once all of them are measured (:mod:`.experts`)."""
         from compressor.policy.quantplan import price_all
 
-        return price_all(sites, rounding=rounding, kept=kept)
+        stacked = [s for s in sites if self._stacks is not None and self._stacks.stacked(s.name)]
+        single = [s for s in sites if not (self._stacks is not None and self._stacks.stacked(s.name))]
+        units = price_all(single, rounding=rounding, kept=kept) if single else {}
+        if stacked:
+            units.update(self._stacks.price(stacked, lambda parts: price_all(parts, rounding="nearest")))
+        return units
+
+    def priced(self, sites: list) -> list:
+        from compressor.policy.quantplan import Priced
+
+        stacked = self._stacks is not None
+        out = [Priced.of(s) for s in sites if not (stacked and self._stacks.stacked(s.name))]
+        return out + (self._stacks.priced(sites) if stacked else [])
+
+    def report(self) -> dict:
+        """Tokens per expert of every stacked tensor, and the experts priced as their layer's average."""
+        if self._stacks is None or not self._stacks.report:
+            return {}
+        return {"experts": {"min_tokens": MIN_EXPERT_TOKENS, "tensors": self._stacks.report,
+                            "not_planned": self._stacks.incomplete()}}
 
     def store(self, name: str, option: str, raw, request):
         """Bytes GPTQ made in the weight's row order (:meth:`round_full`'s, or pricing's), in the file's."""
         from compressor.output.gguf import file_arch, to_file_rows
 
+        if self._converted is not None:
+            return self._converted.to_file_rows(name, raw)
         if self._arch is None:
             self._arch = file_arch(request)
         return to_file_rows(name, raw, self._arch, request.model.config)
@@ -77,7 +124,12 @@ class GGUFTarget(SizeTarget):
     def budget(self, size: str, request, workdir: Path):
         from compressor.pipeline.size.budget import measure_budget
 
-        return measure_budget(size, request, workdir)
+        budget = measure_budget(size, request, workdir)
+        self._converted = budget.converted
+        if budget.converted is not None and (kept := budget.converted.unplanned()):
+            logger.info("output.size: %d tensors are not one Hugging Face weight each and stay as llama.cpp's "
+                        "converter wrote them: %s", len(kept), ", ".join(kept[:6]) + (" …" if len(kept) > 6 else ""))
+        return budget
 
     def round_full(self, name: str, option: str, weight, h, priced, request, alongside: list[str] | None = None):
         """GPTQ onto the type's importance-weighted scales, its raw bytes in the file's row order. ``alongside``:

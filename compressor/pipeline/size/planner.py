@@ -48,11 +48,14 @@ class Planner:
         key = int(tensor_bytes)
         if key not in self._plans:
             self._plans[key] = plan(self.units, self.priced, key)
+            self._plans[key].base = self.budget.base
         return self._plans[key]
 
     def smallest_within(self, nll: float) -> SizePlan:
         """The fewest bytes whose predicted loss increase is at most ``nll`` (nats per token)."""
-        return smallest_within(self.units, self.priced, self.tensor_budget, nll)
+        found = smallest_within(self.units, self.priced, self.tensor_budget, nll)
+        found.base = self.budget.base
+        return found
 
     def file_bytes(self, size_plan: SizePlan) -> int:
         return self.fixed + size_plan.tensor_bytes

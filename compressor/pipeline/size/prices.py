@@ -202,7 +202,7 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if passes.count == 1 else 0))
     for i, (group, folds, moments) in enumerate(passes):
         t0 = time.perf_counter()
-        these = sites(model, fisher, moments, namer, modules=set(group), folds=folds)
+        these = sites(model, fisher, moments, namer, modules=set(group), folds=folds, tokens=passes.tokens)
         if kept is not None:
             try:
                 kept.update(moments if passes.count == 1 else _spilled(moments, spill / f"moments-{i}.pt"))
@@ -237,8 +237,11 @@ class MomentPasses:
         self.layered = is_offloaded(model) and not crossfit
         names = linear_names(model)
         self.groups = None if self.layered else moment_groups(model, names, copies=3 if crossfit else 1)
-        self.count = len(self.groups) if self.groups is not None else len(find_blocks(model, arch_for(model)[1])[1]) + 1
+        layers = None if self.groups is not None else find_blocks(model, arch_for(model, structural=False)[1])[1]
+        self.count = len(self.groups) if self.groups is not None else len(layers) + 1
         self.seconds = 0.0
+        self.tokens: dict[str, int] = {}
+        """Tokens each linear read (a routed expert, those the router sent it), where measured in memory."""
 
     def __iter__(self):
         if self.layered:
@@ -258,7 +261,8 @@ class MomentPasses:
                     folds = fold_moments(self.model, self.windows, group, self.batch_size)
                     moments = mean_moments(*folds, self.windows.shape[0])
                 else:
-                    folds, moments = None, input_moments(self.model, self.windows, group, batch_size=self.batch_size)
+                    folds, moments = None, input_moments(self.model, self.windows, group, batch_size=self.batch_size,
+                                                         tokens=self.tokens)
             self.seconds += time.perf_counter() - t0
             yield group, folds, moments
 

@@ -63,8 +63,9 @@ class SizeTarget:
         """The anchor of size ``name``, in words ("llama.cpp's Q4_K_M")."""
         return name
 
-    def refusal(self, model_type: str, src) -> str | None:
-        """Why a size cannot be planned into this format for ``model_type`` from ``src`` (None: it can)."""
+    def refusal(self, model_type: str, src, config=None) -> str | None:
+        """Why a size cannot be planned into this format for ``model_type`` from ``src`` (None: it can);
+        ``config``: the model's config, where the caller has it."""
         return None
 
     def writer_refusal(self, why: str | None, src) -> str | None:
@@ -93,6 +94,10 @@ class SizeTarget:
         from compressor.policy.quantplan import Priced
 
         return [Priced.of(s) for s in sites]
+
+    def report(self) -> dict:
+        """What the report's ``size_plan`` adds for this format once the prices are measured (default nothing)."""
+        return {}
 
     def payload(self, name: str, weighted: bool, compensated: bool):
         """A cached option's :class:`~compressor.policy.quantplan.Choice` from its name and flags."""

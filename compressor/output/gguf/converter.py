@@ -1,0 +1,183 @@
+"""llama.cpp's own Hugging Face → GGUF converter: the names, layouts and metadata of a size plan's file.
+
+A size plan of a Hugging Face folder re-quantizes the F16 that llama.cpp's ``convert_hf_to_gguf.py`` makes of
+it — the file a deployer would quantize with ``llama-quantize`` — so every architecture the converter handles
+is planned in exactly llama.cpp's layout: tensor names, q/k row permutations, stacked experts, fused
+projections, RoPE factors, tokenizer and chat template. No mapping per model type is written here.
+
+Which Hugging Face tensor and row each planned GGUF row comes from is learned by probing the converter's own
+``modify_tensors`` (:mod:`.convert_driver`): :class:`ConverterLayout`. The converter is the copy in the
+llama-cpp-python 0.3.36 source that the setup builds (``tools/setup.sh`` keeps it in
+``.venv/share/llama.cpp-convert``; ``COMPRESSOR_LLAMA_CPP_CONVERTER`` points elsewhere), run in a subprocess
+with the gguf-py it was written with.
+"""
+
+from __future__ import annotations
+
+import ast
+import errno
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable naming a llama.cpp source folder (with ``convert_hf_to_gguf.py``, ``conversion/``
+#: and ``gguf-py/``) to use instead of the one the setup keeps.
+CONVERTER_ENV = "COMPRESSOR_LLAMA_CPP_CONVERTER"
+_DRIVER = Path(__file__).with_name("convert_driver.py")
+
+
+def converter_dir() -> Path:
+    """Where llama.cpp's converter is: ``$COMPRESSOR_LLAMA_CPP_CONVERTER``, else the venv's copy."""
+    given = os.environ.get(CONVERTER_ENV)
+    return Path(given) if given else Path(sys.prefix) / "share" / "llama.cpp-convert"
+
+
+def missing() -> str | None:
+    """Why the converter cannot be run (None when it can), with the fix."""
+    where = converter_dir()
+    if (where / "convert_hf_to_gguf.py").is_file() and (where / "conversion").is_dir():
+        return None
+    return (f"a GGUF size plan of a Hugging Face folder uses llama.cpp's convert_hf_to_gguf.py, which is not in "
+            f"{where}: run `bash tools/setup.sh` (it fetches it from the llama-cpp-python 0.3.36 source), or set "
+            f"{CONVERTER_ENV} to a llama.cpp source folder of the same version")
+
+
+@functools.lru_cache(maxsize=4)
+def _text_model_map(where: Path) -> dict[str, str]:
+    """The converter's table of Hugging Face architectures it converts (``TEXT_MODEL_MAP`` in
+    ``conversion/__init__.py``), read without importing it (that imports torch and every model class)."""
+    tree = ast.parse((where / "conversion" / "__init__.py").read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "TEXT_MODEL_MAP" for t in targets if t is not None):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def architectures() -> list[str]:
+    """The Hugging Face architectures (``config.architectures[0]``) the converter converts; [] when absent."""
+    return sorted(_text_model_map(converter_dir())) if missing() is None else []
+
+
+def hf_architecture(config) -> str | None:
+    """The architecture the converter would read off a config (its ``text_config``'s, where it names one)."""
+    for cfg in (getattr(config, "text_config", None), config):
+        arches = getattr(cfg, "architectures", None) if cfg is not None else None
+        if arches:
+            return str(arches[0])
+    return None
+
+
+def refusal(config) -> str | None:
+    """Why the converter cannot convert a model of ``config`` (None when it can)."""
+    if (why := missing()) is not None:
+        return why
+    arch = hf_architecture(config)
+    if arch is None:
+        return ("its config.json names no `architectures`, which llama.cpp's converter chooses the model class by; "
+                "add the architecture (e.g. \"LlamaForCausalLM\") to config.json")
+    if arch not in _text_model_map(converter_dir()):
+        return (f"llama.cpp's converter (llama-cpp-python 0.3.36) does not convert {arch}, so llama.cpp does not run "
+                "it; plan compressed-tensors instead (output.formats: [compressed-tensors], output.size: W4A16)")
+    return None
+
+
+@dataclass
+class Part:
+    """Consecutive rows of a GGUF tensor taken from one Hugging Face tensor: ``rows`` (its row numbers, in the
+    GGUF's order; None: all of them, in order)."""
+
+    hf: str
+    count: int
+    rows: np.ndarray | None = None
+
+
+@dataclass
+class ConverterLayout:
+    """Where each planned GGUF tensor's rows come from, as the converter writes them."""
+
+    architecture: str
+    hf_architecture: str
+    tensors: dict[str, list[Part] | None] = field(default_factory=dict)
+    """GGUF name → its parts (None: the converter changes the values or moves columns: kept as written)."""
+
+    @classmethod
+    def read(cls, folder: Path) -> "ConverterLayout":
+        data = json.loads((folder / "layout.json").read_text())
+        tensors, shapes = {}, {}
+        for name, t in data["tensors"].items():
+            parts = t["parts"]
+            shapes[name] = tuple(t["shape"])
+            tensors[name] = None if parts == "changed" else [
+                Part(p["hf"], p["count"], None if p["rows"] is None else np.load(folder / p["rows"])) for p in parts]
+        return cls(data["architecture"], data["hf_architecture"], tensors, shapes)
+
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def _by_hf(self) -> dict[str, str]:
+        """Hugging Face weight → the GGUF tensor it is, or is one stacked part of (its rows in order)."""
+        seen: dict[str, list[str]] = {}
+        for name, parts in self.tensors.items():
+            if parts is None or len([d for d in self.shapes.get(name, (2, 2)) if d > 1]) < 2:
+                continue  # changed by the converter, or a vector (kept in F32)
+            if len(parts) > 1 and any(p.rows is not None for p in parts):
+                continue  # rows of several weights interleaved: not a stack
+            for p in parts:
+                seen.setdefault(p.hf, []).append(name)
+        return {hf: names[0] for hf, names in seen.items() if len(names) == 1}
+
+    def gguf_name(self, hf: str) -> str | None:
+        """The GGUF tensor that is the Hugging Face tensor ``hf`` (rows perhaps reordered), or that stacks it
+        with others (a layer's experts: :meth:`parts`); None when none is: a tied head the converter does not
+        write, a weight the converter changes or splits, a vector."""
+        return self._by_hf.get(hf)
+
+    def parts(self, name: str) -> list[str]:
+        """The Hugging Face weights GGUF tensor ``name`` stacks, in its order (one for most tensors)."""
+        return [p.hf for p in self.tensors.get(name) or []]
+
+    def unplanned(self) -> list[str]:
+        """GGUF matrices no Hugging Face weight maps to: written as the converter wrote them."""
+        mapped = set(self._by_hf.values())
+        return sorted(n for n in self.tensors if n not in mapped and len([d for d in self.shapes[n] if d > 1]) >= 2)
+
+    def to_file_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of the Hugging Face weight (values, or a quantized type's raw row bytes: rows are quantized
+        independently) in the order the GGUF tensor ``name`` stores them."""
+        order = self.tensors[name][0].rows
+        return rows if order is None else rows[order]
+
+
+def convert(model_dir: Path, out: Path, workdir: Path, *, pre_tokenizer: str | None = None,
+            outtype: str = "f16") -> ConverterLayout:
+    """Run the converter on ``model_dir`` into ``out`` (``outtype``: f16, bf16 or f32) and probe its layout (kept
+    in ``workdir/layout``). Raises :class:`~compressor.output.gated.NotRepresentableError` with the converter's
+    own last words when it refuses the folder."""
+    from compressor.output.gated import NotRepresentableError
+
+    if (why := missing()) is not None:
+        raise NotRepresentableError(why)
+    layout_dir = workdir / "layout"
+    layout_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(_DRIVER), str(converter_dir()), str(model_dir), str(out), str(layout_dir), outtype,
+           *([pre_tokenizer] if pre_tokenizer else [])]
+    env = {**os.environ, "NO_LOCAL_GGUF": "1", "TQDM_DISABLE": "1"}
+    logger.info("gguf: llama.cpp's convert_hf_to_gguf.py → %s (%s)", out.name, outtype)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join(line for line in proc.stderr.strip().splitlines()[-6:])
+        if "No space left on device" in proc.stderr:  # the size stage says which file, and what is free
+            raise OSError(errno.ENOSPC, f"No space left on device (llama.cpp's converter writing {out})", str(out))
+        raise NotRepresentableError(f"llama.cpp's convert_hf_to_gguf.py could not convert {model_dir} "
+                                    f"(exit {proc.returncode}):\n{tail}")
+    return ConverterLayout.read(layout_dir)
