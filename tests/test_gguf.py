@@ -345,6 +345,24 @@ def test_export_writes_a_verified_gguf(tmp_path, tokenizer, ids, capsys):
     assert not list(tmp_path.glob(".*tmp*"))  # the staging folder is gone
 
 
+def test_export_of_a_folder_from_a_hugging_face_original_does_not_call_it_missing(tmp_path, tokenizer, ids, capsys,
+                                                                                  caplog):
+    """A folder compressed from a Hugging Face checkpoint has no original GGUF to take types from: ``export``
+    says so, rather than that the original "is not on this machine" (issue 58, item 5)."""
+    import logging
+
+    needs_llama_cpp()
+    from compressor.cli import main
+
+    folder = _hf_folder(tmp_path / "out", tokenizer, ids)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    with caplog.at_level(logging.INFO):
+        assert main(["export", str(folder), "--text", str(text)]) == 0
+    said = caplog.text + capsys.readouterr().err
+    assert "is a Hugging Face checkpoint, not a GGUF" in said and "not on this machine" not in said
+
+
 def test_export_refuses_before_loading(tmp_path, tokenizer, ids, monkeypatch, capsys):
     from compressor.cli import main
 

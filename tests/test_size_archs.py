@@ -28,6 +28,7 @@ WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2
 #: Weights' standard deviation: transformers' default (0.02) leaves a tiny random model's logits so flat that
 #: Q8_0's rounding reorders its top tokens; at 0.08 the next token is a choice, as in a trained model.
 INIT = 0.08
+Q4_K_M_TYPES = ("mixtral",)
 TYPES = ("qwen3", "gemma3_text", "mistral", "phi3", "qwen3_moe", "mixtral")
 
 
@@ -119,7 +120,8 @@ def test_a_folder_planned_to_q8_0s_size_runs_in_llama_cpp_and_agrees_with_transf
         tmp_path, model_type, smollm2_tokenizer):
     """Q8_0's size: exit 0, the converter's architecture, and llama.cpp's logits on the planned file agree
     with transformers' on the original folder (correlation ≥ 0.995, the same top token on ≥ 90 % of positions).
-    Q4_K_M's size from the same folder exits 0 and runs too."""
+    Q4_K_M's size from the same folder exits 0 and runs too (for Mixtral here — a mixture of experts with q/k
+    permuted —; every type was run at Q4_K_M by hand, docs/size.md: a run costs this suite about 30 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = _folder(tmp_path, model_type, smollm2_tokenizer)
@@ -145,6 +147,8 @@ def test_a_folder_planned_to_q8_0s_size_runs_in_llama_cpp_and_agrees_with_transf
     same_top = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
     assert corr >= 0.995 and same_top >= 0.9, (corr, same_top)
 
+    if model_type not in Q4_K_M_TYPES:
+        return
     small = compressor.run(_recipe(tmp_path, src, "Q4_K_M"))
     assert small.exit_code == 0, small.report.get("message")
     q4 = small.report["verification"]["gguf"]

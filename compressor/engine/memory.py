@@ -128,6 +128,10 @@ def estimate(*, d: int, d_ff: int, layers: int, vocab: int, heads: int, kv_heads
 PROCESS_BYTES = 350 << 20
 
 
+#: Anonymous memory of llama.cpp's converter process besides its tensors (Python, torch, its model classes).
+CONVERTER_PROCESS_BYTES = 300 * 2**20
+
+
 def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_tokens: int = 2048,
                     heads: int | None = None, kv_heads: int | None = None, tied: bool = False, seq_len: int = 512,
                     offload: str = "disk", batch_size: int = 8) -> dict[str, int]:
@@ -144,10 +148,14 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
       their float copy and gradient (3 · rows · seq_len · vocab floats); in memory, every layer's saved activations
       of the micro-batch (about ``4·ff + 10·d`` floats a token a layer) besides its logits;
     * ``moments``: one layer's input second moments (q/k/v and gate/up share theirs: ``3·d² + ff²`` floats) and
-      their GPTQ factors (float64 Cholesky factors of the same size).
+      their GPTQ factors (float64 Cholesky factors of the same size);
+    * ``converter``: llama.cpp's converter making the F16 of a Hugging Face folder, a child process
+      (:mod:`compressor.output.gguf.converter`): its interpreter and torch (:data:`CONVERTER_PROCESS_BYTES`) and
+      the largest tensor in float32 and float16 (the embedding: measured 1.21 GB on a 3.2B Llama shape with a
+      49,152-token vocabulary).
 
-    The peak is the largest phase: the F pass (process + resident + model + fisher) or the Ĥ and pricing pass
-    (process + resident + model + hidden states + moments). ``tools/bench_size_memory.py`` measures it against
+    The peak is the largest phase: the F16 made (process + resident + model + converter), the F pass (process +
+    resident + model + fisher) or the Ĥ and pricing pass (process + resident + model + hidden states + moments). ``tools/bench_size_memory.py`` measures it against
     this."""
     from compressor.engine.sensitivity import BACKWARD_BUDGET_BYTES
 
@@ -166,9 +174,10 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     else:
         fisher = rows * seq_len * layers * (4 * ff + 10 * d) * f4 + logits
     moments = (3 * d * d + ff * ff) * f4 + (3 * d * d + ff * ff) * 8
+    converter = CONVERTER_PROCESS_BYTES + max(vocab * d, ff * d) * (f4 + 2)
     return {"process": PROCESS_BYTES, "resident": resident, "model": model, "hidden_states": hidden,
-            "fisher": fisher, "moments": moments,
-            "peak": PROCESS_BYTES + resident + model + max(fisher, hidden + moments)}
+            "fisher": fisher, "moments": moments, "converter": converter,
+            "peak": PROCESS_BYTES + resident + model + max(fisher, hidden + moments, converter)}
 
 
 def size_peak(**kwargs) -> int:
