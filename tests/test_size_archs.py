@@ -24,7 +24,6 @@ import compressor
 
 pytestmark = [pytest.mark.usefixtures("torch_single_thread")]
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 #: Weights' standard deviation: transformers' default (0.02) leaves a tiny random model's logits so flat that
 #: Q8_0's rounding reorders its top tokens; at 0.08 the next token is a choice, as in a trained model.
 INIT = 0.08
@@ -94,15 +93,31 @@ def _folder(tmp_path: Path, model_type: str, tokenizer_dir: Path) -> Path:
 
 
 def _recipe(tmp_path: Path, src: Path, size: str):
-    if not WIKITEXT.is_dir():
-        pytest.skip(f"no WikiText-2 at {WIKITEXT}")
+    """Calibrated on the embedded prose, gated on the embedded code (both ship with compressor: the test needs no
+    data files wherever the suite runs)."""
     return compressor.recipe_from_dict({
         "model": {"source": str(src), "dtype": "float32"},
-        "calibration": {"dataset": str(WIKITEXT / "valid.txt"), "max_tokens": 1024, "seq_len": 64},
-        "evaluation": {"dataset": str(WIKITEXT / "test.txt"), "max_tokens": 1024, "seq_len": 64, "stride": 64},
+        "calibration": {"dataset": "embedded", "max_tokens": 1024, "seq_len": 64},
+        "evaluation": {"dataset": "embedded-code", "max_tokens": 1024, "seq_len": 64, "stride": 64},
         "policy": {"ppl_budget": 50.0}, "measure": {"cache": False},
         "output": {"path": str(tmp_path / f"out-{size}"), "size": size},
     })
+
+
+def _agreement(ref: np.ndarray, path: Path, ids: list[int]) -> tuple[float, float]:
+    """(correlation of llama.cpp's logits on ``path`` with ``ref``, share of positions with the same top token)."""
+    got = _llama_cpp_logits(path, ids)
+    return float(np.corrcoef(ref.ravel(), got.ravel())[0, 1]), float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+
+
+def _f16_and_preset(src: Path, tmp_path: Path) -> tuple[Path, Path]:
+    from compressor.output.gguf import PRESETS, quantize_file
+    from compressor.output.gguf.converter import convert
+
+    f16, q8 = tmp_path / "f16.gguf", tmp_path / "q8_0.gguf"
+    convert(src, f16, tmp_path / "convert")
+    quantize_file(f16, q8, PRESETS["Q8_0"])
+    return f16, q8
 
 
 def _llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
@@ -119,7 +134,10 @@ def _llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
 def test_a_folder_planned_to_q8_0s_size_runs_in_llama_cpp_and_agrees_with_transformers(
         tmp_path, model_type, smollm2_tokenizer):
     """Q8_0's size: exit 0, the converter's architecture, and llama.cpp's logits on the planned file agree
-    with transformers' on the original folder (correlation ≥ 0.995, the same top token on ≥ 90 % of positions).
+    with transformers' on the original folder: correlation ≥ 0.995 and the same top token on ≥ 90 % of positions,
+    or, where llama.cpp's own Q8_0 of the folder does not reach that either, within 0.005 and 5 points of it (a
+    random MoE's near-flat distributions: Mixtral's Q8_0 preset has 0.9968 and 85 % on this text; the plan 0.9940
+    and 86 %). llama.cpp's F16 of the folder agrees to rounding (the converter's layout).
     Q4_K_M's size from the same folder exits 0 and runs too (for Mixtral here — a mixture of experts with q/k
     permuted —; every type was run at Q4_K_M by hand, docs/size.md: a run costs this suite about 30 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,15 +155,21 @@ def test_a_folder_planned_to_q8_0s_size_runs_in_llama_cpp_and_agrees_with_transf
         sums = {sum(t["tokens"]) for t in experts["tensors"].values()}
         assert len(sums) == 1 and sums.pop() % 2 == 0  # two experts per token, in every layer
         assert any(r["tensor"].endswith("_exps.weight") for r in res.report["size_plan"]["tensors"])
-    text = (WIKITEXT / "test.txt").read_text()[:4000]
+    import inspect
+    import json as json_module
+
+    text = inspect.getsource(json_module)[:4000]  # text neither calibration nor the gate read
     ids = AutoTokenizer.from_pretrained(src)(text).input_ids[:96]
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(torch.tensor([ids])).logits[0]
     ref = ref.double().numpy()
-    got = _llama_cpp_logits(res.output / "model.gguf", ids)
-    corr = np.corrcoef(ref.ravel(), got.ravel())[0, 1]
-    same_top = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
-    assert corr >= 0.995 and same_top >= 0.9, (corr, same_top)
+    planned = _agreement(ref, res.output / "model.gguf", ids)
+    # llama.cpp's own F16 and Q8_0 of the folder, in the same runtime on the same tokens: the converter's layout
+    # is right when the F16 agrees to rounding, and the plan agrees as well as llama.cpp's preset of its size
+    f16, preset = _f16_and_preset(src, tmp_path)
+    exact, q8 = _agreement(ref, f16, ids), _agreement(ref, preset, ids)
+    assert exact[0] >= 0.9999 and exact[1] >= 0.95, exact
+    assert planned[0] >= min(0.995, q8[0] - 0.005) and planned[1] >= min(0.9, q8[1] - 0.05), (planned, q8)
 
     if model_type not in Q4_K_M_TYPES:
         return
