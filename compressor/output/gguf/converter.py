@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 #: and ``gguf-py/``) to use instead of the one the setup keeps.
 CONVERTER_ENV = "COMPRESSOR_LLAMA_CPP_CONVERTER"
 _DRIVER = Path(__file__).with_name("convert_driver.py")
+#: The llama-cpp-python release whose llama.cpp source the converter is taken from (the one the setup builds).
+LLAMA_CPP_VERSION = "0.3.36"
 
 
 def converter_dir() -> Path:
@@ -47,8 +49,9 @@ def missing() -> str | None:
     if (where / "convert_hf_to_gguf.py").is_file() and (where / "conversion").is_dir():
         return None
     return (f"a GGUF size plan of a Hugging Face folder uses llama.cpp's convert_hf_to_gguf.py, which is not in "
-            f"{where}: run `bash tools/setup.sh` (it fetches it from the llama-cpp-python 0.3.36 source), or set "
-            f"{CONVERTER_ENV} to a llama.cpp source folder of the same version")
+            f"{where}: run `python -m compressor.output.gguf.converter` (it fetches it from the llama-cpp-python "
+            f"{LLAMA_CPP_VERSION} source; tools/setup.sh does), or set {CONVERTER_ENV} to a llama.cpp source folder "
+            "of the same version")
 
 
 @functools.lru_cache(maxsize=4)
@@ -181,3 +184,40 @@ def convert(model_dir: Path, out: Path, workdir: Path, *, pre_tokenizer: str | N
         raise NotRepresentableError(f"llama.cpp's convert_hf_to_gguf.py could not convert {model_dir} "
                                     f"(exit {proc.returncode}):\n{tail}")
     return ConverterLayout.read(layout_dir)
+
+
+def fetch(where: Path | None = None) -> Path:
+    """Download the llama-cpp-python source distribution with pip (a package registry is all it needs) and keep
+    its llama.cpp converter, ``conversion/`` package and gguf-py in ``where`` (default :func:`converter_dir`)."""
+    import shutil
+    import tarfile
+    import tempfile
+
+    where = Path(where or converter_dir())
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", tmp], check=True)
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)
+                       and m.name[len(prefix):].startswith(keep) and (m.isfile() or m.isdir())]
+            try:
+                tar.extractall(tmp, members=members, filter="data")
+            except TypeError:  # a Python without extraction filters (before 3.10.12 / 3.11.4)
+                tar.extractall(tmp, members=members)
+        staged = where.with_name(where.name + ".tmp")
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(Path(tmp) / prefix), staged)
+        shutil.rmtree(where, ignore_errors=True)
+        staged.rename(where)
+    return where
+
+
+if __name__ == "__main__":
+    if missing() is None and "--force" not in sys.argv:
+        print(f"llama.cpp's converter is in {converter_dir()}")
+    else:
+        print(f"llama.cpp's converter fetched into {fetch()}")
