@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from compressor.core.presets import CT_SCHEMES
 from compressor.fitting.gridround import BLOCK, DAMP, factor_for, output_error
 
 __all__ = ["FAMILIES", "IntScheme", "Rounded", "SCHEMES", "UNQUANTIZED", "get_scheme", "gptq", "output_error", "rtn",
@@ -122,14 +123,7 @@ class IntScheme:
 #: vLLM's W4A16/W8A16 kernels also take (64, 32, one scale per row), for rows 128 does not divide (SmolLM2's
 #: 576 inputs: llm-compressor's W4A16 refuses that model), for finer scales where they pay, and (one int4 scale
 #: per row, 4.0 bits) for the bytes a size plan moves to the layers that need them.
-SCHEMES: dict[str, IntScheme] = {s.name: s for s in (
-    IntScheme("W4A16", 4, 128),
-    IntScheme("W4A16_G64", 4, 64),
-    IntScheme("W4A16_G32", 4, 32),
-    IntScheme("W4A16_CH", 4, None),
-    IntScheme("W8A16", 8, 128),
-    IntScheme("W8A16_CH", 8, None),
-)}
+SCHEMES: dict[str, IntScheme] = {name: IntScheme(name, bits, group) for name, (bits, group) in CT_SCHEMES.items()}
 #: A size named after a scheme, on a model whose rows its group does not divide: the same bits with the
 #: largest group that divides them, in this order (what llm-compressor's W4A16 would need a group_size for).
 FAMILIES: dict[str, tuple[str, ...]] = {

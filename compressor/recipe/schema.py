@@ -16,6 +16,8 @@ from typing import Annotated, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from compressor.core.presets import CT_SCHEMES, LLAMA_CPP_PRESETS
+
 RECIPE_VERSION = 1
 # 2^27 tokens is about 500 MB of text: more than any run on one machine reads; a larger
 # value is a typo (e.g. 1e12), refused before anything starts.
@@ -411,10 +413,9 @@ class OutputConfig(_Section):
 
 
 #: llama.cpp presets ``output.size`` may name (their size for the model at hand is the budget).
-SIZE_PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "Q3_K_L", "Q3_K_M", "Q3_K_S",
-                "Q2_K")
+SIZE_PRESETS = tuple(LLAMA_CPP_PRESETS)
 #: compressed-tensors schemes ``output.size`` may name (that uniform checkpoint's size for the model at hand).
-CT_SIZE_SCHEMES = ("W4A16", "W4A16_G64", "W4A16_G32", "W4A16_CH", "W8A16", "W8A16_CH")
+CT_SIZE_SCHEMES = tuple(CT_SCHEMES)
 #: What ``output.size`` takes, in words (every message that refuses a size names them).
 SIZE_FORMS = (f"bytes (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), a llama.cpp preset "
               f"({', '.join(SIZE_PRESETS)}), a compressed-tensors scheme ({', '.join(CT_SIZE_SCHEMES)}) or smallest "

@@ -18,6 +18,7 @@ import torch
 
 from compressor.core import ggml
 from compressor.core.errors import InputError
+from compressor.core.presets import LLAMA_CPP_PRESETS
 from compressor.output.gguf.naming import _gguf
 
 logger = logging.getLogger(__name__)
@@ -26,9 +27,7 @@ logger = logging.getLogger(__name__)
 _FTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
            "q4_k_m": "MOSTLY_Q4_K_M", "plan": "GUESSED"}
 #: llama.cpp's presets a size can be named by (``output.size: Q3_K_M``) → gguf-py's LlamaFileType name.
-PRESETS = {"Q8_0": "MOSTLY_Q8_0", "Q6_K": "MOSTLY_Q6_K", "Q5_K_M": "MOSTLY_Q5_K_M", "Q5_K_S": "MOSTLY_Q5_K_S",
-           "Q4_K_M": "MOSTLY_Q4_K_M", "Q4_K_S": "MOSTLY_Q4_K_S", "Q3_K_L": "MOSTLY_Q3_K_L", "Q3_K_M": "MOSTLY_Q3_K_M",
-           "Q3_K_S": "MOSTLY_Q3_K_S", "Q2_K": "MOSTLY_Q2_K", "Q4_0": "MOSTLY_Q4_0", "Q5_0": "MOSTLY_Q5_0"}
+PRESETS = {name: preset.file_type for name, preset in LLAMA_CPP_PRESETS.items()}
 
 
 class GGUFWidthError(InputError):

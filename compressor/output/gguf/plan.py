@@ -25,7 +25,7 @@ from compressor.output.gated import GatedMLP, NotRepresentableError, as_gated
 from compressor.output.gguf.encode import GGUFWidthError
 from compressor.output.gguf.naming import _gguf
 from compressor.output.gguf.read import source_tensor_types
-from compressor.recipe.schema import OutputConfig
+from compressor.recipe.schema import GGML_BLOCK, OutputConfig
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def down_blocks(quant: str, n_layers: int, source_types: dict) -> list[int]:
     if quant == "source":
         f16 = gguf.GGMLQuantizationType.F16
         return [gguf.GGML_QUANT_SIZES[source_types.get(f"blk.{i}.ffn_down.weight", f16)][0] for i in range(n_layers)]
-    return [{"q8_0": 32, "q4_k_m": 256}.get(quant, 1)] * n_layers  # plan: the planner offers fitting types
+    return [GGML_BLOCK.get(quant, 1)] * n_layers  # plan: the planner offers fitting types
 
 
 def width_error(quant: str, bad: list[tuple[int, int, int]]) -> GGUFWidthError:

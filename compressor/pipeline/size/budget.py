@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from compressor.core.errors import InputError
+from compressor.core.presets import LLAMA_CPP_PRESETS
 from compressor.output.base import WriteRequest
 from compressor.recipe.schema import parse_size
 
@@ -237,11 +238,10 @@ def convert_folder(request: WriteRequest, f16: Path, workdir: Path):
     return convert(folder, f16, workdir, pre_tokenizer=pre)
 
 
-#: llama.cpp's presets' bits per weight on Llama-3-8B (``llama-quantize --help``): where the search for the
-#: largest preset that fits a size starts. A small model's are higher (its embedding and output take more of
-#: it), so each candidate is made and its bytes read.
-PRESET_BPW = {"Q8_0": 7.93, "Q6_K": 6.12, "Q5_K_M": 5.31, "Q5_K_S": 5.19, "Q5_0": 5.19, "Q4_K_M": 4.56,
-              "Q4_K_S": 4.35, "Q4_0": 4.32, "Q3_K_L": 4.02, "Q3_K_M": 3.73, "Q3_K_S": 3.40, "Q2_K": 2.95}
+#: llama.cpp's presets' bits per weight on Llama-3-8B (:data:`~compressor.core.presets.LLAMA_CPP_PRESETS`): where
+#: the search for the largest preset that fits a size starts. A small model's are higher, so each candidate is
+#: made and its bytes read.
+PRESET_BPW = {name: preset.bpw for name, preset in LLAMA_CPP_PRESETS.items()}
 #: Presets made at most in that search (each is a llama-quantize of the F16).
 PRESET_TRIES = 3
 
