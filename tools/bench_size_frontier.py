@@ -3,8 +3,9 @@ against compressor's size planner at each preset's size, all from the same F16.
 
 For one model:
 
-1. the F16 GGUF: the GGUF source dequantized tensor by tensor and written at F16 by compressor's writer
-   (the file a deployer would quantize);
+1. the F16 GGUF (the file a deployer would quantize): a Hugging Face folder converted by llama.cpp's own
+   ``convert_hf_to_gguf.py`` (as the size planner makes its F16), a GGUF source dequantized tensor by tensor and
+   written at F16 by compressor's writer;
 2. llama.cpp's presets from it: ``llama-quantize F16 OUT PRESET`` (plain), and ``llama-imatrix`` over the
    calibration text (``--chunks 32 -c 512``) then ``llama-quantize --imatrix`` (with importance matrix);
 3. compressor at each preset's size: ``compressor run`` with ``output.size: PRESET``, calibrated on the
@@ -38,9 +39,15 @@ from benchlib.cli import add_alone, add_model, tool_parser
 from benchlib.runs import PY, WorkFolder, llamacpp_perplexity_cmd, run_logged, scores
 
 F16_SNIPPET = """
-import sys, torch
+import sys, tempfile, torch
 from pathlib import Path
-from compressor.inputs.load import load_model
+from compressor.inputs.load import load_model, resolve_source
+src = resolve_source(sys.argv[1])
+if not src.gguf_file:  # a Hugging Face folder: llama.cpp's own converter, as the size planner does
+    from compressor.output.gguf.converter import convert
+    with tempfile.TemporaryDirectory() as tmp:
+        convert(Path(src.path), Path(sys.argv[2]), Path(tmp))
+    sys.exit(0)
 from compressor.output.base import WriteRequest
 from compressor.output.gguf import write_gguf
 model, tok, src = load_model(sys.argv[1], dtype="float32")
