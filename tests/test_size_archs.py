@@ -265,3 +265,38 @@ def test_an_architecture_the_converter_does_not_know_is_refused_naming_what_work
     assert "MadeUpForCausalLM" in why and "compressed-tensors" in why
     assert refusal(SimpleNamespace(architectures=["Qwen3ForCausalLM"])) is None
     assert "architectures" in refusal(SimpleNamespace(architectures=None))
+
+
+def test_a_type_without_a_row_is_refused_naming_the_table_before_the_converter_is_asked():
+    """A GGUF size of a model type compressor does not load says so first (following "plan compressed-tensors"
+    would be refused again, at load), naming the table and what works."""
+    from types import SimpleNamespace
+
+    from compressor.pipeline.size.gguf_target import GGUFTarget
+
+    why = GGUFTarget().refusal("made_up", SimpleNamespace(gguf_file=None), SimpleNamespace(architectures=["X"]))
+    assert "no row" in why and "ARCHITECTURES" in why and "llama-quantize" in why
+
+
+def test_a_mixture_of_experts_that_does_not_fit_memory_is_refused_with_its_own_reason(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Over the memory limit, a dense GGUF size onloads by itself; a mixture of experts cannot (its experts are
+    planned held in memory), so it is refused before loading for that — not told to plan the GGUF it asked for."""
+    import yaml
+
+    from compressor.cli import main
+
+    src = _moe_folder(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("words and more words, numbers 12 and 345.\n" * 1200)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"source": str(src)},
+        "calibration": {"dataset": str(text), "max_tokens": 1024, "seq_len": 32},
+        "evaluation": {"dataset": str(text), "max_tokens": 1024, "seq_len": 32, "stride": 32},
+        "output": {"path": str(tmp_path / "out"), "size": "Q4_K_M"}}))
+    monkeypatch.setenv("COMPRESSOR_MEMORY_LIMIT", "1MB")
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "mixture of experts is planned held in memory" in err and "more memory" in err, err
+    assert not (tmp_path / "out").exists()

@@ -165,9 +165,10 @@ def _is_moe(config) -> bool:
     return False
 
 
-#: What a user can do with a mixture-of-experts model today (a fix that works: llama.cpp's own tools).
-MOE_FIX = ("make its GGUF with llama.cpp's own tools (convert_hf_to_gguf.py, then llama-imatrix and llama-quantize); "
-           "compressor does not plan or compress it yet")
+#: A fix that works for a model compressor does not plan: llama.cpp's own tools.
+LLAMA_CPP_TOOLS = "make its GGUF with llama.cpp's own tools (convert_hf_to_gguf.py, then llama-imatrix and llama-quantize)"
+#: What a user can do with a mixture-of-experts model of a family not mapped here.
+MOE_FIX = f"{LLAMA_CPP_TOOLS}; compressor does not plan or compress it yet"
 
 
 def moe_refusal(config, *, size: bool, fmt: str | None = None, offload: str = "none") -> str | None:

@@ -77,14 +77,18 @@ def _fused(module: nn.Module) -> bool:
             and down.dim() == 3 and hasattr(module, "act_fn"))
 
 
-def unfuse_experts(model: nn.Module) -> int:
-    """Swap every stacked-experts module of ``model`` for :class:`UnfusedExperts`, in place; returns how many.
-    The parameters are shared, not copied."""
+def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def unfuse_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Swap every stacked-experts module of ``model`` for :class:`UnfusedExperts`, in place; returns the modules
+    swapped out, by name. The parameters are shared, not copied."""
     found = [(name, m) for name, m in model.named_modules() if _fused(m)]
     for name, m in found:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, UnfusedExperts(m))
-    return len(found)
+        _swap(model, name, UnfusedExperts(m))
+    return found
 
 
 _EXPERT_MODULE = re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)(\.weight)?$")
@@ -100,20 +104,13 @@ def checkpoint_name(model_type: str, name: str) -> str:
     return f"{layer}.{EXPERT_NAMES[model_type][_PROJ.index(proj)].format(e=e)}{suffix or ''}"
 
 
-def is_expert(name: str) -> bool:
-    """Whether ``name`` is an unfused routed expert's projection (module or weight)."""
-    return _EXPERT_MODULE.match(name) is not None
-
-
 @contextlib.contextmanager
 def unfused_experts(model: nn.Module):
     """``model`` with its stacked experts unfused (:func:`unfuse_experts`) inside the block, and the original
     modules back after it: the model handed in is the model handed back."""
-    found = [(name, m) for name, m in model.named_modules() if _fused(m)]
-    unfuse_experts(model)
+    found = unfuse_experts(model)
     try:
         yield model
     finally:
         for name, m in found:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, m)
+            _swap(model, name, m)

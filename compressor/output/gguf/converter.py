@@ -66,11 +66,6 @@ def _text_model_map(where: Path) -> dict[str, str]:
     return {}
 
 
-def architectures() -> list[str]:
-    """The Hugging Face architectures (``config.architectures[0]``) the converter converts; [] when absent."""
-    return sorted(_text_model_map(converter_dir())) if missing() is None else []
-
-
 def hf_architecture(config) -> str | None:
     """The architecture the converter would read off a config (its ``text_config``'s, where it names one)."""
     for cfg in (getattr(config, "text_config", None), config):
@@ -112,6 +107,8 @@ class ConverterLayout:
     hf_architecture: str
     tensors: dict[str, list[Part] | None] = field(default_factory=dict)
     """GGUF name → its parts (None: the converter changes the values or moves columns: kept as written)."""
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """GGUF name → its shape (rows first, as torch holds it)."""
 
     @classmethod
     def read(cls, folder: Path) -> "ConverterLayout":
@@ -124,14 +121,16 @@ class ConverterLayout:
                 Part(p["hf"], p["count"], None if p["rows"] is None else np.load(folder / p["rows"])) for p in parts]
         return cls(data["architecture"], data["hf_architecture"], tensors, shapes)
 
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    def _matrix(self, name: str) -> bool:
+        """Two or more dimensions above 1: what a plan may quantize (a vector stays F32)."""
+        return len([d for d in self.shapes[name] if d > 1]) >= 2
 
     @functools.cached_property
     def _by_hf(self) -> dict[str, str]:
         """Hugging Face weight → the GGUF tensor it is, or is one stacked part of (its rows in order)."""
         seen: dict[str, list[str]] = {}
         for name, parts in self.tensors.items():
-            if parts is None or len([d for d in self.shapes.get(name, (2, 2)) if d > 1]) < 2:
+            if parts is None or not self._matrix(name):
                 continue  # changed by the converter, or a vector (kept in F32)
             if len(parts) > 1 and any(p.rows is not None for p in parts):
                 continue  # rows of several weights interleaved: not a stack
@@ -152,7 +151,7 @@ class ConverterLayout:
     def unplanned(self) -> list[str]:
         """GGUF matrices no Hugging Face weight maps to: written as the converter wrote them."""
         mapped = set(self._by_hf.values())
-        return sorted(n for n in self.tensors if n not in mapped and len([d for d in self.shapes[n] if d > 1]) >= 2)
+        return sorted(n for n in self.tensors if n not in mapped and self._matrix(n))
 
     def to_file_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows of the Hugging Face weight (values, or a quantized type's raw row bytes: rows are quantized

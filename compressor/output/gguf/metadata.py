@@ -105,28 +105,28 @@ def _pre_signature(pre: dict | None) -> tuple:
 def pre_tokenizer_name(tokenizer) -> str | None:
     """llama.cpp's ``tokenizer.ggml.pre`` for a byte-level BPE tokenizer whose ``pre_tokenizer`` structure is one
     :data:`PRE_TOKENIZERS` names (None: another tokenizer, or a structure not listed)."""
-    import json
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    spec = json.loads(backend.to_str())
-    if (spec.get("model") or {}).get("type") != "BPE":
+    spec = _tokenizer_spec(tokenizer)
+    if spec is None or (spec.get("model") or {}).get("type") != "BPE":
         return None
     return PRE_TOKENIZERS.get(_pre_signature(spec.get("pre_tokenizer")))
 
 
-def tokenizer_problem(tokenizer) -> str | None:
-    """Why a Hugging Face tokenizer cannot be written as GGUF metadata (None when it can)."""
+def _tokenizer_spec(tokenizer) -> dict | None:
+    """A fast tokenizer's ``tokenizer.json`` as a dict (None: not a fast tokenizer)."""
     import json
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else json.loads(backend.to_str())
+
+
+def tokenizer_problem(tokenizer) -> str | None:
+    """Why a Hugging Face tokenizer cannot be written as GGUF metadata (None when it can)."""
+    spec = _tokenizer_spec(tokenizer)
     alternative = ("start from a GGUF of the model (its tokenizer metadata is copied), or convert the "
                    "original with llama.cpp's convert_hf_to_gguf.py for the tokenizer")
-    if backend is None:
+    if spec is None:
         return (f"the gguf writer builds byte-level BPE tokenizers only; {type(tokenizer).__name__} is not one: "
                 f"{alternative}")
-    spec = json.loads(backend.to_str())
     if (spec.get("model") or {}).get("type") != "BPE":
         return f"the tokenizer model is {(spec.get('model') or {}).get('type')!r}, not BPE: {alternative}"
     sig = _pre_signature(spec.get("pre_tokenizer"))

@@ -106,7 +106,10 @@ def fit_memory(recipe: Recipe, config) -> None:
             "available")
     from compressor.core.archs import moe_refusal
 
-    if target.streams and moe_refusal(config, size=True, fmt=target.format, offload="disk") is None:
+    if target.streams and moe_refusal(config, size=True, fmt=target.format, offload="disk") is not None:
+        raise InputError(f"output.size: {held}, and a mixture of experts is planned held in memory (its experts "
+                         "are not onloaded); run on a machine with more memory")
+    if target.streams:
         onloaded = size_peak_of(config, offload="disk", dtype=mc.dtype)
         logger.warning("output.size: %s: onloading the decoder layers from disk (model.offload: disk, about "
                        "%.1f GB); set model.offload to choose", held, onloaded / 1e9)

@@ -228,7 +228,8 @@ def convert_folder(request: WriteRequest, f16: Path, workdir: Path):
     elif not src.in_memory and src.hub_id() is not None:
         from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(src.path))
+        # the snapshot the model was loaded from (transformers records its commit), not whatever main is now
+        folder = Path(snapshot_download(src.path, revision=getattr(request.model.config, "_commit_hash", None)))
     if src.in_memory or folder is None or not (folder / "config.json").is_file():
         folder = workdir / "hf"
         request.model.save_pretrained(folder)

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from compressor.core.archs import ARCHITECTURES, MOE_FIX
+from compressor.core.archs import ARCHITECTURES, LLAMA_CPP_TOOLS
 from compressor.pipeline.size.experts import MIN_EXPERT_TOKENS
 from compressor.core.errors import InputError
 from compressor.pipeline.size.target import SizeTarget, register_target
@@ -52,10 +52,13 @@ class GGUFTarget(SizeTarget):
         if config is None:
             return arch_refusal(model_type) or runtime_missing()
         spec = ARCHITECTURES.get(model_type)
-        if spec is not None and spec.int_refusal:  # its weights are not nn.Linear: no statistics to price them
+        if spec is None:  # not loaded at all: say so before llama.cpp's converter is asked
+            return (f"model type {model_type!r} has no row in compressor's architecture table (ARCHITECTURES in "
+                    f"compressor/core/archs.py; rows: {', '.join(sorted(ARCHITECTURES))}), so it is not loaded; "
+                    f"{LLAMA_CPP_TOOLS}, or add a row")
+        if spec.int_refusal:  # its weights are not nn.Linear: no statistics to price them
             return (f"model type {model_type!r} is not planned as GGUF: {spec.int_refusal}, whose inputs and outputs "
-                    f"the size statistics measure; {MOE_FIX}".replace("compressor does not plan or compress it yet",
-                                                                    "compressor does not plan it"))
+                    f"the size statistics measure; {LLAMA_CPP_TOOLS}")
         return runtime_missing() or refusal(config)
 
     def writer_refusal(self, why: str | None, src) -> str | None:
@@ -66,21 +69,15 @@ class GGUFTarget(SizeTarget):
     def namer(self, model) -> Callable[[str], str | None]:
         if self._converted is None:
             return gguf_namer(model)
-        from compressor.core.moe import checkpoint_name
-        from compressor.pipeline.size.experts import ExpertStacks
-
-        model_type = str(model.config.model_type)
-        on_disk = lambda hf: checkpoint_name(model_type, hf)  # noqa: E731
-        self._stacks = ExpertStacks(self._converted.parts, on_disk)
-        return lambda hf: self._converted.gguf_name(on_disk(hf))
+        return lambda hf: self._converted.gguf_name(self._stacks.checkpoint_name(hf))
 
     def price_all(self, sites: list, rounding: str, kept=None) -> dict:
         """Every site in every GGML type; a stack of experts (one GGUF tensor) as the sum over its experts,
         priced once all of them are measured (:mod:`.experts`)."""
         from compressor.policy.quantplan import price_all
 
-        stacked = [s for s in sites if self._stacks is not None and self._stacks.stacked(s.name)]
-        single = [s for s in sites if not (self._stacks is not None and self._stacks.stacked(s.name))]
+        stacked = [s for s in sites if self._stacked(s.name)]
+        single = [s for s in sites if not self._stacked(s.name)]
         units = price_all(single, rounding=rounding, kept=kept) if single else {}
         if stacked:
             units.update(self._stacks.price(stacked, lambda parts: price_all(parts, rounding="nearest")))
@@ -89,9 +86,12 @@ class GGUFTarget(SizeTarget):
     def priced(self, sites: list) -> list:
         from compressor.policy.quantplan import Priced
 
-        stacked = self._stacks is not None
-        out = [Priced.of(s) for s in sites if not (stacked and self._stacks.stacked(s.name))]
-        return out + (self._stacks.priced(sites) if stacked else [])
+        out = [Priced.of(s) for s in sites if not self._stacked(s.name)]
+        return out + (self._stacks.priced(sites) if self._stacks is not None else [])
+
+    def _stacked(self, name: str) -> bool:
+        """Whether GGUF tensor ``name`` stacks several weights (a layer's experts)."""
+        return self._stacks is not None and self._stacks.stacked(name)
 
     def report(self) -> dict:
         """Tokens per expert of every stacked tensor, and the experts priced as their layer's average."""
@@ -124,8 +124,14 @@ class GGUFTarget(SizeTarget):
     def budget(self, size: str, request, workdir: Path):
         from compressor.pipeline.size.budget import measure_budget
 
+        from compressor.core.moe import checkpoint_name
+        from compressor.pipeline.size.experts import ExpertStacks
+
         budget = measure_budget(size, request, workdir)
         self._converted = budget.converted
+        if budget.converted is not None:
+            model_type = str(request.model.config.model_type)
+            self._stacks = ExpertStacks(budget.converted.parts, lambda hf: checkpoint_name(model_type, hf))
         if budget.converted is not None and (kept := budget.converted.unplanned()):
             logger.info("output.size: %d tensors are not one Hugging Face weight each and stay as llama.cpp's "
                         "converter wrote them: %s", len(kept), ", ".join(kept[:6]) + (" …" if len(kept) > 6 else ""))

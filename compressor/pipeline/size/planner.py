@@ -53,9 +53,7 @@ class Planner:
 
     def smallest_within(self, nll: float) -> SizePlan:
         """The fewest bytes whose predicted loss increase is at most ``nll`` (nats per token)."""
-        found = smallest_within(self.units, self.priced, self.tensor_budget, nll)
-        found.base = self.budget.base
-        return found
+        return smallest_within(self.units, self.priced, self.tensor_budget, nll)
 
     def file_bytes(self, size_plan: SizePlan) -> int:
         return self.fixed + size_plan.tensor_bytes
