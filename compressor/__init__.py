@@ -44,7 +44,7 @@ _PUBLIC = {
     "oneshot": "pipeline.runner", "OneshotResult": "pipeline.runner",
     "profile": "pipeline.profiler", "write_profile": "pipeline.profiler",
     "load_compressed": "output.hf", "register_auto_classes": "output.hf",
-    "WRITERS": "output", "get_writer": "output",
+    "FORMATS": "output", "get_writer": "output",
     "analyze": "analysis",
 }
 

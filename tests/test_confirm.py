@@ -12,7 +12,7 @@ from test_cli import isolated, recipe_dict  # noqa: F401  (autouse: undoes main(
 from tiny import tiny_model
 
 import compressor
-from compressor.evaluation import evaluate as ev_mod
+from compressor.evaluation import gate as gate_mod
 from compressor.evaluation.evaluate import Evaluator, confirmation_windows, evaluate
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -54,7 +54,7 @@ def _seen(monkeypatch) -> list[tuple[str, list[int]]]:
         seen.append((desc, teacher.windows))
         return evaluate(model, teacher, desc=desc)
 
-    monkeypatch.setattr(ev_mod, "evaluate", spy)
+    monkeypatch.setattr(gate_mod, "evaluate", spy)  # where Evaluator looks it up
     return seen
 
 

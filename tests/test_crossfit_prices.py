@@ -1,4 +1,4 @@
-"""Cross-fitted prices of error-compensating rounding (:meth:`compressor.policy.quantplan.Site.fit_pairs`).
+"""Cross-fitted prices of error-compensating rounding (:meth:`compressor.sizing.sites.Site.fit_pairs`).
 
 GPTQ chooses its codes to make ``ΔW Ĥ ΔWᵀ`` small under the Ĥ it is given, so the same Ĥ prices it too well,
 most where it has freedom the calibration did not constrain (more inputs than tokens). Priced on the half of
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from compressor.fitting.gridround import factor
-from compressor.fitting.intround import SCHEMES, gptq
-from compressor.pipeline.size.ctensors_target import price_layer
+from compressor.output.ctensors.grids import SCHEMES, gptq
+from compressor.output.ctensors.target import price_layer
 from compressor.pipeline.size.prices import mean_moments
-from compressor.policy.quantplan import Site
+from compressor.sizing.sites import Site
 
 
 def _moments(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Integer grids as compressed-tensors stores them (compressor.fitting.intround) and the
+"""Integer grids as compressed-tensors stores them (compressor.output.ctensors.grids) and the
 ``compressed-tensors`` writer (compressor.output.ctensors), checked against independent references:
 
 * the schemes against the library's own presets; the scales and codes of round-to-nearest against the
@@ -35,7 +35,7 @@ from tiny import _config_and_class, random_windows  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from compressor.fitting import gridround  # noqa: E402
-from compressor.fitting.intround import (  # noqa: E402
+from compressor.output.ctensors.grids import (  # noqa: E402
     SCHEMES, IntScheme, get_scheme, gptq, output_error, rtn, scales_of, weight_bytes,
 )
 from compressor.output import VerificationError, WriteRequest, get_writer  # noqa: E402
@@ -449,9 +449,11 @@ def test_a_pruned_model_is_saved_as_its_base_class_at_the_pruned_width(tmp_path,
             ffn.out.weight.copy_(mlp.down_proj.weight[:, :128])
             ffn.out.bias.zero_()
             block.mlp = ffn
+    from compressor.output.ctensors import rounding
+
     calls = []
-    real = ctensors.round_layers
-    monkeypatch.setattr(ctensors, "round_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = rounding.round_layers
+    monkeypatch.setattr(rounding, "round_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     check = write_and_verify(request_for(model, ct_scheme="W4A16"), tmp_path / "out")
     assert check["passed"] and check["class"].endswith("LlamaForCausalLM")
     assert check["schemes"] == {"W4A16": 21, "unquantized": 1}  # the head, as llm-compressor leaves it

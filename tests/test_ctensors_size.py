@@ -1,4 +1,4 @@
-"""``output.size`` planning a compressed-tensors checkpoint (:mod:`compressor.pipeline.size.ctensors_target`).
+"""``output.size`` planning a compressed-tensors checkpoint (:mod:`compressor.output.ctensors.target`).
 
 End to end on a tiny llama whose linears take the 128-input groups: ``output.size: W4A16`` writes a folder
 plain transformers loads with no flags, no larger than the uniform W4A16 checkpoint of the same model (to
@@ -22,7 +22,7 @@ from test_gguf import TEXT, gw, needs_llama_cpp, tiny, tokenizer  # noqa: E402,F
 
 import compressor  # noqa: E402
 from compressor.core.errors import RecipeError  # noqa: E402
-from compressor.fitting.intround import SCHEMES  # noqa: E402
+from compressor.output.ctensors.grids import SCHEMES  # noqa: E402
 from compressor.output.base import WriteRequest  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def test_the_plan_and_the_uniform_anchor_are_rounded_in_one_pass_over_the_calibr
     """Rounding measures each layer's Ĥ once for the file and its anchor together (Qwen2.5-1.5B: a pass of
     several minutes), and every (unit, scheme) of either is rounded once."""
     from compressor.pipeline.size import rounding
-    from compressor.pipeline.size.ctensors_target import CompressedTensorsTarget
+    from compressor.output.ctensors.target import CompressedTensorsTarget
 
     passes, rounded = [], []
     real_moments, real_round = rounding.input_moments, CompressedTensorsTarget.round_full
@@ -148,7 +148,7 @@ def test_a_size_below_every_layer_at_its_smallest_scheme_is_refused_with_the_exa
     ("W4A16", ["hf"], "add compressed-tensors to output.formats"),
 ])
 def test_a_size_the_format_does_not_take_is_refused_naming_the_fix(tmp_path, size, formats, match):
-    from compressor.pipeline.size.target import target_for
+    from compressor.output.registry import target_for
 
     with pytest.raises(compressor.InputError, match=match):
         target_for(formats, size)
@@ -160,16 +160,18 @@ def test_compressed_tensors_beside_a_hugging_face_folder_is_refused():
 
 
 def test_a_scheme_size_defaults_to_the_compressed_tensors_format():
-    from compressor.pipeline.size import default_formats
+    from compressor.pipeline.size import Structural, sizing
 
     r = compressor.recipe_from_dict({"output": {"size": "w4a16"}})
-    assert default_formats(r.output) == ["compressed-tensors"]
-    assert default_formats(compressor.recipe_from_dict({"output": {"size": "Q4_K_M"}}).output) == ["gguf"]
+    assert sizing(r).default_formats() == ["compressed-tensors"]
+    assert sizing(compressor.recipe_from_dict({"output": {"size": "Q4_K_M"}})).default_formats() == ["gguf"]
+    plain = sizing(compressor.recipe_from_dict({}))
+    assert type(plain) is Structural and plain.structural and plain.default_formats() is None
 
 
 def test_without_the_library_the_size_is_refused_naming_the_extra(monkeypatch):
     from compressor.output import ctensors
-    from compressor.pipeline.size.target import target_for
+    from compressor.output.registry import target_for
 
     monkeypatch.setattr(ctensors, "library_missing", lambda: "not importable: pip install 'compressor[compressed-tensors]'")
     why = target_for(["compressed-tensors"], "W4A16").refusal("llama", None)
@@ -179,7 +181,7 @@ def test_without_the_library_the_size_is_refused_naming_the_extra(monkeypatch):
 def test_a_scheme_size_takes_the_same_bits_with_a_group_that_divides_the_rows():
     """SmolLM2's 576 inputs take no group of 128 (llm-compressor's W4A16 refuses the model): the W4A16 size
     and its anchor give such a unit int4 with groups of 64, and int8 one scale per row."""
-    from compressor.pipeline.size.ctensors_target import FLOAT, in_family
+    from compressor.output.ctensors.target import FLOAT, in_family
 
     assert in_family("W4A16", [(576, 1536)]) == "W4A16"
     assert in_family("W4A16", [(576, 576), (192, 576)]) == "W4A16_G64"
@@ -189,7 +191,7 @@ def test_a_scheme_size_takes_the_same_bits_with_a_group_that_divides_the_rows():
 
 
 def test_an_architecture_whose_layers_the_writer_cannot_map_is_refused_before_loading():
-    from compressor.pipeline.size.target import target_for
+    from compressor.output.registry import target_for
 
     why = target_for(["compressed-tensors"], "W4A16").refusal("gpt2", None)
     assert "Conv1D" in why and "output.formats: [hf]" in why
@@ -202,9 +204,9 @@ def test_the_run_time_estimate_counts_gptq_pricing_and_rounding(tmp_path):
 
     model = tiny("llama", hidden_size=128, intermediate_size=256, head_dim=32)
     kwargs = dict(model=model, cal=2048, evals=2048, fwd=1e-4, params=sum(p.numel() for p in model.parameters()))
-    gptq = size.estimate(_recipe(tmp_path, tmp_path / "m.gguf", "out", "W4A16"), **kwargs)
-    nearest = size.estimate(_recipe(tmp_path, tmp_path / "m.gguf", "out", "W4A16", rounding="nearest"), **kwargs)
-    gguf = size.estimate(_recipe(tmp_path, tmp_path / "m.gguf", "out", "Q4_K_M", formats=["gguf"]), **kwargs)
+    gptq = size.sizing(_recipe(tmp_path, tmp_path / "m.gguf", "out", "W4A16")).estimate(**kwargs)
+    nearest = size.sizing(_recipe(tmp_path, tmp_path / "m.gguf", "out", "W4A16", rounding="nearest")).estimate(**kwargs)
+    gguf = size.sizing(_recipe(tmp_path, tmp_path / "m.gguf", "out", "Q4_K_M", formats=["gguf"])).estimate(**kwargs)
     assert gptq["rounding"] > 0 and "rounding" not in nearest
     assert gptq["pricing"] > nearest["pricing"]
     assert gptq["rounding"] > gguf["rounding"]  # the uniform anchor is rounded too; llama.cpp makes the GGUF's

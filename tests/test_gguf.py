@@ -686,11 +686,11 @@ def test_the_size_plan_summary_puts_the_file_beside_the_preset(capsys):
 
 
 def test_the_layout_is_read_from_the_header_as_gguf_py_reads_the_file(tmp_path, tokenizer, ids):
-    """:func:`~compressor.pipeline.size.budget.header_layout` skips the metadata gguf-py decodes: the same data
+    """:func:`~compressor.output.gguf.budget.header_layout` skips the metadata gguf-py decodes: the same data
     offset, tensor names, shapes and data bytes, in F16 and in quantized types (an alignment of its own
     included); a file that is not a GGUF is refused."""
     needs_llama_cpp()
-    from compressor.pipeline.size.budget import header_layout
+    from compressor.output.gguf.budget import header_layout
 
     src = _size_source(tmp_path, tokenizer, ids, "q8_0")
     f16 = tmp_path / "f16.gguf"
@@ -721,11 +721,12 @@ def test_a_size_above_the_f16_file_is_said(tmp_path, tokenizer, ids, caplog):
     needs_llama_cpp()
     import logging
 
-    from compressor.pipeline.size.budget import measure_budget
+    from compressor.output.gguf.budget import measure_budget
+    from compressor.recipe.schema import Size
 
     request = _request(tiny("llama"), tokenizer, ids, quant="f16", expected=1.0)
     with caplog.at_level(logging.WARNING):
-        budget = measure_budget("1GB", request, tmp_path)
+        budget = measure_budget(Size.of("1GB"), request, tmp_path)
     assert budget.limit == 10**9 and "nothing is quantized" in caplog.text
     assert budget.layout.file_bytes == (tmp_path / "f16.gguf").stat().st_size
     assert budget.layout.file_bytes_of({}) == budget.layout.file_bytes  # every planned tensor F16: the F16 file

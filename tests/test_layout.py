@@ -19,7 +19,7 @@ PKG = Path(__file__).resolve().parents[1] / "compressor"
 
 LAYERS = {
     "core": 0, "recipe": 1, "fitting": 2, "engine": 3, "evaluation": 4, "inputs": 4,
-    "policy": 5, "reports": 6, "analysis": 6, "output": 7, "pipeline": 8, "cli": 9, "__main__": 10, "": 10,
+    "policy": 5, "reports": 6, "analysis": 6, "sizing": 6, "output": 7, "pipeline": 8, "cli": 9, "__main__": 10, "": 10,
 }
 
 

@@ -272,7 +272,7 @@ def test_a_type_without_a_row_is_refused_naming_the_table_before_the_converter_i
     would be refused again, at load), naming the table and what works."""
     from types import SimpleNamespace
 
-    from compressor.pipeline.size.gguf_target import GGUFTarget
+    from compressor.output.gguf.target import GGUFTarget
 
     why = GGUFTarget().refusal("made_up", SimpleNamespace(gguf_file=None), SimpleNamespace(architectures=["X"]))
     assert "no row" in why and "ARCHITECTURES" in why and "llama-quantize" in why

@@ -113,7 +113,7 @@ def test_a_size_run_delivers_a_file_at_least_as_good_as_the_preset_unless_the_bu
 def test_a_size_in_bytes_is_measured_beside_the_largest_preset_that_fits_it(tmp_path, tokenizer, ids):
     needs_llama_cpp()
     import compressor
-    from compressor.pipeline.size.budget import PRESET_BPW
+    from compressor.output.gguf.budget import PRESET_BPW
     from compressor.recipe.schema import SIZE_PRESETS
 
     assert set(PRESET_BPW) == set(SIZE_PRESETS)

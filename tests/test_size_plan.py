@@ -143,7 +143,7 @@ def test_input_moments_match_collected_inputs_and_share_one_matrix(llama):
 
 def test_the_closed_form_cost_equals_the_per_token_sum(llama):
     """½ Σ_o F_o (ΔW Ĥ ΔWᵀ)_oo equals ½ mean_t Σ_o F_o e_{t,o}² computed token by token."""
-    from compressor.policy.quantplan import Site, _imatrix
+    from compressor.sizing.sites import Site, _imatrix
 
     windows = _windows(llama)
     name = "model.layers.1.mlp.down_proj"
@@ -291,7 +291,7 @@ def test_presets_the_schema_names_are_the_writer_s():
 def test_row_sampling_is_unbiased_and_keeps_the_rows_that_matter():
     """A tensor priced on a sample of its rows: the heaviest rows always, the rest drawn and reweighted;
     over many draws the weighted sum averages to the full sum."""
-    from compressor.policy.quantplan import Site, sample_rows
+    from compressor.sizing.sites import Site, sample_rows
 
     torch.manual_seed(0)
     n, d = 600, 8
@@ -311,14 +311,16 @@ def test_row_sampling_is_unbiased_and_keeps_the_rows_that_matter():
 
 
 def test_prices_round_trip_through_the_cache_format():
-    from compressor.policy.quantplan import Choice, Priced, from_tensors, plan, to_tensors
+    from compressor.sizing.plan import Choice, Priced, from_tensors, plan, to_tensors
 
     units = {n: [Option(n, "Q4_0", 18.0 * k, 2.0 / k, payload=Choice(GGMLType.Q4_0, n == "b")),
                  Option(n, "Q8_0", 34.0 * k, 0.1 / k, payload=Choice(GGMLType.Q8_0, True))]
              for k, n in ((1, "a"), (2, "b"))}
     priced = [Priced("a", "m.a", (1, 32), np.ones(32, dtype=np.float32)),
               Priced("b", "m.b", (2, 32), np.arange(32, dtype=np.float32))]
-    back_units, back_priced = from_tensors(*to_tensors(units, priced))
+    from compressor.output.gguf.target import GGUFTarget
+
+    back_units, back_priced = from_tensors(*to_tensors(units, priced), GGUFTarget().payload)
     assert back_units == units and [p.name for p in back_priced] == ["a", "b"]
     assert np.array_equal(back_priced[1].imatrix, priced[1].imatrix)
     p = plan(back_units, back_priced, 18 + 68)
@@ -333,7 +335,8 @@ def test_a_type_is_priced_with_and_without_the_importance_matrix_and_keeps_the_c
     the matrix a seventh of them 50×): quantizing with it costs more, so the option keeps the unweighted
     price and says so; with a matrix that agrees it keeps the weighted one. F16 takes no matrix."""
     pytest.importorskip("llama_cpp")
-    from compressor.policy.quantplan import Site, price, variants
+    from compressor.sizing.sites import Site
+    from compressor.output.gguf.pricing import price, variants
 
     w = torch.from_numpy(np.random.default_rng(0).standard_normal((32, 256)).astype(np.float32))
     skew = np.ones(256, dtype=np.float32)
@@ -355,7 +358,8 @@ def test_the_rounding_is_chosen_on_the_probe_rows_and_priced_over_every_row():
     ggml's rounding leaves exact) nothing is left to compensate: nearest rounding at no cost, no GPTQ."""
     pytest.importorskip("llama_cpp")
     from compressor.fitting import gridround
-    from compressor.policy.quantplan import PROBE_ROWS, Site, price
+    from compressor.output.gguf.pricing import PROBE_ROWS, price
+    from compressor.sizing.sites import Site
 
     g = np.random.default_rng(3)
     rows, n = 3 * PROBE_ROWS, 256
@@ -383,7 +387,9 @@ def test_pricing_keeps_the_bytes_of_full_row_roundings_for_the_plan():
     tensor priced on a sample of rows offers none, and nothing is kept past the limit."""
     pytest.importorskip("llama_cpp")
     from compressor.fitting import gridround
-    from compressor.policy.quantplan import PROBE_ROWS, Rounded, Site, price, sample_rows
+    from compressor.output.gguf.pricing import PROBE_ROWS, price
+    from compressor.sizing.plan import Rounded
+    from compressor.sizing.sites import Site, sample_rows
 
     g = np.random.default_rng(4)
     rows, n = 2 * PROBE_ROWS, 256
@@ -409,9 +415,9 @@ def test_a_type_another_beats_on_the_probe_with_no_more_bytes_is_not_offered(mon
     never picks one it dropped."""
     pytest.importorskip("llama_cpp")
     from compressor.core.ggml import bytes_per_row
-    from compressor.policy import quantplan
-    from compressor.policy.quantplan import (DEFAULT_TYPES, DOMINATED_SHARE, PROBE_ROWS, Site, offered, price,
-                                             undominated)
+    from compressor.output.gguf import pricing
+    from compressor.output.gguf.pricing import DEFAULT_TYPES, DOMINATED_SHARE, PROBE_ROWS, offered, price, undominated
+    from compressor.sizing.sites import Site
 
     g = np.random.default_rng(5)
     kinds = offered(DEFAULT_TYPES, 256)
@@ -424,14 +430,14 @@ def test_a_type_another_beats_on_the_probe_with_no_more_bytes_is_not_offered(mon
                          or (size[u] == size[t] and cost[u] < cost[t]) for u in kinds if u is not t)
             assert (t in kept) != beaten
     rows, n = 3 * PROBE_ROWS, 256
-    monkeypatch.setattr(quantplan, "SUPERSEDED", {})  # every type priced on the probe: the dominance rule alone
+    monkeypatch.setattr(pricing, "SUPERSEDED", {})  # every type priced on the probe: the dominance rule alone
     x = g.standard_normal((4 * n, n)).astype(np.float32)
     h = torch.from_numpy(x.T @ x / x.shape[0])
     w = torch.from_numpy((g.standard_normal((rows, n)) * 0.05).astype(np.float32))
     imat = torch.diagonal(h).numpy() / float(torch.diagonal(h).max())
     site = Site("t", "m", w, h, torch.from_numpy(g.uniform(0.5, 2.0, rows)), imat)
     pruned = price(site)
-    monkeypatch.setattr(quantplan, "undominated", lambda kinds, n, cost: kinds)
+    monkeypatch.setattr(pricing, "undominated", lambda kinds, n, cost: kinds)
     every = price(site)
     assert len(pruned) < len(every) == len(kinds)
     names = {o.name for o in pruned}
@@ -445,7 +451,8 @@ def test_a_32_element_type_a_k_quant_supersedes_is_offered_only_to_a_tensor_on_i
     pytest.importorskip("llama_cpp")
     from compressor.core.ggml import quantize
     from compressor.fitting.gridround import dequantize
-    from compressor.policy.quantplan import SUPERSEDED, Site, price
+    from compressor.output.gguf.pricing import SUPERSEDED, price
+    from compressor.sizing.sites import Site
 
     g = np.random.default_rng(9)
     rows, n = 64, 256
@@ -470,7 +477,8 @@ def test_the_plans_rounding_rounds_a_tensor_beside_the_types_pricing_rounded_it_
     sums in another order than one for a type alone, so only that reproduces pricing's bytes. A tensor priced on
     a sample of rows, or a type not compensated, is rounded alone."""
     from compressor.pipeline.size.rounding import Compensator
-    from compressor.policy.quantplan import Choice, Priced, priced_rows
+    from compressor.sizing.plan import Choice, Priced
+    from compressor.sizing.sites import priced_rows
 
     def opts(name):
         return [Option(name, t.name, 1, 0.0, payload=Choice(t, True, g))
@@ -512,7 +520,7 @@ def test_a_large_unit_whose_step_overshoots_the_multiplier_is_still_taken():
 def test_the_smallest_plan_within_a_predicted_cost_is_found_by_bisection(seed):
     """``smallest_within``: its plan's predicted cost is within the target, and the allocation one
     tolerance fewer bytes is not; a target even the smallest types meet gives the smallest types."""
-    from compressor.policy.quantplan import Choice, Priced, smallest_within
+    from compressor.sizing.plan import Choice, Priced, smallest_within
 
     rng = np.random.default_rng(seed)
     units, priced = {}, []

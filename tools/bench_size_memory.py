@@ -102,17 +102,36 @@ def tree_anon(pid: int) -> int:
     return total
 
 
-def run_measured(cmd: list[str], log: Path) -> dict:
-    """``cmd`` in a fresh process: exit code, wall time, peak anonymous RSS of its tree."""
+def _phase(log: Path) -> str:
+    """What the run was doing: the last line (or progress bar) of its log, shortened."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 600))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    parts = [p.strip() for p in tail.replace("\r", "\n").split("\n") if p.strip()]
+    return parts[-1][:120] if parts else ""
+
+
+def run_measured(cmd: list[str], log: Path, every: float = 5.0) -> dict:
+    """``cmd`` in a fresh process: exit code, wall time, peak anonymous RSS of its tree, what it was doing at
+    the peak, and a timeline (seconds, MB, the log's last line) every ``every`` seconds."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
     with open(log, "w") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        peak = 0
+        peak, peak_at, timeline, next_t = 0, None, [], 0.0
         while proc.poll() is None:
-            peak = max(peak, tree_anon(proc.pid))
+            anon, now = tree_anon(proc.pid), time.perf_counter() - t0
+            if anon > peak:
+                peak, peak_at = anon, (round(now, 1), _phase(log))
+            if now >= next_t:
+                timeline.append((round(now, 1), round(anon / 1e6), _phase(log)))
+                next_t = now + every
             time.sleep(0.05)
-    return {"exit_code": proc.returncode, "wall_s": time.perf_counter() - t0, "peak_anon_bytes": peak}
+    return {"exit_code": proc.returncode, "wall_s": time.perf_counter() - t0, "peak_anon_bytes": peak,
+            "peak_at": {"seconds": peak_at[0], "log": peak_at[1]} if peak_at else None, "timeline": timeline}
 
 
 def recipe(folder: Path, out: Path, offload: str, args) -> dict:

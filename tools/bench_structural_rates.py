@@ -93,7 +93,7 @@ def affine_bytes(model, rank: int | None) -> int:
 def size_budget(size: str, presets: Path, model, layout) -> int:
     """File bytes of ``size``: a preset's file in the frontier's work folder, or bits per weight (``2.5bpw``)
     over every weight the model stores plus the F16's header, as ``output.size`` reads it."""
-    from compressor.pipeline.size.budget import bpw_bytes
+    from compressor.sizing.budget import bpw_bytes
     from compressor.recipe.schema import parse_size
 
     kind, value = parse_size(size)
@@ -117,8 +117,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from compressor.core.ggml import GGMLType, bits_per_weight, bytes_per_row
-    from compressor.pipeline.size.budget import read_layout
-    from compressor.policy.quantplan import Priced, plan, price_all
+    from compressor.output.gguf.budget import read_layout
+    from compressor.sizing.plan import Priced, plan
+    from compressor.output.gguf.pricing import price_all
 
     t0 = time.perf_counter()
     model, tok, _, _ = load_bench_model(args.model, dtype="float32")

@@ -28,8 +28,8 @@ def plans(path: Path, scheme: str, units_shown: list[str]) -> dict:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from compressor.pipeline.size.ctensors_target import CompressedTensorsTarget
-    from compressor.policy.quantplan import from_tensors, plan
+    from compressor.output.ctensors.target import CompressedTensorsTarget
+    from compressor.sizing.plan import from_tensors, plan
 
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["prices"])

@@ -68,9 +68,16 @@ class ArchSpec:
     int_refusal: str | None = None
     """Why the type's projections cannot take compressed-tensors integer schemes (None: they are ``nn.Linear``,
     which the library's schemes target)."""
-    moe: bool = False
-    """Routed experts (:mod:`compressor.core.moe`): planned to a GGUF size, each expert priced on the tokens routed
-    to it; no block is replaced (:func:`moe_refusal` refuses structural runs before loading)."""
+    experts: tuple[str, str, str] | None = None
+    """A mixture of experts' routed experts (:mod:`compressor.core.moe`): the checkpoint's names of an expert's
+    gate, up and down projections (``{e}``: the expert) relative to a decoder layer, as the folder on disk (and
+    llama.cpp's converter) names them. Such a type is planned to a GGUF size, each expert priced on the tokens
+    routed to it; no block is replaced (:func:`moe_refusal` refuses structural runs before loading)."""
+
+    @property
+    def moe(self) -> bool:
+        """Whether the type's FFNs are routed experts (:attr:`experts`)."""
+        return self.experts is not None
     note: str = ""
 
     @property
@@ -94,6 +101,13 @@ _BERT = ArchSpec(
 )
 
 _MOE_NOTE = "routed experts: planned to a GGUF size, each expert on the tokens routed to it; no block is replaced"
+
+
+def _moe(experts: tuple[str, str, str]) -> "ArchSpec":
+    """A mixture-of-experts row: size plans only (``compressible`` False), its experts' names on disk."""
+    return ArchSpec(blocks=("model.layers", "layers"), pre_ffn_norm="post_attention_layernorm", compressible=False,
+                    experts=experts, gguf_refusal="its FFNs are routed experts, which no block replacement "
+                    "describes; a GGUF size plan is written by llama.cpp's own converter", note=_MOE_NOTE)
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "gpt2": ArchSpec(
@@ -134,11 +148,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                      "writer does not split (a size plan is written by llama.cpp's own converter and takes it)",
         note="gate and up are one fused gate_up_proj: hidden-unit kinds (prune, hybrid) are not offered",
     ),
-    # mixtures of experts: size plans only; names of the experts' projections on disk in compressor.core.moe
-    **{t: ArchSpec(blocks=("model.layers", "layers"), pre_ffn_norm="post_attention_layernorm", compressible=False,
-                   moe=True, gguf_refusal="its FFNs are routed experts, which no block replacement describes; a GGUF "
-                   "size plan is written by llama.cpp's own converter", note=_MOE_NOTE)
-       for t in ("qwen3_moe", "qwen2_moe", "mixtral")},
+    # mixtures of experts: size plans only, one row each (the names of an expert's projections on disk)
+    "qwen3_moe": _moe(("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj")),
+    "qwen2_moe": _moe(("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj")),
+    "mixtral": _moe(("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                     "block_sparse_moe.experts.{e}.w2")),
     "bert": _BERT,
     "roberta": replace(_BERT),
 }
@@ -190,7 +204,10 @@ def moe_refusal(config, *, size: bool, fmt: str | None = None, offload: str = "n
                "which a size plan prices one by one")
         fix = MOE_FIX
     elif fmt not in (None, "gguf"):
-        why = f"its experts are planned into GGUF only, not {fmt}"
+        why = (f"its experts are planned into GGUF only, not {fmt}: plain transformers (5.x) holds a layer's experts "
+               "as stacked parameters and does not load per-expert integer weights into them (checked with "
+               "compressed-tensors 0.20: they are dropped as unexpected and the stacked experts left uninitialised; "
+               "llm-compressor's issue #2699), so the folder would not load as the model it is")
         fix = "plan a GGUF (output.formats: [gguf], output.size: e.g. Q4_K_M)"
     elif offload != "none":
         why = f"its experts are planned with the model held in memory, and model.offload is {offload}"

@@ -20,15 +20,6 @@ import re
 import torch
 from torch import nn
 
-#: Per model type, the checkpoint's names of an expert's projections (``{e}``: the expert) relative to a
-#: decoder layer, as the Hugging Face folder on disk (and llama.cpp's converter) names them: gate, up, down.
-#: transformers loads them into the stacked parameters and saves them back under these names.
-EXPERT_NAMES: dict[str, tuple[str, str, str]] = {
-    "qwen3_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
-    "qwen2_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
-    "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
-                "block_sparse_moe.experts.{e}.w2"),
-}
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -97,11 +88,14 @@ _EXPERT_MODULE = re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|dow
 def checkpoint_name(model_type: str, name: str) -> str:
     """An unfused expert projection's name (``model.layers.3.mlp.experts.5.up_proj.weight``) as the checkpoint
     on disk names it (what the converter's layout is keyed by); any other name as it is."""
+    from compressor.core.archs import ARCHITECTURES
+
     m = _EXPERT_MODULE.match(name)
-    if m is None or model_type not in EXPERT_NAMES:
+    spec = ARCHITECTURES.get(model_type)
+    if m is None or spec is None or spec.experts is None:
         return name
     layer, e, proj, suffix = m.groups()
-    return f"{layer}.{EXPERT_NAMES[model_type][_PROJ.index(proj)].format(e=e)}{suffix or ''}"
+    return f"{layer}.{spec.experts[_PROJ.index(proj)].format(e=e)}{suffix or ''}"
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ LLAMA_CPP_PRESETS: dict[str, Preset] = {
 
 #: compressed-tensors integer schemes a recipe may name → (bits per code, inputs per scale; None: one scale per
 #: output row). W4A16 and W8A16 are compressed-tensors' presets of those names; the others are group sizes vLLM's
-#: W4A16/W8A16 kernels also take (:data:`compressor.fitting.intround.SCHEMES` makes them grids).
+#: W4A16/W8A16 kernels also take (:data:`compressor.output.ctensors.grids.SCHEMES` makes them grids).
 CT_SCHEMES: dict[str, tuple[int, int | None]] = {
     "W4A16": (4, 128),
     "W4A16_G64": (4, 64),

@@ -2,6 +2,6 @@
 
 walker (the walk), measure (per-block statistics), profiling (R²_lin and
 friends per block), sensitivity (loss-gradient moments), resume (checkpoints
-of finished steps), spill (fit inputs kept on disk), memory (the memory
-model), cache (the statistics cache).
+of finished steps: runkey, records, runstate), spill (fit inputs kept on disk),
+memory (the memory model), cache (the statistics cache).
 """

@@ -1,1 +1,3 @@
-"""The validate stage's measurements: perplexity with a standard error, KL to the original, the gate check."""
+"""The validate stage's measurements: perplexity with a standard error (perplexity), KL to the original
+(teacher), scores measured elsewhere (external: llama.cpp, a reloaded checkpoint), the gate check (gate); all
+importable from evaluate."""

@@ -7,11 +7,10 @@ into the same staging folder; only when all of them have verified is the
 folder renamed into place (:func:`publish`), so an output is either the old
 one or the complete new one, never a mix.
 
-A new format is one new module with one ``@register_writer`` class, the shape
-llama.cpp's ``convert_hf_to_gguf.py`` uses for architectures
-(``@ModelBase.register(...)``): it declares what it can represent
-(:meth:`Writer.unsupported`, asked before the model loads), writes, and
-verifies.
+A writer is registered with its format's size target as one
+:class:`~compressor.output.registry.Format` (:mod:`compressor.output.registry`):
+it declares what it can represent (:meth:`Writer.unsupported`, asked before
+the model loads), writes, and verifies.
 """
 
 from __future__ import annotations
@@ -24,10 +23,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 logger = logging.getLogger(__name__)
-
-#: format name -> writer class; filled by ``@register_writer`` in each writer's module.
-WRITERS: dict[str, type[Writer]] = {}
-
 
 @dataclass
 class WriteRequest:
@@ -60,10 +55,12 @@ class WriteRequest:
     device: str = "cpu"
     options: dict = field(default_factory=dict)
     """Writer-specific options from the recipe's ``output`` section."""
-    size_plan: Any = None
-    """The size stage's plan (:class:`compressor.policy.quantplan.SizePlan`: a GGML type and an importance
-    matrix per tensor), when the recipe names ``output.size``; the writer stores what it says and measures the
-    file, and the size stage judges it (:mod:`compressor.pipeline.size`)."""
+    plans: dict[str, Any] = field(default_factory=dict)
+    """Format → the per-tensor plan its writer writes as it is, in the format's own terms (:meth:`Writer.plan_of`).
+    A size's plan is put here by the size stage, made by the format's target
+    (:meth:`~compressor.sizing.target.SizeTarget.file_plan`); a format without one here writes the plan of its
+    own options (:meth:`Writer.plan`). The plan lives as long as the request: what write leaves on it for verify
+    (compressed-tensors' codes) is per-run state, not a module's."""
 
 
 class VerificationError(RuntimeError):
@@ -94,6 +91,18 @@ class Writer:
         Asked as soon as the widths are known, before anything is written."""
         return None
 
+    def plan(self, request: WriteRequest):
+        """The per-tensor plan this writer's options give (a uniform quantization is a plan too); None for a
+        format that stores the model's tensors as they are."""
+        return None
+
+    def plan_of(self, request: WriteRequest):
+        """The plan to write: the one handed on ``request.plans`` (a size's), else :meth:`plan`, kept there so
+        that verify reads what write wrote."""
+        if self.format not in request.plans:
+            request.plans[self.format] = self.plan(request)
+        return request.plans[self.format]
+
     def write(self, request: WriteRequest, folder: Path) -> list[Path]:
         """Write this format's files into the staging ``folder``; return their paths."""
         raise NotImplementedError
@@ -102,23 +111,6 @@ class Writer:
         """Reload what :meth:`write` wrote, compare it with ``request.model`` and return the
         report entry; raise :class:`VerificationError` on a mismatch."""
         raise NotImplementedError
-
-
-def register_writer(cls: type[Writer]) -> type[Writer]:
-    """Class decorator: make ``cls`` the writer of ``cls.format``."""
-    if not cls.format:
-        raise ValueError(f"{cls.__name__} sets no format")
-    WRITERS[cls.format] = cls
-    return cls
-
-
-def get_writer(name: str) -> Writer:
-    """The writer registered for format ``name``; the error lists the formats that exist."""
-    import compressor.output  # noqa: F401  (imports the writer modules, which register themselves)
-
-    if name not in WRITERS:
-        raise ValueError(f"unknown output format {name!r}; known formats: {', '.join(sorted(WRITERS))}")
-    return WRITERS[name]()
 
 
 # --------------------------------------------------------------------------------------------------

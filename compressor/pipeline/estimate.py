@@ -135,7 +135,7 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
         out["self-written evaluation"] = self_eval_tokens * decode_seconds_per_token(model, 32)
     from compressor.pipeline import size
 
-    sized = size.estimate(recipe, model, cal, evals, fwd, params)
+    sized = size.sizing(recipe).estimate(model, cal, evals, fwd, params)
     if sized is not None:  # a size plan: its own stages, no structural search
         return Estimate({**out, **sized}, fwd)
     strategy = pol.strategy

@@ -257,7 +257,7 @@ def _execute(recipe: Recipe, given: stages.Loaded | None, *, use_cache: bool | N
             _end_state(checked)
         raise
     except BaseException:  # Ctrl-C, SIGTERM, exit 1: a size run records no step to resume from (it starts over)
-        if not size.structural(recipe):
+        if not size.sizing(recipe).structural:
             _end_state(checked)
         raise
     finally:
@@ -300,7 +300,7 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
         raise
     dist.broadcast_object((None, report))
     _end_state(checked)
-    if size.structural(recipe):  # a size plan changed no weight of the model in memory
+    if size.sizing(recipe).structural:  # a size plan changed no weight of the model in memory
         stages.adopt(loaded.model, request.compression)
     logger.info("saved compressed model to %s", out)
     logger.info("%s", result.gate_message)
@@ -320,8 +320,8 @@ def _ship(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stage
         return tmp
 
     cal = calibrated.cal
-    tmp = size.ship(recipe, request, torch.cat([cal.fit, cal.heldout]), checked, report, result, write=write,
-                    use_cache=use_cache)
+    tmp = size.sizing(recipe).ship(request, torch.cat([cal.fit, cal.heldout]), checked, report, result,
+                                    write=write, use_cache=use_cache)
     return tmp if tmp is not None else write()
 
 

@@ -1,1 +1,2 @@
-"""Views for people and pipelines: report.json (report), Markdown, plots and the model card (render)."""
+"""Views for people and pipelines: report.json (report), Markdown (markdown), plots (plot) and the model card
+(card), all importable from render."""

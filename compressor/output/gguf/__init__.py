@@ -51,7 +51,7 @@ import logging
 import math
 from pathlib import Path
 
-from compressor.output.base import VerificationError, WriteRequest, Writer, register_writer
+from compressor.output.base import VerificationError, WriteRequest, Writer
 from compressor.output.gguf.check import GGUFGateMissed, planned_check, source_quant_check
 from compressor.output.gguf.encode import PRESETS, GGUFWidthError, encode, ggml_quantize, quantize_file
 from compressor.output.gguf.metadata import (
@@ -59,14 +59,14 @@ from compressor.output.gguf.metadata import (
 )
 from compressor.output.gguf.naming import REQUANTIZE_ARCH, ROPE_LAYOUT, Tensor, rope_permutation, to_file_rows
 from compressor.output.gguf.plan import (
-    QUANTS, UNQUANTIZABLE, Plan, arch_refusal, check_options, compression_widths, down_blocks, file_arch, plan_for,
-    resolve_quant, width_error, writable,
+    QUANTS, UNQUANTIZABLE, Plan, Requantized, Uniform, arch_refusal, check_options, compression_widths, down_blocks,
+    file_arch, plan_for, resolve_quant, width_error, writable, writer_plan,
 )
 from compressor.output.gguf.read import (  # _source_types: its cache is cleared by tests
     _source_types, gguf_summary, llama_cpp_perplexity, llama_cpp_window_nll, read_scores, source_down_block, source_tensor_types,
 )
 from compressor.output.gguf.tensors import ffn_tensors, model_tensors, source_tensors
-from compressor.output.gguf.write import llama_quantize, requantizes, write_gguf, write_requantized
+from compressor.output.gguf.write import llama_quantize, write_gguf, write_requantized
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ __all__ = [
     "arch_refusal", "check_options", "compression_widths", "file_arch", "to_file_rows", "copy_source_metadata", "down_blocks", "encode",
     "ffn_tensors", "ggml_quantize", "gguf_summary", "hf_hparams", "hf_tokenizer_metadata", "llama3_rope_factors",
     "llama_cpp_perplexity", "llama_cpp_window_nll", "read_scores", "llama_quantize", "model_tensors", "plan_for",
-    "planned_check", "quantize_file", "requantizes", "resolve_quant", "rope_permutation", "runtime_missing",
+    "planned_check", "quantize_file", "Requantized", "resolve_quant", "Uniform", "writer_plan", "rope_permutation", "runtime_missing",
     "source_down_block", "source_quant_check", "source_tensor_types", "source_tensors", "tokenizer_problem",
     "width_error", "writable", "write_gguf", "write_requantized", "_source_types",
 ]
@@ -102,7 +102,6 @@ def runtime_missing() -> str | None:
     return None
 
 
-@register_writer
 class GGUFWriter(Writer):
     """``gguf``: ``model.gguf`` for llama.cpp and Ollama (Llama-family and Qwen2 models), verified by
     running it in llama.cpp. Options (``request.options``): ``quant`` (:data:`QUANTS`),
@@ -137,13 +136,17 @@ class GGUFWriter(Writer):
         bad = [(i, w, blocks[i]) for i, w in sorted(compression_widths(compression, config).items()) if w % blocks[i]]
         return str(width_error(quant, bad)) if bad else None
 
+    def plan(self, request: WriteRequest) -> Uniform | Requantized:
+        """The writer's ``quant`` option as a plan (:func:`~.plan.writer_plan`)."""
+        return writer_plan(request, _options(request))
+
     def write(self, request: WriteRequest, folder: Path) -> list[Path]:
         options = _options(request)
         if (problem := check_options(options)) is not None:
             raise ValueError(problem)
         path = Path(folder) / options.get("file", FILE_NAME)
-        plan = write_gguf(request, path, options)
-        how = f"{plan.arch}, {plan.quant}" if plan is not None else "the source re-quantized by the size plan"
+        plan = write_gguf(request, path, options, self.plan_of(request))
+        how = f"{plan.arch}, {plan.quant}" if plan is not None else "a GGUF re-quantized tensor by tensor"
         logger.info("gguf: wrote %s (%s, %.1f MB)", path.name, how, path.stat().st_size / 1e6)
         return [path]
 
@@ -156,9 +159,10 @@ class GGUFWriter(Writer):
 
         options = _options(request)
         path = Path(folder) / options.get("file", FILE_NAME)
-        quant = "plan" if request.size_plan is not None else resolve_quant(options.get("quant", "source"), request)
-        if quant == "plan":
+        file_plan = self.plan_of(request)
+        if file_plan.measured:
             return planned_check(path, request, options)
+        quant = file_plan.quant
         same_quant = None
         if quant == "source" and request.gate is not None:
             # measured once: the gate domains' first is the probe (write_request), so it gives the probe's too
@@ -196,3 +200,9 @@ def _options(request: WriteRequest) -> dict:
     """The gguf options: ``request.options['gguf']`` if given as a section, else the flat keys."""
     opts = dict(request.options or {})
     return dict(opts.get("gguf", opts))
+
+
+from compressor.output.gguf.target import GGUFTarget  # noqa: E402  (it reads the writer's modules above)
+from compressor.output.registry import Format, register_format  # noqa: E402
+
+register_format(Format("gguf", GGUFWriter, GGUFTarget))

@@ -43,16 +43,12 @@ class Plan:
     ffns: list[GatedMLP]
     replaced: list[bool]
     quant: str
-    """source | bf16 | f16 | f32 | q8_0 | q4_k_m (``source`` only for a GGUF source)."""
+    """source | bf16 | f16 | f32 | q8_0 | q4_k_m (``source`` only for a GGUF source): :attr:`Uniform.quant`."""
     source_gguf: Path | None
     kept_f16: list[int] = field(default_factory=list)
     """Layers whose down projection stays F16 (``unquantizable: f16``)."""
     padded: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Layer → (fitted width, written width) for ``unquantizable: pad``."""
-    size_plan: object = None
-    """quant ``plan``: the size planner's choice (:class:`compressor.policy.quantplan.SizePlan`): a GGML type
-    and an importance matrix per tensor."""
-
     @property
     def widths(self) -> list[int]:
         return [g.width for g in self.ffns]
@@ -71,6 +67,53 @@ class UnchangedFFN:
 
     width: int
     has_bias: dict[str, bool]
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """The file written from the model in one quantization (the writer's ``quant`` option, resolved: a
+    preset is a plan too): every FFN a gated MLP of its width, llama.cpp's own quantizer for ``q8_0`` /
+    ``q4_k_m``. Checked in llama.cpp against the in-memory model (exact types), the source GGUF (``source``) or
+    for finite perplexity."""
+
+    quant: str
+    measured = False
+    """Whether the file is measured on the gate's domains rather than held to an original (:attr:`Requantized.measured`)."""
+
+
+@dataclass(frozen=True)
+class Requantized:
+    """A GGUF file re-quantized tensor by tensor in its own architecture and layout (nothing renamed or
+    permuted): a size's plan (:meth:`compressor.output.gguf.target.GGUFTarget.file_plan`), or the F16 of a GGUF
+    source. Each tensor of two or more dimensions in ``types[name]`` (else ``default``; None: as ``source``
+    stores it), quantized by ggml with ``imatrix[name]`` as column weights, or ``stored[name]``'s bytes when
+    given in that type (error-compensating rounding, in the file's row order)."""
+
+    source: Path
+    types: dict = field(default_factory=dict)
+    imatrix: dict = field(default_factory=dict)
+    default: str | None = "F16"
+    stored: dict = field(default_factory=dict)
+
+    @property
+    def quant(self) -> str:
+        return "plan" if self.types else "f16"
+
+    @property
+    def measured(self) -> bool:
+        """A mix of types (a plan) has no float original to match: it is measured on the gate's domains, and the
+        size stage judges it; the F16 of the source is held to the model."""
+        return bool(self.types)
+
+
+def writer_plan(request: WriteRequest, options: dict) -> Uniform | Requantized:
+    """The plan the writer's own options give (when no size hands it one): the model in one quantization, or
+    with ``from_source`` (the size budget's F16) an unchanged GGUF source re-read in F16."""
+    quant = resolve_quant(options.get("quant", "source"), request)
+    if quant == "f16" and options.get("from_source") and request.source.gguf_file and not any(
+            isinstance(m, _REPLACEMENTS) for m in request.model.modules()):
+        return Requantized(Path(request.source.path) / request.source.gguf_file)
+    return Uniform(quant)
 
 
 def writable() -> list[str]:
@@ -115,7 +158,7 @@ def down_blocks(quant: str, n_layers: int, source_types: dict) -> list[int]:
     if quant == "source":
         f16 = gguf.GGMLQuantizationType.F16
         return [gguf.GGML_QUANT_SIZES[source_types.get(f"blk.{i}.ffn_down.weight", f16)][0] for i in range(n_layers)]
-    return [GGML_BLOCK.get(quant, 1)] * n_layers  # plan: the planner offers fitting types
+    return [GGML_BLOCK.get(quant, 1)] * n_layers
 
 
 def width_error(quant: str, bad: list[tuple[int, int, int]]) -> GGUFWidthError:
@@ -152,8 +195,10 @@ def _arch(model: nn.Module) -> tuple[str, ArchSpec]:
     return model_type, spec
 
 
-def plan_for(request: WriteRequest, options: dict) -> Plan:
-    """Convert every FFN to a gated MLP, fit the widths to the quantization and choose the architecture."""
+def plan_for(request: WriteRequest, options: dict, quant: str | None = None) -> Plan:
+    """Convert every FFN to a gated MLP, fit the widths to ``quant`` (:attr:`Uniform.quant`; default the
+    options') and choose the architecture."""
+    quant = quant if quant is not None else resolve_quant(options.get("quant", "source"), request)
     model = request.model
     model_type, spec = _arch(model)
     _, blocks = find_blocks(model, spec)
@@ -162,10 +207,8 @@ def plan_for(request: WriteRequest, options: dict) -> Plan:
     replaced = [isinstance(m, _REPLACEMENTS) for m in modules]
     ffns = ([as_gated(m, spec.ffn_up, spec.ffn_down, in_features=hidden) for m in modules] if any(replaced) else
             [_unchanged(m, spec) for m in modules])
-    size_plan = request.size_plan
-    quant = "plan" if size_plan is not None else resolve_quant(options.get("quant", "source"), request)
     src = Path(request.source.path) / request.source.gguf_file if quant == "source" else None
-    plan = Plan(model_type, "", ffns, replaced, quant, src, size_plan=size_plan)
+    plan = Plan(model_type, "", ffns, replaced, quant, src)
     _fit_widths(plan, source_tensor_types(src) if src is not None else {}, options)
     needs_bias = any(any(g.has_bias.values()) for g in plan.ffns)
     equal = len(set(plan.widths)) == 1

@@ -13,18 +13,8 @@ from compressor.output.gated import NotRepresentableError
 from compressor.output.gguf.encode import _FTYPES, encode, quantize_file
 from compressor.output.gguf.metadata import copy_source_metadata, hf_hparams, hf_tokenizer_metadata
 from compressor.output.gguf.naming import _FFN_TENSOR, Tensor, _field, _gguf, _sort_key, _tensor_types
-from compressor.output.gguf.plan import _REPLACEMENTS, Plan, plan_for
+from compressor.output.gguf.plan import Plan, Requantized, Uniform, plan_for, writer_plan
 from compressor.output.gguf.tensors import ffn_tensors, model_tensors, source_tensors
-
-
-def requantizes(request: WriteRequest, options: dict) -> bool:
-    """Whether the file is the GGUF source re-quantized tensor by tensor — a size plan, or ``from_source``
-    F16, of a model whose blocks are all unchanged: any architecture llama.cpp loads, in its own layout."""
-    if not request.source.gguf_file:
-        return False
-    if request.size_plan is None and not (options.get("quant") == "f16" and options.get("from_source")):
-        return False
-    return not any(isinstance(m, _REPLACEMENTS) for m in request.model.modules())
 
 
 def stream(writer, ordered: list[Tensor], qtype_of, payload) -> None:
@@ -120,21 +110,17 @@ def _dequantizer(t):
     return load
 
 
-def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
-    """Write ``request.model`` to ``path``; returns the plan written (None for a re-quantized source)."""
+def write_gguf(request: WriteRequest, path: Path, options: dict,
+               file_plan: Uniform | Requantized | None = None) -> Plan | None:
+    """Write ``file_plan`` (default: the plan ``options`` give, :func:`~.plan.writer_plan`) of ``request.model`` to
+    ``path``; returns what was written from the model (None for a re-quantized file)."""
     gguf = _gguf()
-    size_plan = request.size_plan
-    if size_plan is not None and size_plan.base is not None:  # the converter's F16 of a Hugging Face folder
-        write_requantized(Path(size_plan.base), path, dict(size_plan.types), size_plan.imatrix, default=None,
-                          stored=size_plan.stored)
+    file_plan = file_plan if file_plan is not None else writer_plan(request, options)
+    if isinstance(file_plan, Requantized):
+        write_requantized(file_plan.source, path, dict(file_plan.types), file_plan.imatrix, default=file_plan.default,
+                          stored=file_plan.stored)
         return None
-    if requantizes(request, options):
-        src = Path(request.source.path) / request.source.gguf_file
-        write_requantized(src, path, dict(size_plan.types) if size_plan is not None else {},
-                          size_plan.imatrix if size_plan is not None else None,
-                          stored=size_plan.stored if size_plan is not None else None)
-        return None
-    plan = plan_for(request, options)
+    plan = plan_for(request, options, file_plan.quant)
     source = request.source
     meta = gguf.GGUFReader(Path(source.path) / source.gguf_file) if source.gguf_file else None
     final_quant = plan.quant in ("q8_0", "q4_k_m")
@@ -142,7 +128,7 @@ def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
     writer = gguf.GGUFWriter(str(tmp), plan.arch)
     tensors, types = _metadata_and_tensors(writer, request, plan, meta, final_quant)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    stored = {**(options.get("stored") or {}), **(plan.size_plan.stored if plan.size_plan is not None else {})}
+    stored = options.get("stored") or {}  # fits snapped onto the file's grid (compressor.fitting.snap)
 
     def qtype_of(t: Tensor):
         if t.raw_type is not None:
@@ -157,8 +143,7 @@ def write_gguf(request: WriteRequest, path: Path, options: dict) -> Plan | None:
             return t.data
         if (raw := _stored_bytes(t, plan, types, stored)) is not None:
             return raw[1]
-        imatrix = plan.size_plan.imatrix.get(t.name) if plan.quant == "plan" else None
-        return encode(t.values(), qtype_of(t), imatrix)
+        return encode(t.values(), qtype_of(t))
 
     stream(writer, sorted(tensors, key=lambda t: _sort_key(t.name)), qtype_of, payload)
     if final_quant:
@@ -214,8 +199,6 @@ def _target_type(t: Tensor, plan: Plan, source_types: dict):
         return Q.F16
     if plan.quant == "source":
         return source_types.get(t.name, Q.F16)
-    if plan.quant == "plan":
-        return getattr(Q, plan.size_plan.types[t.name]) if t.name in plan.size_plan.types else Q.F16
     # q8_0 / q4_k_m: F16 first, llama.cpp's quantizer after
     return {"f32": Q.F32, "bf16": Q.BF16}.get(plan.quant, Q.F16)
 

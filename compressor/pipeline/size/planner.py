@@ -1,7 +1,7 @@
 """Allocate: the plan at a byte budget, with every option's bytes padded as the file stores them.
 
 Every option's size is its tensor's data padded to the GGUF alignment, and what is not planned is
-fixed by the budget's layout (:class:`~compressor.pipeline.size.budget.Layout`), so a plan's file
+fixed by the budget's layout (:class:`~compressor.sizing.budget.Layout`), so a plan's file
 bytes are exact before it is written: :meth:`Planner.file_bytes`.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from compressor.pipeline.size.budget import Budget, padded
+from compressor.sizing.budget import Budget, padded
 from compressor.policy.options import Option, smallest, total_size
-from compressor.policy.quantplan import Priced, SizePlan, plan, smallest_within
+from compressor.sizing.plan import Priced, SizePlan, plan, smallest_within
 
 
 class Planner:
@@ -48,7 +48,6 @@ class Planner:
         key = int(tensor_bytes)
         if key not in self._plans:
             self._plans[key] = plan(self.units, self.priced, key)
-            self._plans[key].base = self.budget.base
         return self._plans[key]
 
     def smallest_within(self, nll: float) -> SizePlan:

@@ -6,7 +6,7 @@ loss-gradient second moment F of every linear layer's outputs
 input second moment Ĥ, in groups of layers that fit in memory (:func:`moment_groups`); they are kept for the
 chosen plan's rounding (:class:`Measured`): in memory when one group holds them all, else each group written
 to the run's work folder as it is priced and mapped back from disk; each tensor is then priced in
-every option of the size's target format (:meth:`~compressor.pipeline.size.target.SizeTarget.price_all`:
+every option of the size's target format (:meth:`~compressor.sizing.target.SizeTarget.price_all`:
 every GGML type its rows take, or every integer scheme). The prices are cached with the
 statistics (``measure.cache``): a second size of the same model and calibration text costs no pass.
 """
@@ -27,7 +27,8 @@ from compressor.core.archs import arch_for, find_blocks
 from compressor.engine.layerwise import layer_moments, output_fisher_sequential
 from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
 from compressor.fitting.gridround import SharedFactors
-from compressor.policy.quantplan import ROUNDED_BYTES, Rounded, from_tensors, sites, to_tensors
+from compressor.sizing.plan import ROUNDED_BYTES, Rounded, from_tensors, to_tensors
+from compressor.sizing.sites import sites
 from compressor.recipe.schema import Recipe
 
 logger = logging.getLogger(__name__)
@@ -157,8 +158,8 @@ class Measured:
     cached: bool
     moments: dict | None = None
     rounded: dict | None = None
-    """``(tensor, type) → bytes`` of GPTQ roundings pricing made over all rows (:class:`~compressor.policy.
-    quantplan.Rounded`), for the chosen plan's rounding; None with cached prices."""
+    """``(tensor, type) → bytes`` of GPTQ roundings pricing made over all rows (:class:`~compressor.sizing.
+    plan.Rounded`), for the chosen plan's rounding; None with cached prices."""
     precision: StatisticsPrecision | None = None
     """How the statistics were (or, with cached prices, would have been) measured: the plan's rounding measures
     any moments again the same way."""

@@ -1,11 +1,11 @@
 """Error-compensating rounding of a chosen plan: every compensated tensor's codes over all its rows.
 
 Prices are computed on a sample of rows (:mod:`.prices`); once a plan is chosen, each tensor whose option is
-GPTQ (:attr:`~compressor.policy.quantplan.SizePlan.compensated`) is rounded over all its rows with its layer's
+GPTQ (:attr:`~compressor.sizing.plan.SizePlan.compensated`) is rounded over all its rows with its layer's
 input second moment Ĥ — the pricing pass's, kept in memory (SmolLM2-135M: 0.4 GB) or mapped from the work
 folder (Qwen2.5-1.5B's 9.8 GB), or, with prices from the cache, measured again in groups of layers that fit
 in memory — by the size target's rounding
-(:meth:`~compressor.pipeline.size.target.SizeTarget.round_full`). What it returns goes on
+(:meth:`~compressor.sizing.target.SizeTarget.round_full`). What it returns goes on
 :attr:`SizePlan.stored` (a GGUF's raw bytes in the file's row order; an integer scheme's codes and scales), and
 the writer stores it as it is. Each (tensor, type) is rounded once per run, whatever the search tries.
 """
@@ -24,7 +24,8 @@ from compressor.core.threads import side_by_side
 from compressor.engine.tensorstats import input_moments
 from compressor.fitting.gridround import SharedFactors
 from compressor.pipeline.size.prices import StatisticsPrecision, moment_groups
-from compressor.policy.quantplan import Priced, SizePlan, priced_rows
+from compressor.sizing.plan import Priced, SizePlan
+from compressor.sizing.sites import priced_rows
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class Compensator:
 
     def _moments_module(self, name: str) -> str:
         """The layer whose input second moment prices tensor ``name``: its own, or a tied embedding's head (the
-        rule :func:`compressor.policy.quantplan.sites` prices it by)."""
+        rule :func:`compressor.sizing.sites.sites` prices it by)."""
         model = self.request.model
         module = self.priced[name].module
         if tied_head(model) and model.get_submodule(module) is model.get_input_embeddings():

@@ -1,7 +1,8 @@
 """The size stage's loop: plan → allocate → write → gate → back off.
 
 One :class:`SizeRun` per run. Each attempt plans a tensor budget (:class:`~.planner.Planner`), hands the
-plan to the writers on :attr:`WriteRequest.size_plan`, lets them write and measure (the pipeline's write and
+plan to the format's writer on :attr:`WriteRequest.plans` (in the format's terms:
+:meth:`~compressor.sizing.target.SizeTarget.file_plan`), lets it write and measure (the pipeline's write and
 verify stages, handed in as :attr:`SizeRun.write`), and judges the file
 (:mod:`.gate`). ``output.size: smallest`` searches the tensor budget with the gate's own search
 (:class:`compressor.policy.search.TargetSearch`: each budget measured once, the largest cut that passes);
@@ -21,9 +22,9 @@ from compressor.core.errors import GateFailed, InputError
 from compressor.evaluation.evaluate import gate_budget, gate_ppl_limit
 from compressor.output.base import VerificationError
 from compressor.pipeline.size.gate import judge, message, preset_rows
-from compressor.pipeline.size.budget import Budget
+from compressor.sizing.budget import Budget
 from compressor.pipeline.size.planner import Planner
-from compressor.policy.quantplan import SizePlan
+from compressor.sizing.plan import SizePlan
 from compressor.policy.search import Attempt, TargetSearch
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class SizeRun:
     compensator: object = None
     """Rounds the compensated tensors of a chosen plan over all their rows (:mod:`.rounding`)."""
     target: object = None
-    """The format planned (:class:`~compressor.pipeline.size.target.SizeTarget`)."""
+    """The format planned (:class:`~compressor.sizing.target.SizeTarget`)."""
     head: dict = field(default_factory=dict)
     """What the report's ``size_plan`` says before any plan: the budget, prices, timings."""
     target_nll: float | None = None
@@ -58,6 +59,8 @@ class SizeRun:
     preset_scores: dict | None = None
     """The preset's scores per gate domain, measured once (every attempt is compared with the same file)."""
     _anchor_plan: object = None
+    plan: SizePlan | None = None
+    """The plan last handed to the writer (:meth:`hand`)."""
 
     def anchor_plan(self):
         """The anchor as a plan of this run's own options, made once (None when the target's anchor is a file
@@ -110,7 +113,7 @@ class SizeRun:
         if self.compensator is not None:  # the anchor's tensors, still to measure, rounded in the same pass
             anchor = self.anchor_plan() if self.preset_scores is None else None
             self.compensator.fill(size_plan, *([anchor] if anchor is not None else []))
-        self.request.size_plan = size_plan
+        self.hand(size_plan)
         logger.info("size plan: %s of tensor data, predicted perplexity %+.2f %%; types %s",
                     f"{size_plan.tensor_bytes / 1e6:.2f} MB", 100 * math.expm1(size_plan.predicted_nll_increase),
                     size_plan.to_json()["types_used"])
@@ -133,6 +136,12 @@ class SizeRun:
         self.report["message"] = message(check, self.recipe.policy)
         return Attempt(tensor_bytes, passed, why, outcome=(kept, check, size_plan, self.report["message"]),
                        record=record)
+
+    def hand(self, size_plan: SizePlan) -> None:
+        """``size_plan`` is the plan: its format's writer is handed it in its own terms (the target's
+        :meth:`~compressor.sizing.target.SizeTarget.file_plan`)."""
+        self.plan = size_plan
+        self.request.plans[self.target.format] = self.target.file_plan(size_plan, self.request)
 
     def _measure(self, check: dict, size_plan: SizePlan) -> None:
         """Bytes against the budget (exact: the plan's are known before writing), and the preset beside the file."""
@@ -160,7 +169,7 @@ class SizeRun:
         if best is None:
             self._refuse()
         kept, check, size_plan, message = best.outcome
-        self.request.size_plan = size_plan
+        self.hand(size_plan)
         self.report["verification"][self.target.format] = check
         self.report["message"] = message
         self.report["size_plan"] = self.to_json(size_plan)
@@ -177,7 +186,7 @@ class SizeRun:
         fix = (f"raise {budget}, or policy.max_backoff for more attempts" if smallest else
                f"give a larger output.size or raise {budget}")
         last = self.records[-1] if self.records else {}
-        self.report["size_plan"] = self.to_json(self.request.size_plan)
+        self.report["size_plan"] = self.to_json(self.plan)
         self.report.update(status="rejected", exit_code=3, output=None)
         self.report["message"] += f". Over the gate ({_over(last)}): nothing was written; {fix}"
         raise GateFailed(self.report["message"], report=self.report)

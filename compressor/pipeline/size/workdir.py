@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compressor.core.errors import InputError
-from compressor.recipe.schema import Recipe, parse_size
+from compressor.recipe.schema import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -143,14 +143,14 @@ def disk_need(recipe: Recipe, request, fmt: str) -> DiskNeed | None:
     """What a size run of ``fmt`` will write, from the model's weight count (None for a format other than GGUF,
     whose budget writes no F16). Each figure is an estimate: the F16 is two bytes a weight, a preset its bits
     per weight on Llama-3-8B (:data:`~.budget.PRESET_BPW`; a small model's are higher) and at most the F16."""
-    from compressor.pipeline.size.budget import PRESET_BPW
+    from compressor.output.gguf.budget import PRESET_BPW
 
     if fmt != "gguf":
         return None
     model = request.model
     weights = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     f16 = 2 * weights
-    kind, value = parse_size(recipe.output.size)
+    kind, value = recipe.output.planned.kind, recipe.output.planned.value
     preset_name = value if kind == "preset" else None
     if kind == "preset":
         preset = min(f16, int(weights * PRESET_BPW.get(value, 8.5) / 8))

@@ -40,7 +40,7 @@ from torch import nn
 
 from compressor.core.archs import ARCHITECTURES, arch_for, find_blocks
 from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
-from compressor.output.base import VerificationError, WriteRequest, Writer, register_writer
+from compressor.output.base import VerificationError, WriteRequest, Writer
 from compressor.output.hf import (
     cast_state_dict, compare_reloaded, finish_folder, reference_logits,
 )
@@ -132,7 +132,6 @@ def _mlp_state(prefix: str, ffn: HiddenUnitFFN, target: nn.Module, spec) -> dict
     return out
 
 
-@register_writer
 class StandardWriter(Writer):
     """``hf-standard``: the base class with one smaller ``intermediate_size`` (``output.architecture:
     standard``); loads with plain ``AutoModelForCausalLM.from_pretrained(folder)`` anywhere."""

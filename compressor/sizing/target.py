@@ -1,4 +1,4 @@
-"""What a size plans *into*: one registered :class:`SizeTarget` per format a size can plan.
+"""What a size plans *into*: the :class:`SizeTarget` each format that a size can plan provides.
 
 The size stage (plan → allocate → write → gate → back off) is the same for every file a user ships; what
 differs by format is a short list, and each format says it once, in its own module:
@@ -11,9 +11,11 @@ differs by format is a short list, and each format says it once, in its own modu
 * the anchor measured beside the file: what the user would otherwise ship at that size
   (:meth:`measure_anchor` — llama.cpp's preset for a GGUF; the uniform scheme for compressed-tensors).
 
-The writer of the same format writes the plan (:attr:`WriteRequest.size_plan`) and measures the file where
-it runs (its ``verification`` entry: ``quant: plan`` and per gate domain its window scores). A new format
-is a new module with one ``@register_target`` class, imported by the package (``size/__init__.py``).
+The writer of the same format writes the plan it is handed (:meth:`SizeTarget.file_plan`, on
+:attr:`~compressor.output.base.WriteRequest.plans`) and measures the file where
+it runs (its ``verification`` entry: ``quant: plan`` and per gate domain its window scores). A format's target
+lives in the format's package (:mod:`compressor.output.gguf.target`, :mod:`compressor.output.ctensors.target`)
+and is registered with its writer as one :class:`~compressor.output.registry.Format`.
 """
 
 from __future__ import annotations
@@ -23,10 +25,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from compressor.core.errors import InputError
 from compressor.policy.options import Option
-
-TARGETS: dict[str, type["SizeTarget"]] = {}
 
 
 class SizeTarget:
@@ -53,7 +52,7 @@ class SizeTarget:
     with ``device: cuda``): statistics, pricing, rounding and the file made one layer or tensor at a time."""
     heldout_prices: ClassVar[bool] = False
     """Price error-compensating rounding cross-fitted on two halves of the calibration windows
-    (:meth:`~compressor.policy.quantplan.Site.fit_pairs`) rather than on the Ĥ it is fitted to."""
+    (:meth:`~compressor.sizing.sites.Site.fit_pairs`) rather than on the Ĥ it is fitted to."""
 
     def __init__(self, output=None) -> None:
         """``output``: the recipe's ``output`` section (:class:`~compressor.recipe.schema.OutputConfig`), from
@@ -79,7 +78,7 @@ class SizeTarget:
 
     def price_all(self, sites: list, rounding: str, kept=None) -> dict[str, list[Option]]:
         """Every site's options: exact bytes and predicted loss increase, priced with the rounding each gets.
-        ``kept``: a :class:`~compressor.policy.quantplan.Rounded` offered the bytes of roundings made over every
+        ``kept``: a :class:`~compressor.sizing.plan.Rounded` offered the bytes of roundings made over every
         row of a tensor while pricing it, for :meth:`store` (a target may offer none)."""
         raise NotImplementedError
 
@@ -89,9 +88,9 @@ class SizeTarget:
         raise NotImplementedError
 
     def priced(self, sites: list) -> list:
-        """What planning keeps of the priced sites, one :class:`~compressor.policy.quantplan.Priced` per unit
+        """What planning keeps of the priced sites, one :class:`~compressor.sizing.plan.Priced` per unit
         of the allocation (default: per site)."""
-        from compressor.policy.quantplan import Priced
+        from compressor.sizing.plan import Priced
 
         return [Priced.of(s) for s in sites]
 
@@ -100,15 +99,16 @@ class SizeTarget:
         return {}
 
     def payload(self, name: str, weighted: bool, compensated: bool):
-        """A cached option's :class:`~compressor.policy.quantplan.Choice` from its name and flags."""
+        """A cached option's :class:`~compressor.sizing.plan.Choice` from its name and flags."""
         raise NotImplementedError
 
     def cache_settings(self) -> dict:
         """What the prices depend on besides the model and the calibration (part of their cache key)."""
         return {"format": self.format}
 
-    def budget(self, size: str, request, workdir: Path):
-        """``size`` resolved for this model: a :class:`~compressor.pipeline.size.budget.Budget`."""
+    def budget(self, size, request, workdir: Path):
+        """``size`` (:class:`~compressor.recipe.schema.Size`, parsed when the recipe loaded) resolved for this model:
+        a :class:`~compressor.sizing.budget.Budget`."""
         raise NotImplementedError
 
     def round_full(self, name: str, option: str, weight: torch.Tensor, h: torch.Tensor, priced, request,
@@ -120,8 +120,13 @@ class SizeTarget:
         again, so that a run with cached prices writes the same bytes)."""
         raise NotImplementedError
 
+    def file_plan(self, plan, request):
+        """The writer's plan for the size plan ``plan`` (:class:`~compressor.sizing.plan.SizePlan`), in the
+        format's own terms: what the size stage hands the writer (:attr:`WriteRequest.plans`)."""
+        raise NotImplementedError
+
     def anchor_plan(self, run, preset: dict):
-        """The anchor as a :class:`~compressor.policy.quantplan.SizePlan` of the run's own options, when it is
+        """The anchor as a :class:`~compressor.sizing.plan.SizePlan` of the run's own options, when it is
         one (its compensated tensors are then rounded in the same pass as the file's); default None."""
         return None
 
@@ -129,45 +134,3 @@ class SizeTarget:
         """The anchor's scores per gate domain (``name → WindowScores``), made if need be (``run``: the
         :class:`~compressor.pipeline.size.stage.SizeRun`)."""
         raise NotImplementedError
-
-
-def register_target(cls: type[SizeTarget]) -> type[SizeTarget]:
-    """Class decorator: make ``cls`` the size target of ``cls.format``."""
-    if not cls.format:
-        raise ValueError(f"{cls.__name__} sets no format")
-    TARGETS[cls.format] = cls
-    return cls
-
-
-def targets() -> dict[str, type[SizeTarget]]:
-    """Every registered target (the package imports the modules that register them)."""
-    return TARGETS
-
-
-def preset_format(size: str) -> str | None:
-    """The format whose anchor ``size`` names (None: a size in bytes, bits per weight, or ``smallest``)."""
-    name = str(size).strip().upper()
-    return next((f for f, cls in targets().items() if name in cls.presets), None)
-
-
-def target_for(formats: list[str], size: str, output=None) -> SizeTarget:
-    """The one target a recipe's ``output.formats`` plans, checked against the size's name; ``output``: the
-    recipe's ``output`` section, for the target's own settings."""
-    sized = [f for f in formats if f in targets()]
-    named = preset_format(size)
-    if not sized:
-        add = named or " or ".join(sorted(targets()))
-        raise InputError(f"output.size: {size} is the size of the file a deployer ships, but output.formats is "
-                         f"{formats}; add {add} to output.formats (or remove output.size)")
-    if len(sized) > 1:
-        raise InputError(f"output.size plans one file, but output.formats lists {', '.join(sized)}; keep one of "
-                         "them (a second run plans the other)")
-    if named is not None and named != sized[0]:
-        raise InputError(f"output.size: {size} is a {named} size, but the planned format is {sized[0]}; give one of "
-                         f"{', '.join(targets()[sized[0]].presets)}, bytes or bits per weight, or plan {named}")
-    return targets()[sized[0]](output)
-
-
-def default_format(size: str) -> str:
-    """The format a size plans when the recipe names none: the one whose anchor the size names, else gguf."""
-    return preset_format(size) or "gguf"

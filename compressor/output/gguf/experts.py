@@ -39,7 +39,7 @@ class ExpertStacks:
         self.parts_of, self.checkpoint_name = parts_of, checkpoint_name
         self.pending: dict[str, list] = {}
         self.done: dict[str, object] = {}
-        """Stacked tensor → its :class:`~compressor.policy.quantplan.Priced` (emitted once by :meth:`priced`)."""
+        """Stacked tensor → its :class:`~compressor.sizing.plan.Priced` (emitted once by :meth:`priced`)."""
         self.report: dict[str, dict] = {}
 
     def stacked(self, name: str) -> bool:
@@ -87,7 +87,7 @@ class ExpertStacks:
         else:
             h = sum(w * s.h for w, s in zip(weights, members) if w) / total
         f = torch.stack([s.f for s in members]).mean(0)
-        from compressor.policy.quantplan import _imatrix
+        from compressor.sizing.sites import _imatrix
 
         imat = _imatrix(torch.diagonal(h))
         logger.info("size plan: %s: experts %s saw fewer than %d calibration tokens; priced as the layer's "
@@ -99,7 +99,7 @@ def _summed(name: str, per_expert: list[list[Option]]) -> list[Option]:
     """One option per type every expert takes: bytes and cost summed. Imatrix: used for the stack when every
     expert's cheaper rounding of that type used it (mixed: used — ggml's importance-weighted scales for an
     expert that priced lower without them is a small, unpriced difference)."""
-    from compressor.policy.quantplan import Choice
+    from compressor.sizing.plan import Choice
 
     by_type = [{o.name: o for o in opts} for opts in per_expert]
     common = set.intersection(*(set(b) for b in by_type))
@@ -114,7 +114,7 @@ def _summed(name: str, per_expert: list[list[Option]]) -> list[Option]:
 
 def _priced(name: str, members: list):
     """What planning keeps of a stack: its experts' rows as one tensor, an importance matrix per expert."""
-    from compressor.policy.quantplan import Priced
+    from compressor.sizing.plan import Priced
 
     rows, cols = members[0].weight.shape
     module = members[0].module.rpartition(".")[0].rpartition(".")[0]  # …mlp.experts

@@ -1,6 +1,6 @@
 """The GGUF size target: every weight matrix's GGML type, for an unmodified llama.cpp.
 
-Options are ggml's types (:mod:`compressor.policy.quantplan`), rounded by ggml's own quantizer with the
+Options are ggml's types (:mod:`compressor.sizing.plan`), rounded by ggml's own quantizer with the
 run's importance matrix or by error-compensating rounding onto its scales (:mod:`compressor.fitting.gridround`);
 the budget is read off the F16 file written once (:mod:`.budget`), and the anchor is llama.cpp's preset of the
 size made from that F16 by llama.cpp's own quantizer, measured in llama.cpp on the same windows.
@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import Callable
 
 from compressor.core.archs import ARCHITECTURES, LLAMA_CPP_TOOLS
-from compressor.pipeline.size.experts import MIN_EXPERT_TOKENS
+from compressor.output.gguf.experts import MIN_EXPERT_TOKENS
 from compressor.core.errors import InputError
-from compressor.pipeline.size.target import SizeTarget, register_target
+from compressor.sizing.target import SizeTarget
 from compressor.recipe.schema import SIZE_PRESETS
 
 logger = logging.getLogger(__name__)
 
 
-@register_target
 class GGUFTarget(SizeTarget):
     format = "gguf"
     presets = SIZE_PRESETS
@@ -35,6 +34,7 @@ class GGUFTarget(SizeTarget):
         super().__init__(output)
         self._arch: str | None = None
         self._converted = None  # the converter's layout, once the budget has made the F16 (a Hugging Face source)
+        self._base = None  # that F16, which the plan's file re-quantizes
         self._stacks = None  # a layer's experts stacked in one tensor (:mod:`.experts`), with the converter's layout
 
     def anchor_called(self, name: str) -> str:
@@ -74,7 +74,7 @@ class GGUFTarget(SizeTarget):
     def price_all(self, sites: list, rounding: str, kept=None) -> dict:
         """Every site in every GGML type; a stack of experts (one GGUF tensor) as the sum over its experts,
         priced once all of them are measured (:mod:`.experts`)."""
-        from compressor.policy.quantplan import price_all
+        from compressor.output.gguf.pricing import price_all
 
         stacked = [s for s in sites if self._stacked(s.name)]
         single = [s for s in sites if not self._stacked(s.name)]
@@ -84,7 +84,7 @@ class GGUFTarget(SizeTarget):
         return units
 
     def priced(self, sites: list) -> list:
-        from compressor.policy.quantplan import Priced
+        from compressor.sizing.plan import Priced
 
         out = [Priced.of(s) for s in sites if not self._stacked(s.name)]
         return out + (self._stacks.priced(sites) if self._stacks is not None else [])
@@ -112,23 +112,24 @@ class GGUFTarget(SizeTarget):
 
     def payload(self, name: str, weighted: bool, compensated: bool):
         from compressor.core.ggml import GGMLType
-        from compressor.policy.quantplan import Choice
+        from compressor.sizing.plan import Choice
 
         return Choice(GGMLType[name], weighted, compensated)
 
     def cache_settings(self) -> dict:
-        from compressor.policy.quantplan import DEFAULT_TYPES, MAX_PRICED_ELEMENTS
+        from compressor.output.gguf.pricing import DEFAULT_TYPES
+        from compressor.sizing.sites import MAX_PRICED_ELEMENTS
 
         return {"types": [t.name for t in DEFAULT_TYPES], "max_elements": MAX_PRICED_ELEMENTS}
 
-    def budget(self, size: str, request, workdir: Path):
-        from compressor.pipeline.size.budget import measure_budget
+    def budget(self, size, request, workdir: Path):
+        from compressor.output.gguf.budget import measure_budget
 
         from compressor.core.moe import checkpoint_name
-        from compressor.pipeline.size.experts import ExpertStacks
+        from compressor.output.gguf.experts import ExpertStacks
 
         budget = measure_budget(size, request, workdir)
-        self._converted = budget.converted
+        self._converted, self._base = budget.converted, budget.base
         if budget.converted is not None:
             model_type = str(request.model.config.model_type)
             self._stacks = ExpertStacks(budget.converted.parts, lambda hf: checkpoint_name(model_type, hf))
@@ -136,6 +137,16 @@ class GGUFTarget(SizeTarget):
             logger.info("output.size: %d tensors are not one Hugging Face weight each and stay as llama.cpp's "
                         "converter wrote them: %s", len(kept), ", ".join(kept[:6]) + (" …" if len(kept) > 6 else ""))
         return budget
+
+    def file_plan(self, plan, request):
+        """The plan's types re-quantizing llama.cpp's converter's F16 of a Hugging Face folder (its unplanned
+        tensors copied as the converter wrote them), or the GGUF source (in F16 where not planned)."""
+        from compressor.output.gguf import Requantized
+
+        if self._base is not None:
+            return Requantized(Path(self._base), dict(plan.types), plan.imatrix, None, plan.stored)
+        source = Path(request.source.path) / request.source.gguf_file
+        return Requantized(source, dict(plan.types), plan.imatrix, "F16", plan.stored)
 
     def round_full(self, name: str, option: str, weight, h, priced, request, alongside: list[str] | None = None):
         """GPTQ onto the type's importance-weighted scales, its raw bytes in the file's row order. ``alongside``:

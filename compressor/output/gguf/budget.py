@@ -17,9 +17,6 @@ llama.cpp preset whose file fits them is made the same way and measured beside t
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +24,8 @@ import torch
 from compressor.core.errors import InputError
 from compressor.core.presets import LLAMA_CPP_PRESETS
 from compressor.output.base import WriteRequest
-from compressor.recipe.schema import parse_size
+from compressor.recipe.schema import Size
+from compressor.sizing.budget import Budget, Layout, bpw_bytes, padded
 
 logger = logging.getLogger(__name__)
 
@@ -35,32 +33,6 @@ logger = logging.getLogger(__name__)
 PRESET_MADE_BY = "llama.cpp llama_model_quantize from the same F16, no importance matrix"
 #: What the F16 budget file is written with: the model's own tensors (a GGUF source's, re-read), in F16.
 F16_OPTIONS = {"quant": "f16", "from_source": True}
-
-
-def padded(nbytes: int, alignment: int) -> int:
-    """``nbytes`` rounded up to the GGUF alignment (every tensor's data is padded to it)."""
-    return -(-int(nbytes) // alignment) * alignment
-
-
-@dataclass
-class Layout:
-    """What a GGUF of this model holds besides its planned (2-D) tensors' data."""
-
-    data_offset: int
-    """Bytes before the first tensor's data: header, metadata, tokenizer, tensor infos."""
-    alignment: int
-    fixed_bytes: int
-    """Padded data bytes of the tensors that are not planned (1-D: norms, biases)."""
-    planned: dict[str, int]
-    """Planned tensor → its F16 bytes (as the F16 file stores it)."""
-    file_bytes: int
-    """The F16 file's size."""
-
-    def file_bytes_of(self, tensor_bytes: dict[str, int]) -> int:
-        """The exact size of the file whose planned tensors take ``tensor_bytes`` (name → bytes, unpadded;
-        a planned tensor not named stays F16)."""
-        data = sum(padded(tensor_bytes.get(n, b), self.alignment) for n, b in self.planned.items())
-        return self.data_offset + self.fixed_bytes + data
 
 
 def read_layout(path: Path) -> Layout:
@@ -133,51 +105,12 @@ def header_layout(path: Path) -> tuple[int, int, list[tuple[str, tuple[int, ...]
     return padded(pos, alignment), alignment, tensors
 
 
-@dataclass
-class Budget:
-    """``output.size`` resolved for this model."""
-
-    size: str
-    limit: int
-    """File bytes allowed."""
-    layout: Layout
-    preset: dict | None = None
-    """llama.cpp's preset of that name, made from the same F16 (``name``, ``path``, ``file_bytes``)."""
-    base: Path | None = None
-    """The F16 a plan's file re-quantizes, when it is llama.cpp's converter's (a Hugging Face source); None: the
-    GGUF source is re-quantized."""
-    converted: object = None
-    """Where the converter put each weight's rows (:class:`~compressor.output.gguf.converter.ConverterLayout`)
-    when it made :attr:`base`."""
-
-    @property
-    def kind(self) -> str:
-        return parse_size(self.size)[0]
-
-    @property
-    def overhead(self) -> int:
-        """Bytes of every file that are not planned tensor data (padding of the planned tensors aside)."""
-        return self.layout.data_offset + self.layout.fixed_bytes
-
-    def to_json(self) -> dict:
-        return {"size": self.size, "budget_bytes": self.limit, "non_tensor_bytes": self.overhead,
-                "f16_file_bytes": self.layout.file_bytes,
-                "preset": None if self.preset is None else {k: v for k, v in self.preset.items() if k != "path"}}
-
-
 def f16_request(request: WriteRequest) -> WriteRequest:
     return WriteRequest(model=request.model, tokenizer=request.tokenizer, compression=request.compression,
                         source=request.source, dtype=torch.float16, options=dict(F16_OPTIONS))
 
 
-def bpw_bytes(bpw: float, model, layout) -> int:
-    """File bytes of a size in bits per weight: ``bpw`` over every weight ``model`` stores (a tied matrix
-    once), plus the F16 ``layout``'s header."""
-    weights = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return int(bpw * weights / 8) + layout.data_offset
-
-
-def measure_budget(size: str, request: WriteRequest, workdir: Path) -> Budget:
+def measure_budget(size: Size, request: WriteRequest, workdir: Path) -> Budget:
     """Write the F16 file into ``workdir`` and resolve ``size`` against it (and the preset, when named)."""
     from compressor.output.gguf import PRESETS, quantize_file, write_gguf
 
@@ -188,7 +121,7 @@ def measure_budget(size: str, request: WriteRequest, workdir: Path) -> Budget:
     else:
         converted = convert_folder(request, f16, workdir)
     layout = read_layout(f16)
-    kind, value = parse_size(size)
+    kind, value = size.kind, size.value
     preset = None
     if kind == "preset":
         path = workdir / f"{value}.gguf"
@@ -268,22 +201,3 @@ def largest_preset(f16: Path, limit: int, layout: Layout, workdir: Path) -> dict
             break
     logger.info("output.size: no llama.cpp preset of at most %s bytes among the %d tried", f"{limit:,}", tries)
     return None
-
-
-# --------------------------------------------------------------------------------------------------
-# The work folder: the F16 and the preset, beside the output
-# --------------------------------------------------------------------------------------------------
-
-
-def workdir_for(out: Path) -> Path:
-    """A fresh work folder ``.<name>.size-<pid>`` beside ``out`` (same file system as the output, which
-    may be the only one with room for an F16 of the model); what killed runs left there is removed first
-    (:func:`compressor.inputs.safety.clean_stale_temps` knows the name)."""
-    from compressor.inputs.safety import clean_stale_temps
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps(out)
-    path = out.parent / f".{out.name}.size-{os.getpid()}"
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir()
-    return path

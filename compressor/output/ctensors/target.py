@@ -1,6 +1,6 @@
 """The compressed-tensors size target: every linear layer's integer scheme, for plain transformers and vLLM.
 
-Options are the schemes compressed-tensors describes and vLLM serves (:data:`~compressor.fitting.intround.SCHEMES`:
+Options are the schemes compressed-tensors describes and vLLM serves (:data:`~compressor.output.ctensors.grids.SCHEMES`:
 int4 with a scale per 128 or per 32 inputs, int8 per 128) or the layer left in the saved dtype. The layers
 vLLM fuses (q/k/v, gate/up: :data:`~compressor.output.ctensors.FUSED_SIBLINGS`) take one scheme together, so
 they are one unit of the allocation. The embedding stays in the saved dtype, as llm-compressor leaves it; an
@@ -20,6 +20,7 @@ uniform scheme that fits it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -28,10 +29,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from compressor.pipeline.size.budget import Budget, Layout
-from compressor.pipeline.size.target import SizeTarget, register_target
+from compressor.sizing.budget import Budget, Layout
+from compressor.sizing.target import SizeTarget
 from compressor.policy.options import Option
-from compressor.policy.quantplan import Choice
+from compressor.sizing.plan import Choice
 from compressor.recipe.schema import CT_SIZE_SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ FLOAT = "unquantized"
 def units_of(model: nn.Module, head: bool = True) -> dict[str, list[str]]:
     """Allocation unit → its linear layers: the fused siblings of one parent together, every other
     quantizable linear alone (in module order); an untied output head among them when ``head``."""
-    from compressor.output.ctensors import fused_units, linear_names
+    from compressor.output.ctensors.schemes import fused_units, linear_names
 
     return fused_units(linear_names(model, head=head))
 
@@ -55,12 +56,11 @@ def _dtype(request) -> torch.dtype:
 
 def option_bytes(scheme: str, shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Stored bytes of an ``[out, in]`` weight in ``scheme`` (:data:`FLOAT`: the saved dtype)."""
-    from compressor.fitting.intround import weight_bytes
+    from compressor.output.ctensors.grids import weight_bytes
 
     return weight_bytes(None if scheme == FLOAT else scheme, *shape, dtype)
 
 
-@register_target
 class CompressedTensorsTarget(SizeTarget):
     format = "compressed-tensors"
     presets = CT_SIZE_SCHEMES
@@ -93,7 +93,7 @@ class CompressedTensorsTarget(SizeTarget):
         says), then the fused siblings summed into one unit per scheme they all take. Nothing is offered to
         ``kept``: a fused unit is rounded through its first layer's Ĥ as one, after the plan."""
         from compressor.core.progress import progress
-        from compressor.output.ctensors import fused_units
+        from compressor.output.ctensors.schemes import fused_units
 
         by_module = {}
         for site in progress(sites, desc="price: integer schemes", unit="layer"):
@@ -110,8 +110,8 @@ class CompressedTensorsTarget(SizeTarget):
     def priced(self, sites: list) -> list:
         """One entry per unit: its first layer (whose input the unit shares: its Ĥ rounds them all), the rows of
         all its layers."""
-        from compressor.output.ctensors import fused_units
-        from compressor.policy.quantplan import Priced
+        from compressor.output.ctensors.schemes import fused_units
+        from compressor.sizing.plan import Priced
 
         by = {s.name: s for s in sites}
         out = []
@@ -125,19 +125,18 @@ class CompressedTensorsTarget(SizeTarget):
         return Choice(name, weighted, compensated)
 
     def cache_settings(self) -> dict:
-        from compressor.fitting.intround import SCHEMES
-        from compressor.policy.quantplan import MAX_PRICED_ELEMENTS
+        from compressor.output.ctensors.grids import SCHEMES
+        from compressor.sizing.sites import MAX_PRICED_ELEMENTS
 
         return {"schemes": sorted(SCHEMES), "saved_dtype": str(self.dtype), "max_elements": MAX_PRICED_ELEMENTS,
                 "head": self.head}
 
-    def budget(self, size: str, request, workdir: Path) -> Budget:
+    def budget(self, size, request, workdir: Path) -> Budget:
         """The bytes of the tensors the checkpoint stores: every planned unit in the saved dtype as the layout's
         "F16", everything else fixed; a scheme's name is that uniform checkpoint's bytes (its head, if planned,
         in the saved dtype)."""
         from compressor.core.params import count_params
-        from compressor.output.ctensors import head_name, linear_bytes, tensor_bytes
-        from compressor.recipe.schema import parse_size
+        from compressor.output.ctensors.schemes import head_name, linear_bytes, tensor_bytes
 
         self.dtype = _dtype(request)
         model = request.model
@@ -154,7 +153,7 @@ class CompressedTensorsTarget(SizeTarget):
         def uniform(scheme: str) -> int:
             return fixed + sum(option_bytes(anchor_scheme(scheme, u, ss, head), s, self.dtype)
                                for u, ss in shapes.items() for s in ss)
-        kind, value = parse_size(size)
+        kind, value = size.kind, size.value
         preset = None
         if kind == "preset":
             limit = uniform(value)
@@ -170,8 +169,8 @@ class CompressedTensorsTarget(SizeTarget):
     def round_full(self, name: str, option: str, weight, h, priced, request, alongside=None):
         """GPTQ of every layer of the unit onto ``option``'s grid through the unit's shared Ĥ (fused siblings
         read the same input), scales in the saved dtype: ``module → Rounded``."""
-        from compressor.fitting.intround import gptq
-        from compressor.output.ctensors import GPTQ_ORDER, unit_members
+        from compressor.output.ctensors.grids import gptq
+        from compressor.output.ctensors.schemes import GPTQ_ORDER, unit_members
 
         # h: Ĥ or its act-order factor (shared by every option of the unit); Rounded kept without the float
         # weight (the writer decodes it): 6 GB for 1.5B
@@ -179,11 +178,20 @@ class CompressedTensorsTarget(SizeTarget):
                         **GPTQ_ORDER)._replace(weight=None)
                 for m in unit_members(name)}
 
+    def file_plan(self, plan, request):
+        """The plan's scheme per unit as a scheme per layer, with the layers the size stage rounded by GPTQ;
+        measured on the gate's domains where it runs."""
+        from compressor.output.ctensors.schemes import SchemePlan, unit_members
+
+        schemes = {m: s for u, s in plan.types.items() for m in unit_members(u)}
+        rounded = {m: r for _, by in plan.stored.values() for m, r in by.items()}
+        return SchemePlan(schemes, rounded, measured=True)
+
     def anchor_plan(self, run, preset: dict):
         """The uniform checkpoint of ``preset['name']`` as a plan of the run's options (each unit in the first
         scheme of the family its rows take; the output head in the saved dtype)."""
-        from compressor.output.ctensors import head_name, unit_members
-        from compressor.policy.quantplan import SizePlan
+        from compressor.output.ctensors.schemes import head_name, unit_members
+        from compressor.sizing.plan import SizePlan
 
         model = run.request.model
         chosen, head = {}, head_name(model)
@@ -199,7 +207,7 @@ class CompressedTensorsTarget(SizeTarget):
         """The uniform checkpoint of ``preset['name']``: planned, rounded by the run's own rounding (in the pass
         that rounded the file, :meth:`anchor_plan`), written and reloaded by plain transformers like the file,
         scored on the gate's windows, then removed."""
-        from compressor.output.base import get_writer
+        from compressor.output.registry import get_writer
         from compressor.output.ctensors import score_folder
 
         scheme = preset["name"]
@@ -208,7 +216,8 @@ class CompressedTensorsTarget(SizeTarget):
         folder = run.workdir / f"anchor-{scheme}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
-        request = _with_plan(run.request, plan)
+        request = dataclasses.replace(run.request, plans={self.format: self.file_plan(plan, run.request)},
+                                      extra_files={})
         try:
             get_writer(self.format).write(request, folder)
             return score_folder(folder, run.request.options.get("gate_domains") or [], run.request.model.dtype)
@@ -218,8 +227,8 @@ class CompressedTensorsTarget(SizeTarget):
 
 def in_family(scheme: str, shapes: list[tuple[int, int]]) -> str:
     """The scheme a unit of ``shapes`` takes in a checkpoint named ``scheme``: the first of its family
-    (:data:`~compressor.fitting.intround.FAMILIES`) whose group divides every row, else the saved dtype."""
-    from compressor.fitting.intround import FAMILIES, SCHEMES
+    (:data:`~compressor.output.ctensors.grids.FAMILIES`) whose group divides every row, else the saved dtype."""
+    from compressor.output.ctensors.grids import FAMILIES, SCHEMES
 
     return next((f for f in FAMILIES[scheme] if all(SCHEMES[f].fits(s[1]) for s in shapes)), FLOAT)
 
@@ -232,7 +241,7 @@ def anchor_scheme(scheme: str, unit: str, shapes: list[tuple[int, int]], head: s
 
 
 def _anchor(scheme: str, nbytes: int) -> dict:
-    from compressor.fitting.intround import FAMILIES
+    from compressor.output.ctensors.grids import FAMILIES
 
     also = f" (or {', '.join(FAMILIES[scheme][1:])} where its group does not divide a layer's rows)" if len(
         FAMILIES[scheme]) > 1 else ""
@@ -241,18 +250,12 @@ def _anchor(scheme: str, nbytes: int) -> dict:
                        "dtype, rounded as the plan is — what llm-compressor's GPTQModifier writes for that scheme"}
 
 
-def _with_plan(request, plan):
-    import dataclasses
-
-    return dataclasses.replace(request, size_plan=plan, extra_files={})
-
-
 def price_layer(site, rounding: str, dtype: torch.dtype) -> dict[str, tuple[int, float]]:
     """One layer's options: scheme → (stored bytes, predicted loss increase), each scheme its rows take
     rounded as ``rounding`` says (GPTQ through the layer's Ĥ, sharing one factor; or to nearest), and the
     saved dtype at no cost."""
-    from compressor.fitting.intround import SCHEMES, gptq, rtn
-    from compressor.output.ctensors import GPTQ_ORDER
+    from compressor.output.ctensors.grids import SCHEMES, gptq, rtn
+    from compressor.output.ctensors.schemes import GPTQ_ORDER
 
     shape = tuple(site.weight.shape)
     w = site.priced_weight()

@@ -19,7 +19,7 @@ from torch import nn
 
 from compressor.core import modeling as hf_modeling
 from compressor.core.onload import is_offloaded
-from compressor.output.base import VerificationError, WriteRequest, Writer, register_writer
+from compressor.output.base import VerificationError, WriteRequest, Writer
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,6 @@ def folder_weight_bytes(folder: Path) -> int | None:
     return sum(p.stat().st_size for p in files) if files else None
 
 
-@register_writer
 class HFWriter(Writer):
     """``hf``: a Hugging Face folder (safetensors, ``config.json`` with a ``compression``
     section, ``modeling_compressor.py``, the tokenizer). Loads with
@@ -351,3 +350,10 @@ def _name_tokenizer_class(folder: Path, tokenizer) -> None:
     if not cfg.get("tokenizer_class"):
         cfg["tokenizer_class"] = type(tokenizer).__name__
         path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+from compressor.output.hf.standard import StandardWriter  # noqa: E402  (it builds on the writer above)
+from compressor.output.registry import Format, register_format  # noqa: E402
+
+register_format(Format("hf", HFWriter))
+register_format(Format("hf-standard", StandardWriter))

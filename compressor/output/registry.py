@@ -1,0 +1,91 @@
+"""The one registry of output formats.
+
+Each format's package (:mod:`compressor.output.gguf`, :mod:`compressor.output.ctensors`,
+:mod:`compressor.output.hf`) registers one :class:`Format`: its writer (:class:`~compressor.output.base.Writer`:
+what it can represent, write, verify) and, when a size can be planned into it, its size target
+(:class:`~compressor.sizing.target.SizeTarget`: options, prices, budget, anchor). Nothing else keys anything
+by a format's name: a new format is a new package with one :func:`register_format` call (see
+``docs/architecture.md``), the shape llama.cpp's ``convert_hf_to_gguf.py`` gives its architectures
+(``@ModelBase.register(...)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from compressor.core.errors import InputError
+
+if TYPE_CHECKING:
+    from compressor.output.base import Writer
+    from compressor.sizing.target import SizeTarget
+
+
+@dataclass(frozen=True)
+class Format:
+    """One output format: its name (``output.formats``), its writer and, if a size plans into it, its target."""
+
+    name: str
+    writer: type[Writer]
+    target: type[SizeTarget] | None = None
+
+
+#: format name -> :class:`Format`; filled by each format package's :func:`register_format`.
+FORMATS: dict[str, Format] = {}
+
+
+def register_format(fmt: Format) -> Format:
+    """Make ``fmt`` the format of its name; its writer and target must say the same name."""
+    for part in (fmt.writer, fmt.target):
+        if part is not None and part.format != fmt.name:
+            raise ValueError(f"{part.__name__} is for format {part.format!r}, registered as {fmt.name!r}")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def formats() -> dict[str, Format]:
+    """Every registered format (importing :mod:`compressor.output` imports the packages that register them)."""
+    import compressor.output  # noqa: F401
+
+    return FORMATS
+
+
+def get_writer(name: str) -> Writer:
+    """The writer of format ``name``; the error lists the formats that exist."""
+    if name not in formats():
+        raise ValueError(f"unknown output format {name!r}; known formats: {', '.join(sorted(FORMATS))}")
+    return FORMATS[name].writer()
+
+
+def targets() -> dict[str, type[SizeTarget]]:
+    """The formats a size can plan into, and their targets."""
+    return {n: f.target for n, f in formats().items() if f.target is not None}
+
+
+def preset_format(size: str) -> str | None:
+    """The format whose anchor ``size`` names (None: a size in bytes, bits per weight, or ``smallest``)."""
+    name = str(size).strip().upper()
+    return next((f for f, cls in targets().items() if name in cls.presets), None)
+
+
+def target_for(formats: list[str], size: str, output=None) -> SizeTarget:
+    """The one target a recipe's ``output.formats`` plans, checked against the size's name; ``output``: the
+    recipe's ``output`` section, for the target's own settings."""
+    sized = [f for f in formats if f in targets()]
+    named = preset_format(size)
+    if not sized:
+        add = named or " or ".join(sorted(targets()))
+        raise InputError(f"output.size: {size} is the size of the file a deployer ships, but output.formats is "
+                         f"{formats}; add {add} to output.formats (or remove output.size)")
+    if len(sized) > 1:
+        raise InputError(f"output.size plans one file, but output.formats lists {', '.join(sized)}; keep one of "
+                         "them (a second run plans the other)")
+    if named is not None and named != sized[0]:
+        raise InputError(f"output.size: {size} is a {named} size, but the planned format is {sized[0]}; give one of "
+                         f"{', '.join(targets()[sized[0]].presets)}, bytes or bits per weight, or plan {named}")
+    return targets()[sized[0]](output)
+
+
+def default_format(size: str) -> str:
+    """The format a size plans when the recipe names none: the one whose anchor the size names, else gguf."""
+    return preset_format(size) or "gguf"
