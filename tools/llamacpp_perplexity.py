@@ -9,8 +9,9 @@ of every file after the first is against the first.
 
 ``--kld``: also the KL divergence of every file's next-token distribution from the first file's, token by
 token over the same windows, as ``llama-perplexity --kl-divergence`` reports it — mean (with its SE over
-windows), median, 99th percentile, and the same-top-token rate. The first file's log-probabilities are
-kept on disk (float16, one file a window, in a temporary folder removed after) while the others are scored.
+windows), median, 99th and 99.9th percentiles (``p99``, ``p99_9``: its "99.0%" and "99.9%"), and the
+same-top-token rate. The first file's log-probabilities are kept on disk (float16, one file a window, in a
+temporary folder removed after) while the others are scored.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class KLD:
         means = np.array([w.mean() for w in self.per_token])
         se = float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else None
         return {"mean": float(tokens.mean()), "mean_se": se, "median": float(np.median(tokens)),
-                "p99": float(np.quantile(tokens, 0.99)), "max": float(tokens.max()),
+                "p99": float(np.quantile(tokens, 0.99)), "p99_9": float(np.quantile(tokens, 0.999)),
+                "max": float(tokens.max()),
                 "same_top_token": float(np.concatenate(self.top_same).mean()), "tokens": int(tokens.size)}
 
 

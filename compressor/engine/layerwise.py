@@ -38,11 +38,7 @@ from compressor.core.progress import progress
 from compressor.engine.measure import _first_tensor
 from compressor.engine.sensitivity import backward_rows, frozen
 from compressor.engine.tensorstats import EMBEDDING, Fisher, GradSquares, MomentTaps, _AllSeen, linear_names
-from compressor.engine.walker import LayerWalker
-
-
-class _Stop(Exception):
-    pass
+from compressor.engine.walker import LayerWalker, _Stop
 
 
 @contextmanager

@@ -148,7 +148,9 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
       their float copy and gradient (3 · rows · seq_len · vocab floats); in memory, every layer's saved activations
       of the micro-batch (about ``4·ff + 10·d`` floats a token a layer) besides its logits;
     * ``moments``: one layer's input second moments (q/k/v and gate/up share theirs: ``3·d² + ff²`` floats) and
-      their GPTQ factors (float64 Cholesky factors of the same size);
+      the working set of the GPTQ factors pricing solves two at a time, two float64 matrices each
+      (:func:`~compressor.fitting.gridround.factor`: ``16 · (ff² + d²)`` bytes; an 8,192-wide factor measured
+      1.08 GB at its peak);
     * ``converter``: llama.cpp's converter making the F16 of a Hugging Face folder, a child process
       (:mod:`compressor.output.gguf.converter`): its interpreter and torch (:data:`CONVERTER_PROCESS_BYTES`) and
       the largest tensor in float32 and float16 (the embedding: measured 1.21 GB on a 3.2B Llama shape with a
@@ -173,7 +175,7 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
         fisher = (layers + 2) * fisher_tokens * d * f4 + logits
     else:
         fisher = rows * seq_len * layers * (4 * ff + 10 * d) * f4 + logits
-    moments = (3 * d * d + ff * ff) * f4 + (3 * d * d + ff * ff) * 8
+    moments = (3 * d * d + ff * ff) * f4 + 16 * (ff * ff + d * d)
     converter = CONVERTER_PROCESS_BYTES + max(vocab * d, ff * d) * (f4 + 2)
     return {"process": PROCESS_BYTES, "resident": resident, "model": model, "hidden_states": hidden,
             "fisher": fisher, "moments": moments, "converter": converter,

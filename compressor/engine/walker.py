@@ -58,7 +58,7 @@ TARGETS = ("none", "teacher_output", "teacher_residual")
 
 
 class _Stop(Exception):
-    pass
+    """Raised by a hook to end a forward once what it needed has run (the layers above are not run)."""
 
 
 @dataclass

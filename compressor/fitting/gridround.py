@@ -60,30 +60,47 @@ class Factor:
     act_order: bool
 
 
+#: Columns of the identity solved at once for Ĥ's inverse factor (:func:`factor`): a bounded workspace.
+_SOLVE_COLUMNS = 1024
+
+
 def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool = True) -> Factor:
     """Ĥ's damped inverse Cholesky factor in rounding order (float64 solve; dead columns, Ĥ_jj = 0, set to
     1 first as GPTQ does: nothing reaches them or leaves them, so they are rounded to nearest).
     ``act_order``: columns in descending diag Ĥ (GPTQ's act-order)."""
-    H = torch.as_tensor(_as_numpy(h), dtype=torch.float64)
+    H = torch.as_tensor(_as_numpy(h))  # gathered in its own dtype, then made float64 (exact either way)
     if H.ndim != 2 or H.shape[0] != H.shape[1]:
         raise ValueError(f"h must be a square [n, n] matrix, got shape {tuple(H.shape)}")
     if not damp >= 0:
         raise ValueError(f"damp must be >= 0, got {damp}")
     n = H.shape[0]
     order = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(n)
-    H = H[order][:, order]
-    idx = torch.arange(n)
-    dead = ~(torch.diagonal(H) > 0)
-    H[idx[dead], idx[dead]] = 1.0
-    H[idx, idx] += damp * float(torch.diagonal(H).mean())
     # With J the reversal, J·H·J = M·Mᵀ (M lower) gives H⁻¹ = Uᵀ·U for the upper U = J·M⁻¹·J: one
-    # Cholesky and one triangular inverse, not a factor, an inverse and a second factor.
-    M, info = torch.linalg.cholesky_ex(H.flip(0, 1))
+    # Cholesky and one triangular inverse, not a factor, an inverse and a second factor. J·H·J is taken in the
+    # reordering itself, one row gather and one column gather, each source dropped as soon as it is gathered,
+    # and the inverse is solved a block of columns at a time: an 8,192-wide Ĥ's factor held 1.08 GB at its
+    # peak, where the whole-matrix steps held 2.16 GB (measured, the same bits).
+    rev = order.flip(0)
+    H = H[rev]
+    H = H[:, rev].to(torch.float64)
+    diag = torch.diagonal(H)  # reversed rounding order
+    dead = ~(diag > 0)
+    diag[dead] = 1.0
+    diag += damp * float(diag.flip(0).mean())
+    M, info = torch.linalg.cholesky_ex(H)
+    del H, diag
     if int(info):
         raise ValueError(f"the damped Ĥ is not positive definite (minor {int(info)} of {n}) at damp={damp}: "
                          f"pass a larger damp (e.g. {max(damp * 10, 0.01):g})")
-    U = torch.linalg.solve_triangular(M, torch.eye(n, dtype=H.dtype), upper=False).flip(0, 1)
-    return Factor(order.numpy(), U.float().numpy(), float(damp), bool(act_order))
+    # M⁻¹ a block of columns at a time (each column's solve is its own), read back flipped into float32
+    U = torch.empty((n, n), dtype=torch.float32)
+    for j in range(0, n, _SOLVE_COLUMNS):
+        k = min(n, j + _SOLVE_COLUMNS)
+        eye = torch.zeros((n, k - j), dtype=M.dtype)
+        eye[torch.arange(j, k), torch.arange(k - j)] = 1.0
+        U[:, n - k:n - j] = torch.linalg.solve_triangular(M, eye, upper=False).flip(0, 1).float()
+    del M
+    return Factor(order.numpy(), U.numpy(), float(damp), bool(act_order))
 
 
 class SharedFactors:
