@@ -170,10 +170,10 @@ def test_a_scheme_size_defaults_to_the_compressed_tensors_format():
 
 
 def test_without_the_library_the_size_is_refused_naming_the_extra(monkeypatch):
-    from compressor.output import ctensors
     from compressor.output.registry import target_for
 
-    monkeypatch.setattr(ctensors, "library_missing", lambda: "not importable: pip install 'compressor[compressed-tensors]'")
+    monkeypatch.setattr("compressor.output.ctensors.writer.library_missing",
+                        lambda: "not importable: pip install 'compressor[compressed-tensors]'")
     why = target_for(["compressed-tensors"], "W4A16").refusal("llama", None)
     assert "compressor[compressed-tensors]" in why
 

@@ -407,7 +407,7 @@ def test_formats_default_to_hf_and_gguf_for_a_gguf_source(tmp_path, tokenizer, i
     assert stages.default_formats(recipe(str(hf))) == ["hf"]
     r = recipe(str(src / "tiny.gguf"))
     stages.default_formats(r)
-    monkeypatch.setattr(gw, "runtime_missing", lambda: "llama-cpp-python is not importable")
+    monkeypatch.setattr("compressor.output.gguf.writer.runtime_missing", lambda: "llama-cpp-python is not importable")
     with pytest.raises(stages.InputError, match=r"gguf is in output.formats by default.*output.formats: \[hf\]"):
         stages._check_writers(r, tokenizer, "llama", stages.resolve_source(r.model.source, r.model.gguf_file))
     sized = recipe(str(src / "tiny.gguf"), size="Q4_K_M")

@@ -108,6 +108,30 @@ def test_no_import_circles():
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def _names_from_own_package(name: str, path: Path) -> set[str]:
+    """``pkg.name`` for every name a module inside ``pkg`` takes from ``pkg``'s ``__init__`` (not a submodule):
+    the ``__init__`` imports its modules, so that is a circle, however late the import runs."""
+    known = _modules()
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module and name.startswith(node.module + "."):
+            out.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" not in known)
+    return out
+
+
+def test_no_module_takes_names_from_its_own_package():
+    """The circle the package-to-its-modules exemption above would hide: ``gguf/target.py`` importing
+    ``GGUFWriter`` from ``compressor.output.gguf``, whose ``__init__`` imports ``target`` to register it."""
+    bad = sorted(f"{m} imports {n}" for m, p in _modules().items() for n in _names_from_own_package(m, p))
+    assert not bad, "names taken from the module's own package __init__ (import them from their module):\n" + "\n".join(bad)
+
+
+def test_the_own_package_check_sees_a_circle(tmp_path):
+    g = tmp_path / "target.py"
+    g.write_text("def f():\n    from compressor.output.gguf import GGUFWriter, read  # noqa\n")
+    assert _names_from_own_package("compressor.output.gguf.target", g) == {"compressor.output.gguf.GGUFWriter"}
+
+
 @pytest.mark.parametrize("bottom", ["compressor.core.errors", "compressor.core.version"])
 def test_bottom_modules_import_nothing_of_the_package(bottom):
     path = PKG.parent / (bottom.replace(".", "/") + ".py")

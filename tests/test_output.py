@@ -63,7 +63,7 @@ def test_the_reload_check_frees_the_rounded_copy_before_it_reloads(tmp_path, mon
 
     from transformers import AutoModelForCausalLM
 
-    import compressor.output.hf as hf
+    import compressor.output.hf.folder as hf
 
     copies, alive_at_reload = [], []
     rounded_copy, from_pretrained = hf.rounded_copy, AutoModelForCausalLM.from_pretrained

@@ -4,13 +4,15 @@ Each format's package (:mod:`compressor.output.gguf`, :mod:`compressor.output.ct
 :mod:`compressor.output.hf`) registers one :class:`Format`: its writer (:class:`~compressor.output.base.Writer`:
 what it can represent, write, verify) and, when a size can be planned into it, its size target
 (:class:`~compressor.sizing.target.SizeTarget`: options, prices, budget, anchor). Nothing else keys anything
-by a format's name: a new format is a new package with one :func:`register_format` call (see
+by a format's name: a new format is a new package with one :func:`register_format` call, named in
+:data:`BUILT_IN` (see
 ``docs/architecture.md``), the shape llama.cpp's ``convert_hf_to_gguf.py`` gives its architectures
 (``@ModelBase.register(...)``).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,10 +45,15 @@ def register_format(fmt: Format) -> Format:
     return fmt
 
 
-def formats() -> dict[str, Format]:
-    """Every registered format (importing :mod:`compressor.output` imports the packages that register them)."""
-    import compressor.output  # noqa: F401
+#: The packages that register the built-in formats, imported by :func:`formats` on first use (a format
+#: defined elsewhere registers itself when its module is imported).
+BUILT_IN = ("compressor.output.ctensors", "compressor.output.gguf", "compressor.output.hf")
 
+
+def formats() -> dict[str, Format]:
+    """Every registered format, the built-in ones imported first."""
+    for package in BUILT_IN:
+        importlib.import_module(package)
     return FORMATS
 
 

@@ -29,37 +29,26 @@ A pruned model (``replacement.kind: prune``) is saved as its base class at the p
 ``hf-standard`` does (:func:`compressor.output.hf.standard.standard_model`); other kinds have no place in a
 plain transformers class and are refused.
 
+Modules: :mod:`.writer` (the writer and its reload check), :mod:`.schemes` (which layer gets which scheme,
+the config), :mod:`.rounding` (rounding and the library's packing), :mod:`.grids` (the integer grids, GPTQ),
+:mod:`.target` (the size target).
+
 Verification reloads the folder with plain ``AutoModelForCausalLM.from_pretrained`` (the library
 decompresses it) and compares its logits with the in-memory model whose quantized weights are replaced by
 the values the file decodes to, to float tolerance; the reloaded model's perplexity on the probe is
 recorded with the change quantizing made (judged, if at all, by the stage that chose the schemes).
 """
 
-from __future__ import annotations
-
-import gc
-import json
-import logging
-import time
-from pathlib import Path
-
-import torch
-from torch import nn
-
-from compressor.core.onload import is_offloaded
-from compressor.output.base import VerificationError, WriteRequest, Writer
-from compressor.output.ctensors.grids import IntScheme, Rounded, get_scheme
-from compressor.output.ctensors.rounding import _compress, _rounded, _with_weights, base_model, round_layers
+from compressor.output.ctensors.grids import IntScheme, Rounded
+from compressor.output.ctensors.rounding import base_model, round_layers
 from compressor.output.ctensors.schemes import (
-    CTENSORS_FORMAT, DEFAULT_SCHEME, FUSED_SIBLINGS, GPTQ_ORDER, INSTALL, JOIN, PACK_FORMAT, SchemePlan, _PLAIN_KINDS,
-    _require_library, fused_units, head_name, head_scheme, layer_schemes, library_missing, linear_bytes, linear_names,
+    CTENSORS_FORMAT, DEFAULT_SCHEME, FUSED_SIBLINGS, GPTQ_ORDER, INSTALL, JOIN, PACK_FORMAT, SchemePlan,
+    fused_units, head_name, head_scheme, layer_schemes, library_missing, linear_bytes, linear_names,
     quantization_config, scheme_counts, tensor_bytes, unit_members,
 )
-from compressor.output.hf import (
-    cast_state_dict, computes_on_gpu, finish_folder, folder_weight_bytes, logit_tolerance, rounded_copy,
-)
-
-logger = logging.getLogger(__name__)
+from compressor.output.ctensors.target import CompressedTensorsTarget
+from compressor.output.ctensors.writer import CompressedTensorsWriter, score_folder
+from compressor.output.registry import Format, register_format
 
 __all__ = [
     "CTENSORS_FORMAT", "DEFAULT_SCHEME", "FUSED_SIBLINGS", "GPTQ_ORDER", "INSTALL", "JOIN", "PACK_FORMAT",
@@ -67,229 +56,5 @@ __all__ = [
     "head_scheme", "layer_schemes", "library_missing", "linear_bytes", "linear_names", "quantization_config",
     "round_layers", "scheme_counts", "score_folder", "tensor_bytes", "unit_members",
 ]
-
-
-# --------------------------------------------------------------------------------------------------
-# The writer
-# --------------------------------------------------------------------------------------------------
-
-
-class CompressedTensorsWriter(Writer):
-    """``compressed-tensors``: the base class with integer ``pack-quantized`` linears (W4A16, W8A16…), loaded
-    by plain transformers with the compressed-tensors package and served by vLLM. Options
-    (``request.options``): ``ct_scheme``, ``ct_schemes``, ``ct_hessians`` (module docstring)."""
-
-    format = "compressed-tensors"
-    description = ("Hugging Face folder of the base class with int4/int8 weights in compressed-tensors' pack-quantized "
-                   "format (llm-compressor's W4A16/W8A16; vLLM serves it); kind prune or none")
-
-    def unsupported(self, model_type: str, kind: str) -> str | None:
-        if (why := library_missing()) is not None:
-            return why
-        from compressor.core.archs import ARCHITECTURES
-
-        spec = ARCHITECTURES.get(model_type)
-        if spec is not None and spec.int_refusal:
-            return (f"model type {model_type!r} cannot be written as compressed-tensors: {spec.int_refusal}; use "
-                    "output.formats: [hf] for this model")
-        if kind not in _PLAIN_KINDS:
-            return (f"the compressed-tensors format stores the base model's own class, which has no place for "
-                    f"{kind} replacements: only kind prune (saved at the pruned width) or none; use kind: prune, or "
-                    "the hf format")
-        if kind == "prune":
-            from compressor.output.hf.standard import StandardWriter
-
-            return StandardWriter().unsupported(model_type, kind)
-        return None
-
-    def check_options(self, options: dict) -> str | None:
-        try:
-            if "ct_scheme" in options and get_scheme(options["ct_scheme"]) is None:
-                return "output ct_scheme: none quantizes nothing; name a scheme, or write hf / hf-standard"
-            mapping = options.get("ct_schemes")
-            if mapping is not None:
-                if not isinstance(mapping, dict):
-                    return f"output ct_schemes must map module names to scheme names, got {type(mapping).__name__}"
-                for scheme in mapping.values():
-                    get_scheme(scheme)
-            hessians = options.get("ct_hessians")
-            if hessians is not None and not isinstance(hessians, dict):
-                return f"output ct_hessians must map module names to [in, in] tensors, got {type(hessians).__name__}"
-        except ValueError as e:
-            return f"output: {e}"
-        return None
-
-    def plan(self, request: WriteRequest) -> SchemePlan:
-        """The writer's options as a plan: schemes from ``ct_scheme`` / ``ct_schemes``, GPTQ where
-        ``ct_hessians`` gives an Ĥ."""
-        return SchemePlan(hessians=request.options.get("ct_hessians"))
-
-    def write(self, request: WriteRequest, folder: Path) -> list[Path]:
-        _require_library()
-        from compressed_tensors import __version__ as ct_version
-
-        model = request.model
-        if is_offloaded(model):
-            raise ValueError("the compressed-tensors writer rounds every weight in memory; an onloaded model "
-                             "(model.offload) cannot be written in this format")
-        if (why := self.check_options(request.options)) is not None:
-            raise ValueError(why)
-        dtype = request.dtype or model.dtype
-        plan = self.plan_of(request)
-        base = base_model(model)
-        schemes = layer_schemes(base, plan.options(request.options))
-        rounded = _rounded(plan, base, schemes, dtype)
-        compressor = _compress(base, schemes, rounded)
-        base.save_pretrained(folder, safe_serialization=True, state_dict=cast_state_dict(base, dtype))
-        del base, rounded
-        compressor.update_config(str(folder))
-        cfg_path, cfg = finish_folder(folder, request.tokenizer, dtype)
-        cfg.pop("auto_map", None)
-        counts = scheme_counts(schemes)
-        head = head_scheme(model, schemes)
-        cfg["compression"] = {**request.compression, "format": CTENSORS_FORMAT,
-                              "quantization": {"library": f"compressed-tensors {ct_version}", "format": PACK_FORMAT,
-                                               "schemes": counts, "gptq_layers": _gptq_layers(plan, schemes),
-                                               "output_head": head}}
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        for name, text in request.extra_files.items():
-            (folder / name).write_text(_card(text, counts, head) if name == "README.md" else text)
-        logger.info("compressed-tensors: %s, %d layer(s) rounded by GPTQ", counts, _gptq_layers(plan, schemes))
-        return sorted(folder.iterdir())
-
-    def verify(self, request: WriteRequest, folder: Path) -> dict:
-        """Reload with plain transformers in the compute dtype; its logits must equal, to the compute dtype's
-        tolerance, those of the in-memory model whose quantized weights are the values the file decodes to
-        and whose other tensors are rounded through the saved dtype. Records the reload's perplexity."""
-        _require_library()
-        from compressed_tensors import __version__ as ct_version
-        from transformers import AutoModelForCausalLM
-
-        from compressor.core.params import count_params
-        from compressor.evaluation.evaluate import perplexity
-
-        t0 = time.perf_counter()
-        model = request.model
-        dtype = request.dtype or model.dtype
-        plan = self.plan_of(request)
-        base = base_model(model)
-        schemes = layer_schemes(base, plan.options(request.options))
-        rounded = _rounded(plan, base, schemes, dtype)
-        plan.codes = None  # verified once: the codes are not needed again
-        stored_bytes = tensor_bytes(base, schemes, dtype)
-        base_cls = type(base)
-        probe, expected = _reference_logits(request, base, rounded, dtype)
-        del base, rounded  # before the reload: never three models in memory at once
-        reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).eval()
-        cls = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
-        if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not base_cls:
-            raise VerificationError(f"the compressed-tensors folder reloaded as {cls}, not the base class "
-                                    f"{base_cls.__name__}; the folder was not published")
-        diff = float((expected - _logits(reloaded, probe)).abs().max())
-        tol = logit_tolerance(model.dtype, computes_on_gpu(model) or computes_on_gpu(reloaded))
-        again = perplexity(reloaded, request.probe_tokens, seq_len=request.probe_seq_len,
-                           stride=request.probe_stride, batch_size=request.probe_batch_size,
-                           desc="compressed-tensors reload check", shard=False)
-        ref_ppl = request.expected_ppl
-        check = {"runtime": "transformers", "compressed_tensors": ct_version, "class": cls, "format": PACK_FORMAT,
-                 "saved_dtype": str(dtype).removeprefix("torch."), "schemes": scheme_counts(schemes),
-                 "gptq_layers": _gptq_layers(plan, schemes),
-                 "tensor_bytes": stored_bytes, "file_bytes": folder_weight_bytes(Path(folder)),
-                 "params": count_params(reloaded), "max_abs_logit_diff": diff, "logit_tolerance": tol,
-                 "compared_with": "the in-memory model with the decoded weights",
-                 "perplexity": again.ppl, "expected_perplexity": ref_ppl,
-                 "quantization_change": again.ppl / ref_ppl - 1.0 if ref_ppl else None,
-                 "passed": diff <= tol, "seconds": time.perf_counter() - t0}
-        if not check["passed"]:
-            raise VerificationError(
-                f"compressed-tensors reload check failed: max |Δlogit| {diff:.3g} against the in-memory model with the "
-                f"decoded weights (tolerance {tol:g}); the folder was not published")
-        if plan.measured:  # a plan's file is measured where it runs, for the size stage's gate
-            check.update(quant="plan", disk_bytes=check["file_bytes"], file_bytes=stored_bytes,
-                         domains=_score(reloaded, _gate_domains(request)))
-        # freed now: reference cycles in a reloaded model wait for a full collection, and the next model (the
-        # anchor; Qwen2.5-1.5B: 7 GB in float32) must not be loaded beside it
-        del reloaded
-        gc.collect()
-        return check
-
-
-def _gate_domains(request: WriteRequest) -> list[dict]:
-    """Every gate domain (``options['gate_domains']``), else the verification probe."""
-    return request.options.get("gate_domains") or [
-        {"name": "probe", "tokens": request.probe_tokens, "seq_len": request.probe_seq_len,
-         "stride": request.probe_stride, "reference_ppl": request.expected_ppl}]
-
-
-def _score(model: nn.Module, domains: list[dict]) -> list[dict]:
-    """A reloaded checkpoint on every gate domain: its rows (perplexity, change, KL from the original's teacher
-    where the domain carries it) with each window's scores for the size gate."""
-    from compressor.evaluation.evaluate import model_scores
-
-    return [model_scores(model, d["tokens"], d["seq_len"], d["stride"], d.get("teacher")).row(
-        d["name"], d.get("reference_ppl")) for d in domains]
-
-
-def score_folder(folder: Path, domains: list[dict], dtype: torch.dtype) -> dict:
-    """A checkpoint folder reloaded by plain transformers, scored on every gate domain (``name →
-    WindowScores``): the anchor a size plan is measured beside."""
-    from transformers import AutoModelForCausalLM
-
-    reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    scores = {row["name"]: row["scores"] for row in _score(reloaded, domains)}
-    del reloaded  # as in verify: before another model is loaded
-    gc.collect()
-    return scores
-
-
-def _gptq_layers(plan: SchemePlan, schemes: dict[str, IntScheme | None]) -> int:
-    """Quantized layers rounded by GPTQ (:meth:`SchemePlan.gptq_layers`)."""
-    return len(plan.gptq_layers() & {n for n, s in schemes.items() if s is not None})
-
-
-@torch.no_grad()
-def _reference_logits(request: WriteRequest, base: nn.Module, rounded: dict[str, Rounded],
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The probe windows (at most 2) and the logits of ``base`` with every tensor rounded through the saved
-    ``dtype`` and each quantized weight its decoded values (what the reload computes with)."""
-    tokens, seq_len = request.probe_tokens, request.probe_seq_len
-    if tokens is None:
-        raise ValueError("the compressed-tensors reload check needs probe tokens (request.probe_tokens)")
-    n = min(2, max(1, tokens.numel() // seq_len))
-    probe = tokens[: n * min(seq_len, tokens.numel() // n)].view(n, -1)
-    compute = next(base.parameters()).dtype
-    # base's tensors are shared with the model: rounding copies them, all but the weights replaced below
-    ref = base if dtype == compute else rounded_copy(base, dtype, [base.get_submodule(n).weight for n in rounded])
-    _with_weights(ref, rounded, compute)
-    logits = _logits(ref, probe)
-    del ref
-    return probe, logits
-
-
-@torch.no_grad()
-def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    device = model.get_input_embeddings().weight.device
-    return model(input_ids=input_ids.to(device)).logits.float().cpu()
-
-
-def _card(card: str, counts: dict[str, int], head: str) -> str:
-    """The model card with its Load section for a compressed-tensors folder (no custom code)."""
-    schemes = ", ".join(f"{k} × {v}" for k, v in counts.items())
-    serve = ("vLLM serves it as it is (`vllm serve path/to/this/folder`)" if head.startswith("unquantized") else
-             f"the output head is quantized too ({head}), which a runtime must read: vLLM routes a quantized "
-             "`lm_head` to its compressed-tensors kernels since its PR #37291 (not checked by compressor); for a "
-             "runtime that does not, write the folder again with `output.ct_head: keep`")
-    note = (f"Saved in the compressed-tensors `{PACK_FORMAT}` format (linear layers: {schemes}): plain transformers "
-            "loads it with the `compressed-tensors` package installed (`pip install compressed-tensors`), no custom "
-            f"code and no flags; {serve}.\n\n## Load\n")
-    from compressor.output.hf.standard import plain_load_card
-
-    return plain_load_card(card, note)
-
-
-
-
-from compressor.output.ctensors.target import CompressedTensorsTarget  # noqa: E402  (it reads the writer above)
-from compressor.output.registry import Format, register_format  # noqa: E402
 
 register_format(Format("compressed-tensors", CompressedTensorsWriter, CompressedTensorsTarget))

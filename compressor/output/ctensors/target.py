@@ -78,7 +78,7 @@ class CompressedTensorsTarget(SizeTarget):
         return f"the uniform {name} checkpoint"
 
     def refusal(self, model_type: str, src, config=None) -> str | None:
-        from compressor.output.ctensors import CompressedTensorsWriter
+        from compressor.output.ctensors.writer import CompressedTensorsWriter
 
         return CompressedTensorsWriter().unsupported(model_type, "none")
 
@@ -208,7 +208,7 @@ class CompressedTensorsTarget(SizeTarget):
         that rounded the file, :meth:`anchor_plan`), written and reloaded by plain transformers like the file,
         scored on the gate's windows, then removed."""
         from compressor.output.registry import get_writer
-        from compressor.output.ctensors import score_folder
+        from compressor.output.ctensors.writer import score_folder
 
         scheme = preset["name"]
         plan = run.anchor_plan()

@@ -112,7 +112,8 @@ def f16_request(request: WriteRequest) -> WriteRequest:
 
 def measure_budget(size: Size, request: WriteRequest, workdir: Path) -> Budget:
     """Write the F16 file into ``workdir`` and resolve ``size`` against it (and the preset, when named)."""
-    from compressor.output.gguf import PRESETS, quantize_file, write_gguf
+    from compressor.output.gguf.encode import PRESETS, quantize_file
+    from compressor.output.gguf.write import write_gguf
 
     f16 = workdir / "f16.gguf"
     converted = None
@@ -183,7 +184,7 @@ PRESET_TRIES = 3
 def largest_preset(f16: Path, limit: int, layout: Layout, workdir: Path) -> dict | None:
     """llama.cpp's largest preset whose file fits ``limit`` bytes, made from the F16 (what a user with that
     many bytes would ship, measured beside the plan); None when none of the tried ones fits."""
-    from compressor.output.gguf import PRESETS, quantize_file
+    from compressor.output.gguf.encode import PRESETS, quantize_file
 
     weights = sum(n // 2 for n in layout.planned.values())  # F16: two bytes a weight
     tries = 0

@@ -44,7 +44,9 @@ class GGUFTarget(SizeTarget):
         """A GGUF source is re-quantized in its own architecture, which any llama.cpp-loadable model type with
         a tensor-name map allows; a Hugging Face folder is planned in the F16 llama.cpp's converter makes of it,
         so any architecture the converter converts (:func:`~compressor.output.gguf.converter.refusal`)."""
-        from compressor.output.gguf import REQUANTIZE_ARCH, arch_refusal, runtime_missing
+        from compressor.output.gguf.naming import REQUANTIZE_ARCH
+        from compressor.output.gguf.plan import arch_refusal
+        from compressor.output.gguf.writer import runtime_missing
         from compressor.output.gguf.converter import refusal
 
         if src.gguf_file:
@@ -102,7 +104,8 @@ class GGUFTarget(SizeTarget):
 
     def store(self, name: str, option: str, raw, request):
         """Bytes GPTQ made in the weight's row order (:meth:`round_full`'s, or pricing's), in the file's."""
-        from compressor.output.gguf import file_arch, to_file_rows
+        from compressor.output.gguf.naming import to_file_rows
+        from compressor.output.gguf.plan import file_arch
 
         if self._converted is not None:
             return self._converted.to_file_rows(name, raw)
@@ -141,7 +144,7 @@ class GGUFTarget(SizeTarget):
     def file_plan(self, plan, request):
         """The plan's types re-quantizing llama.cpp's converter's F16 of a Hugging Face folder (its unplanned
         tensors copied as the converter wrote them), or the GGUF source (in F16 where not planned)."""
-        from compressor.output.gguf import Requantized
+        from compressor.output.gguf.plan import Requantized
 
         if self._base is not None:
             return Requantized(Path(self._base), dict(plan.types), plan.imatrix, None, plan.stored)
@@ -163,7 +166,7 @@ class GGUFTarget(SizeTarget):
     def measure_anchor(self, run, preset: dict) -> dict:
         """The preset file in llama.cpp on each gate domain's windows (with the KL from the original where the
         domain carries its teacher)."""
-        from compressor.output.gguf import read
+        from compressor.output.gguf import read  # the module
 
         return {d["name"]: read.read_scores(Path(preset["path"]), d["tokens"], d["seq_len"], d["stride"],
                                             d.get("teacher"))
@@ -174,7 +177,7 @@ def gguf_namer(model) -> Callable[[str], str | None]:
     """Hugging Face parameter name → GGUF tensor name (gguf-py's map for the model's architecture)."""
     import gguf
 
-    from compressor.output.gguf import REQUANTIZE_ARCH
+    from compressor.output.gguf.naming import REQUANTIZE_ARCH
 
     cfg = getattr(model.config, "text_config", None) or model.config
     model_type = str(cfg.model_type).removeprefix("compressed_")

@@ -41,7 +41,7 @@ from torch import nn
 from compressor.core.archs import ARCHITECTURES, arch_for, find_blocks
 from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
 from compressor.output.base import VerificationError, WriteRequest, Writer
-from compressor.output.hf import (
+from compressor.output.hf.folder import (
     cast_state_dict, compare_reloaded, finish_folder, reference_logits,
 )
 
