@@ -64,6 +64,25 @@ def _evaluations(model) -> dict:
             "ppl": perplexity(model, tokens, seq_len=32, stride=24, batch_size=2).to_json()}
 
 
+def _size_statistics(model, parallel: bool) -> dict[str, torch.Tensor]:
+    """The size plan's statistics (F and Ĥ), whole-model and layer-sequential, each rank running its share."""
+    from compressor.engine.layerwise import layer_moments, output_fisher_sequential
+    from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
+
+    w, names = random_windows(11, SEQ, seed=4), linear_names(model)
+    out = {}
+    for tag, fisher in (("F", output_fisher), ("Fseq", output_fisher_sequential)):
+        f = fisher(model, w, batch_size=1, parallel=parallel)
+        out.update({f"{tag}.{k}": v for k, v in f.grad_sq.items()})
+    tokens: dict[str, int] = {}
+    out.update({f"H.{k}": v for k, v in input_moments(model, w, names, batch_size=2, tokens=tokens,
+                                                          parallel=parallel).items()})
+    out["H.tokens"] = torch.tensor([tokens[n] for n in names])
+    for _, moments in layer_moments(model, w, batch_size=2, parallel=parallel):
+        out.update({f"Hseq.{k}": v for k, v in moments.items()})
+    return out
+
+
 def _pipeline_recipe(source: Path, out: Path) -> dict:
     return {
         "model": {"source": str(source)},
@@ -81,6 +100,21 @@ def _run_pipeline(recipe: dict) -> dict:
     return {"exit_code": res.exit_code, "blocks": res.report["blocks"], "ppl": res.report["perplexity"]}
 
 
+SIZE_RUNS = {"gguf": ("Q4_0", "none"), "gguf-onloaded": ("Q4_0", "disk"), "compressed-tensors": ("W4A16", "none")}
+"""A GGUF size in memory and onloaded (layer by layer), and a compressed-tensors one (cross-fitted moments)."""
+
+
+def _size_run(folder: Path, out: str, run: str) -> dict:
+    """A size plan of a tiny Llama folder (:data:`SIZE_RUNS`): its exit code and what it planned."""
+    from test_size_stream import _recipe
+
+    size, offload = SIZE_RUNS[run]
+    res = compressor.run(_recipe(folder, folder / "src", out, offload, size=size))
+    plan = res.report.get("size_plan", {})
+    return {"exit_code": res.exit_code, "message": res.report.get("message"),
+            "types": {r.get("tensor", r.get("module")): r.get("type", r.get("scheme")) for r in plan.get("tensors", [])}}
+
+
 def _rank_main(rank: int, port: int, folder: str) -> None:
     import torch.distributed as dist
 
@@ -90,7 +124,11 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
     try:
         folder = Path(folder)
         result = {"walk": _walk_state(tiny_model("llama")), "eval": _evaluations(tiny_model("llama")),
-                  "run": _run_pipeline(_pipeline_recipe(folder / "in", folder / "out-ranks"))}
+                  "statistics": _size_statistics(tiny_model("llama"), parallel=True),
+                  # a step rank 0 runs alone under the process group: no collective, the same bits
+                  "alone": _size_statistics(tiny_model("llama"), parallel=False) if rank == 0 else None,
+                  "run": _run_pipeline(_pipeline_recipe(folder / "in", folder / "out-ranks")),
+                  "size": {run: _size_run(folder / "size", f"ranks-{run}", run) for run in SIZE_RUNS}}
         torch.save(result, folder / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -107,6 +145,11 @@ def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     """One spawn of WORLD ranks (starting processes is most of the cost) running every job."""
     folder = tmp_path_factory.mktemp("ranks")
     save_tiny_checkpoint(folder / "in", "llama")
+    pytest.importorskip("llama_cpp")
+    from test_size_stream import _folder
+
+    (folder / "size").mkdir()
+    _folder(folder / "size")
     env = {"COMPRESSOR_CACHE_DIR": str(folder / "cache")}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # inherited by the ranks and by the 1-process reference runs
@@ -199,6 +242,17 @@ def test_two_ranks_equal_one_process_statistics_and_evaluation(ranks):
     assert any(k.endswith("heldout.spike.n") and int(v[0]) > 0 for k, v in walk.items())
 
 
+def test_two_ranks_equal_one_process_size_statistics(ranks):
+    """F and Ĥ of a size plan (whole-model and layer by layer) from two ranks' halves of the batches: the same bits
+    as one process running them all, and as rank 0 running them all alone under the process group."""
+    _, results = ranks
+    one = _size_statistics(tiny_model("llama"), parallel=False)
+    assert any(k.startswith("Hseq.") for k in one) and any(k.startswith("Fseq.") for k in one)
+    for r in results:
+        _assert_same(r["statistics"], one, "statistics")
+    _assert_same(results[0]["alone"], one, "alone")
+
+
 def test_two_ranks_write_the_same_checkpoint_as_one_process(ranks):
     folder, results = ranks
     one = _run_pipeline(_pipeline_recipe(folder / "in", folder / "out-one"))
@@ -209,7 +263,25 @@ def test_two_ranks_write_the_same_checkpoint_as_one_process(ranks):
               for name in ("out-one", "out-ranks")}
     assert digest["out-one"] == digest["out-ranks"]
     # rank 0 alone wrote: one output folder, no stray temporary folder, no cache, no leftovers
-    assert sorted(p.name for p in folder.iterdir()) == ["in", "out-one", "out-ranks"]
+    assert sorted(p.name for p in folder.iterdir() if p.name != "size") == ["in", "out-one", "out-ranks"]
+
+
+@pytest.mark.parametrize("run", sorted(SIZE_RUNS))
+def test_two_ranks_plan_the_same_size_file_as_one_process(ranks, run):
+    """A size run under two gloo ranks (each measuring half the statistics' batches: in memory, onloaded layer by
+    layer, cross-fitted halves) writes the files one process writes, byte for byte; rank 0 alone wrote them."""
+    folder, results = ranks
+    size = folder / "size"
+    one = _size_run(size, f"one-{run}", run)
+    assert one["exit_code"] == 0 and one["types"], one["message"]
+    for r in results:
+        _assert_same(r["size"][run], one, run)
+    files = sorted(p.relative_to(size / f"one-{run}") for p in (size / f"one-{run}").rglob("*")
+                   if p.suffix in (".gguf", ".safetensors"))
+    assert files
+    for f in files:
+        assert (size / f"one-{run}" / f).read_bytes() == (size / f"ranks-{run}" / f).read_bytes(), f
+    assert not list(size.glob(".*.size-*")) and not list(size.glob(".*staging*"))
 
 
 if __name__ == "__main__":

@@ -251,21 +251,27 @@ class TreeReduce(Generic[T]):
     ``items`` are this rank's items (push their partials in that order); :meth:`result`
     is a collective and returns the same merged partial (or None when ``n`` is 0) on every rank.
 
+    ``levels``: the tree's binary splits (:data:`TREE_DEPTH`); the partials alive at once are ``levels + 2``, so
+    a large partial (a layer's input moments) takes ``levels=1``: the same bits for 1 or 2 ranks (more agree to
+    rounding). ``ranks=False``: this process alone, every item its own, whatever the process group (a step rank 0
+    runs by itself); the order, and so the result, is the same as across ranks.
+
     >>> tr = TreeReduce(5, merge=lambda a, b: a + b)
     >>> for i in tr.items: tr.push(i, float(i))
     >>> tr.result()   # ((0 + 1) + (2 + (3 + 4)))
     10.0
     """
 
-    def __init__(self, n: int, merge: Callable[[T, T], T], *, portable: Callable[[T], T] = lambda p: p) -> None:
-        w, r = world_size(), rank()
+    def __init__(self, n: int, merge: Callable[[T, T], T], *, portable: Callable[[T], T] = lambda p: p,
+                 levels: int = TREE_DEPTH, ranks: bool = True) -> None:
+        w, r = (world_size(), rank()) if ranks else (1, 0)
         self.depth = math.ceil(math.log2(w)) if w > 1 else 0
         self.nodes = tree_nodes(0, n, self.depth)
         k = len(self.nodes)
         self.mine = list(range(r * k // w, (r + 1) * k // w))
         self.items = [i for j in self.mine for i in range(*self.nodes[j])]
         self._merge, self._portable = merge, portable
-        levels = max(TREE_DEPTH - self.depth, 0)
+        levels = max(levels - self.depth, 0)
         self._stacks = {j: _Stack(*self.nodes[j], merge, levels) for j in self.mine}
         self._owner = {i: j for j in self.mine for i in range(*self.nodes[j])}
 

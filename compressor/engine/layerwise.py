@@ -124,7 +124,8 @@ def _embedding_backward(model: nn.Module, layers: nn.ModuleList, emb: torch.Tens
 
 
 def output_fisher_sequential(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8,
-                             names: list[str] | None = None, counted: torch.Tensor | None = None) -> Fisher:
+                             names: list[str] | None = None, counted: torch.Tensor | None = None,
+                             parallel: bool = False) -> Fisher:
     """:func:`~compressor.engine.tensorstats.output_fisher`, measured one decoder layer at a time (the same
     arguments and result): for a model whose layers are onloaded (:mod:`compressor.core.onload`). Holds every
     layer's input hidden states of ``windows`` (float32: ``layers × tokens × d × 4`` bytes; 8,192 tokens of
@@ -135,8 +136,10 @@ def output_fisher_sequential(model: nn.Module, windows: torch.Tensor, *, batch_s
     embed = model.get_input_embeddings()
     device = execution_device(embed)
     rows = backward_rows(model, windows.shape[1], batch_size)
-    batches = [windows[f:f + rows].to(device) for f in range(0, windows.shape[0], rows)]
-    with frozen(model):
+    starts = range(0, windows.shape[0], rows)
+    with frozen(model), GradSquares(model, names, len(starts), parallel) as squares:
+        mine = squares.items  # this rank's batches (all of them in one process)
+        batches = [windows[starts[b]:starts[b] + rows].to(device) for b in mine]
         embs, saved, grads = [], [], []
         for ids in progress(batches, desc="price: loss gradients (forward)", unit="batch"):
             with torch.no_grad():
@@ -144,44 +147,45 @@ def output_fisher_sequential(model: nn.Module, windows: torch.Tensor, *, batch_s
             inputs, last = _layer_inputs(model, layers, embs[-1])
             saved.append(inputs)
             grads.append(last)
-        with GradSquares(model, names) as squares:
-            for b, ids in enumerate(batches):  # the head: one batch at a time, in order
-                grads[b] = _head_backward(model, path, grads[b], ids)
-            for i in progress(range(len(layers) - 1, -1, -1), desc="price: loss gradients (backward)",
-                              unit="layer"):
-                for b in range(len(batches)):
-                    grads[b] = _layer_backward(layers[i], saved[b][i], grads[b])
-                    saved[b][i] = None  # this layer's input is no longer needed
-            for b in range(len(batches)):
-                squares.add(EMBEDDING, _embedding_backward(model, layers, embs[b], grads[b]))
-    return squares.fisher(windows.numel(), windows if counted is None else counted)
+        for k, ids in enumerate(batches):  # the head: one batch at a time, in order
+            squares.begin(mine[k])
+            grads[k] = _head_backward(model, path, grads[k], ids)
+        for i in progress(range(len(layers) - 1, -1, -1), desc="price: loss gradients (backward)", unit="layer"):
+            for k in range(len(batches)):
+                squares.begin(mine[k])
+                grads[k] = _layer_backward(layers[i], saved[k][i], grads[k])
+                saved[k][i] = None  # this layer's input is no longer needed
+        for k in range(len(batches)):
+            squares.begin(mine[k])
+            squares.add(EMBEDDING, _embedding_backward(model, layers, embs[k], grads[k]))
+        return squares.fisher(windows.numel(), windows if counted is None else counted)
 
 
-def layer_moments(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8,
-                  names: list[str] | None = None) -> Iterator[tuple[list[str], dict[str, torch.Tensor]]]:
+def layer_moments(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8, names: list[str] | None = None,
+                  parallel: bool = False) -> Iterator[tuple[list[str], dict[str, torch.Tensor]]]:
     """:func:`~compressor.engine.tensorstats.input_moments` of every linear in ``names`` (default: all), one
     decoder layer at a time: yields ``(that layer's linears, their moments)`` layer by layer, then the linears
     that run after the layers (the output head, fed the final norm of the last layer's output). The same
     batches and sums as the whole-model passes. Holds the hidden states of every window (float32) and one
     layer's weights and moments."""
     names = linear_names(model) if names is None else names
-    walker = LayerWalker(model, {"calibration": windows}, batch_size=batch_size)
-    path, n_tokens = walker.blocks_path, windows.numel()
+    walker = LayerWalker(model, {"calibration": windows}, batch_size=batch_size, parallel=parallel)
+    path, n_tokens, n_batches = walker.blocks_path, windows.numel(), len(walker.batches)
     stream = walker.inputs
     for i in range(len(walker.layers)):
         mine = [n for n in names if n.startswith(f"{path}.{i}.")]
-        with MomentTaps(model, mine) as taps:
-            taps.next_batch()
-            stream = walker.forward_layer(i, stream, on_batch=lambda b, y: taps.next_batch())
+        with MomentTaps(model, mine, n_batches, parallel=parallel) as taps:
+            stream = walker.forward_layer(i, stream, on_batch=lambda b, y: taps.end_batch(b))
         yield mine, taps.moments(n_tokens)
     rest = [n for n in names if not n.startswith(f"{path}.")]
     if rest:
         device = execution_device(model.get_input_embeddings())
-        with MomentTaps(model, rest, stop=True) as taps, _without_layers(model, path), torch.no_grad():
-            for h in stream:
-                taps.next_batch()
+        with MomentTaps(model, rest, n_batches, stop=True, parallel=parallel) as taps, \
+                _without_layers(model, path), torch.no_grad():
+            for b, h in zip(walker.local, stream):
                 try:
                     model(inputs_embeds=h.to(device), use_cache=False)
                 except _AllSeen:
                     pass
+                taps.end_batch(b)
         yield rest, taps.moments(n_tokens)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compressor.core.distributed import TreeReduce
 from compressor.core.progress import progress
 from compressor.engine.sensitivity import backward_rows, frozen, summed_loss_backward
 
@@ -55,21 +56,39 @@ def linear_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
+def _add_dicts(a: dict, b: dict) -> dict:
+    """``a + b`` key by key (in place on ``a``; a key in one only is kept as it is)."""
+    for k, v in b.items():
+        a[k] = a[k].add_(v) if k in a else v
+    return a
+
+
 class GradSquares:
     """Sums of the squared loss gradient at module outputs: backward hooks on every module in ``names``, added
-    per batch (float32 within a batch, float64 across), removed on exit."""
+    per batch (float32 within a batch, float64 across), removed on exit. The batches' sums are merged in the
+    canonical tree order (:class:`~compressor.core.distributed.TreeReduce`): the same bits whether one process
+    ran every batch or ranks ran shares (``parallel``) — run :attr:`items`, calling :meth:`begin` before each."""
 
-    def __init__(self, model: nn.Module, names: list[str]) -> None:
+    def __init__(self, model: nn.Module, names: list[str], n_batches: int, parallel: bool = False) -> None:
         self.model, self.names = model, names
-        self.sums: dict[str, torch.Tensor] = {}
+        self.tree = TreeReduce(n_batches, _add_dicts, ranks=parallel)
+        self.items = self.tree.items
+        """The batches this process runs, in order (all of them in one process)."""
+        self.per_batch: dict[int, dict[str, torch.Tensor]] = {}
+        self.batch: int | None = None
         self._handles: list = []
+
+    def begin(self, b: int) -> None:
+        """Gradients seen from now on are batch ``b``'s (batches may interleave: set it before each)."""
+        self.batch = b
 
     def add(self, key: str, g: torch.Tensor) -> None:
         # squares summed in float32 within a batch (a few thousand positive terms), then float64 across batches:
         # a float64 copy of every gradient took 13 % of SmolLM2's pass
         g = g.detach().reshape(-1, g.shape[-1]).float()
         g2 = g.square().sum(0).double().cpu()
-        self.sums[key] = g2 if key not in self.sums else self.sums[key] + g2
+        sums = self.per_batch.setdefault(self.batch, {})
+        sums[key] = g2 if key not in sums else sums[key] + g2
 
     def __enter__(self) -> "GradSquares":
         def hook(name: str):
@@ -87,25 +106,33 @@ class GradSquares:
         self._handles.clear()
 
     def fisher(self, n_tokens: int, counted: torch.Tensor) -> Fisher:
-        """The means over ``n_tokens`` and the token counts of ``counted``."""
+        """The means over ``n_tokens`` and the token counts of ``counted`` (with ``parallel``, a collective)."""
+        for b in self.items:
+            self.tree.push(b, self.per_batch.pop(b, {}))
+        sums = self.tree.result() or {}
         vocab = self.model.get_input_embeddings().weight.shape[0]
         counts = torch.bincount(counted.flatten().cpu(), minlength=vocab).double()[:vocab]
-        return Fisher({k: v / n_tokens for k, v in self.sums.items()}, counts, counted.numel())
+        return Fisher({k: v / n_tokens for k, v in sums.items()}, counts, counted.numel())
 
 
 def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8,
-                  names: list[str] | None = None, counted: torch.Tensor | None = None) -> Fisher:
+                  names: list[str] | None = None, counted: torch.Tensor | None = None,
+                  parallel: bool = False) -> Fisher:
     """One forward + backward per batch of ``windows`` ([n, seq_len] token ids): ``F`` at the output of
     each linear in ``names`` (default: all) and of the token embedding. The token counts are of
     ``counted`` (default ``windows``): a token's frequency needs no pass, so it can come from more text
     than the gradients do. The whole model's weights are alive during each backward: an onloaded model is
-    measured one layer at a time instead (:func:`compressor.engine.layerwise.output_fisher_sequential`)."""
+    measured one layer at a time instead (:func:`compressor.engine.layerwise.output_fisher_sequential`).
+    ``parallel``: under a process group, each rank runs its share of the batches (a collective)."""
     names = linear_names(model) if names is None else names
     embed = model.get_input_embeddings()
     rows = backward_rows(model, windows.shape[1], batch_size)
-    with GradSquares(model, names) as squares, frozen(model):
-        for first in progress(range(0, windows.shape[0], rows), desc="price: loss gradients", unit="batch"):
-            squares.add(EMBEDDING, summed_loss_backward(model, windows[first:first + rows].to(embed.weight.device)))
+    starts = range(0, windows.shape[0], rows)
+    with GradSquares(model, names, len(starts), parallel) as squares, frozen(model):
+        for b in progress(squares.items, desc="price: loss gradients", unit="batch"):
+            squares.begin(b)
+            ids = windows[starts[b]:starts[b] + rows].to(embed.weight.device)
+            squares.add(EMBEDDING, summed_loss_backward(model, ids))
     return squares.fisher(windows.numel(), windows if counted is None else counted)
 
 
@@ -166,15 +193,25 @@ class _AllSeen(Exception):
 class MomentTaps:
     """Forward pre-hooks that add each batch's ``XᵀX`` at the input of every linear in ``names``: modules that
     read the same tensor (q/k/v, gate/up) share one sum. With ``stop``, a batch's forward is cut short
-    (:class:`_AllSeen`) once every module has read its input. Call :meth:`next_batch` before each batch;
-    the hooks are removed on exit."""
+    (:class:`_AllSeen`) once every module has read its input. Run the batches of :attr:`items` in order, calling
+    :meth:`end_batch` after each; the hooks are removed on exit.
 
-    def __init__(self, model: nn.Module, names: list[str], stop: bool = False) -> None:
+    The batches' sums merge in the canonical tree order with one split (``TreeReduce(levels=1)``: the first
+    half's sum, then the second's, then the two added — one more partial alive than a running sum, where the
+    default tree would hold five of these d_in² matrices): the same bits in one process or across two ranks
+    (``parallel``: each runs its half)."""
+
+    def __init__(self, model: nn.Module, names: list[str], n_batches: int, stop: bool = False,
+                 parallel: bool = False) -> None:
         self.model, self.wanted, self.stop = model, set(names), stop
-        self.sums: dict[str, torch.Tensor] = {}
+        self.tree = TreeReduce(n_batches, _merge_taps, portable=_cpu_taps, levels=1, ranks=parallel)
+        self.items = self.tree.items
+        """The batches this process runs, in order (all of them in one process)."""
         self.rows: dict[str, int] = {}
         """Tokens each module read (a routed expert reads the tokens sent to it; every other module all)."""
         self.alias: dict[str, str] = {}
+        self._sums: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, int] = {}
         self._seen: set[str] = set()
         # this batch's inputs by tensor identity → (the module that took it first, the tensor, held so that
         # its memory cannot be reused by a later input of the same batch)
@@ -193,8 +230,8 @@ class MomentTaps:
                 if _autocast_bfloat16(x.device.type):  # the input as the layer multiplies it
                     x = x.to(torch.bfloat16)
                 xx = gram(x).cpu()
-                self.sums[name] = xx if name not in self.sums else self.sums[name] + xx
-                self.rows[name] = self.rows.get(name, 0) + x.shape[0]
+                self._sums[name] = xx if name not in self._sums else self._sums[name] + xx
+                self._rows[name] = self._rows.get(name, 0) + x.shape[0]
             self._seen.add(name)
             if self.stop and len(self._seen) == len(self.wanted):
                 raise _AllSeen
@@ -209,36 +246,54 @@ class MomentTaps:
             h.remove()
         self._handles.clear()
 
-    def next_batch(self) -> None:
+    def end_batch(self, b: int) -> None:
+        """Batch ``b`` has run: its sums join the tree."""
+        self.tree.push(b, (self._sums, self._rows))
+        self._sums, self._rows = {}, {}
         self._first_reader.clear()
         self._seen.clear()
 
     def moments(self, n_tokens: int) -> dict[str, torch.Tensor]:
         """The means over the tokens each module read (float32 [d_in, d_in], CPU): ``n_tokens``, or fewer for a
         routed expert (its Ĥ is the mean over the tokens sent to it; its F, a mean over all tokens, carries how
-        often it is chosen). Shared matrices kept shared."""
-        out = {k: v.div_(min(self.rows.get(k, n_tokens), n_tokens) or 1) for k, v in self.sums.items()}
+        often it is chosen). Shared matrices kept shared. With ``parallel``, a collective."""
+        sums, rows = self.tree.result() or ({}, {})
+        self.rows = dict(rows)
+        out = {k: v.div_(min(rows.get(k, n_tokens), n_tokens) or 1) for k, v in sums.items()}
         for name, src in self.alias.items():
             out[name] = out[src]
             self.rows[name] = self.rows[src]
         return out
 
 
+def _merge_taps(a: tuple[dict, dict], b: tuple[dict, dict]) -> tuple[dict, dict]:
+    for k, n in b[1].items():
+        a[1][k] = a[1].get(k, 0) + n
+    return _add_dicts(a[0], b[0]), a[1]
+
+
+def _cpu_taps(p: tuple[dict, dict]) -> tuple[dict, dict]:
+    return {k: v.cpu() for k, v in p[0].items()}, p[1]
+
+
 def input_moments(model: nn.Module, windows: torch.Tensor, names: list[str], *,
-                  batch_size: int = 8, tokens: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+                  batch_size: int = 8, tokens: dict[str, int] | None = None,
+                  parallel: bool = False) -> dict[str, torch.Tensor]:
     """``Ĥ = mean_t x_t x_tᵀ`` (float32 [d_in, d_in], CPU) at the input of each linear in ``names``; modules
     that read the same tensor get the same matrix object. Each batch's forward pass stops once every named
     module has read its input (moments of the first layers cost only the first layers' compute). An onloaded
     model is measured one layer at a time instead (:func:`compressor.engine.layerwise.layer_moments`).
-    ``tokens``: filled with the tokens each module read (fewer than all for a routed expert)."""
+    ``tokens``: filled with the tokens each module read (fewer than all for a routed expert). ``parallel``:
+    under a process group, each rank runs its share of the batches (a collective)."""
     device = model.get_input_embeddings().weight.device
-    with MomentTaps(model, names, stop=True) as taps, torch.no_grad():
-        for first in progress(range(0, windows.shape[0], batch_size), desc="price: input moments", unit="batch"):
-            taps.next_batch()
+    starts = range(0, windows.shape[0], batch_size)
+    with MomentTaps(model, names, len(starts), stop=True, parallel=parallel) as taps, torch.no_grad():
+        for b in progress(taps.items, desc="price: input moments", unit="batch"):
             try:
-                model(windows[first:first + batch_size].to(device), use_cache=False)
+                model(windows[starts[b]:starts[b] + batch_size].to(device), use_cache=False)
             except _AllSeen:
                 pass
+            taps.end_batch(b)
     out = taps.moments(windows.numel())
     if tokens is not None:
         tokens.update(taps.rows)

@@ -106,15 +106,17 @@ class _Taps:
 
 
 class LayerWalker:
-    """Captured layer-0 inputs for a set of windows and the per-layer call arguments.
+    """Captured layer-0 inputs for a set of windows and the per-layer call arguments. Under a process group
+    each rank holds its share of the batches; ``parallel=False``: this process holds them all (a step one rank
+    runs alone), the reductions in the same order.
 
     >>> walker = LayerWalker(model, {"fit": fit_windows, "heldout": held_windows})   # doctest: +SKIP
     >>> for i, stats in walker.walk(on_layer=lambda i, st: None): ...                 # doctest: +SKIP
     """
 
     def __init__(self, model: nn.Module, windows: dict[str, torch.Tensor], *, batch_size: int = 8,
-                 store_dtype: torch.dtype | None = None) -> None:
-        self.model = model
+                 store_dtype: torch.dtype | None = None, parallel: bool = True) -> None:
+        self.model, self.parallel = model, parallel
         self.model_type, self.spec = arch_for(model)
         self.blocks_path, self.layers = find_blocks(model, self.spec)
         self.batch_size = batch_size
@@ -134,8 +136,7 @@ class LayerWalker:
         self._layer_args: dict[tuple[int, int], list[tuple[tuple, dict]]] = {}
         self.inputs: list[torch.Tensor] = self._capture()
 
-    @staticmethod
-    def _tree(first: int, end: int) -> TreeReduce:
+    def _tree(self, first: int, end: int) -> TreeReduce:
         def merge(a, b):
             a[0].merge_(b[0])
             return a[0], (a[1].merge_(b[1]) if a[1] is not None else None)
@@ -143,7 +144,7 @@ class LayerWalker:
         def portable(p):  # what goes through all_gather lives on the CPU
             return p[0].to("cpu"), None if p[1] is None else p[1].to("cpu")
 
-        return TreeReduce(end - first, merge, portable=portable)
+        return TreeReduce(end - first, merge, portable=portable, ranks=self.parallel)
 
     # -- capture ------------------------------------------------------------
     @torch.no_grad()

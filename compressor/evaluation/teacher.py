@@ -182,6 +182,23 @@ def _kl_terms(student_logp: torch.Tensor, t_logp: torch.Tensor, t_idx: torch.Ten
 
 
 @torch.no_grad()
+def complete_rows(teacher: TeacherCache) -> TeacherCache:
+    """Every window's rows on every rank (a collective; nothing to do in one process): for a step rank 0 runs
+    alone over all the windows, as the size stage's gate scoring a file in llama.cpp (:func:`kl_terms`). The
+    cache stays split for :func:`evaluate`, which still scores each rank's own windows."""
+    if teacher.shards == 1:
+        return teacher
+    _, batches = _batches(teacher.tokens, teacher.seq_len, teacher.stride, teacher.batch_size)
+    owned = [w for j in _share(len(batches), True) for w in batches[j][0]]
+    off = teacher.offsets
+    rows = (teacher.topk_logp, teacher.topk_idx, teacher.tail_logp, teacher.nll)
+    local = {w: tuple(t[int(off[w]):int(off[w + 1])].clone() for t in rows) for w in owned}
+    for w, parts in enumerate(dist.gather_items(local, len(off) - 1)):
+        for t, part in zip(rows, parts):
+            t[int(off[w]):int(off[w + 1])] = part
+    return teacher
+
+
 def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate") -> Evaluation:
     """Perplexity (± SE) and mean KL from the teacher (± SE) of ``model`` on the teacher's windows
     (:attr:`TeacherCache.keep` of them, when it is a subset).

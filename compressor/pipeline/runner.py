@@ -287,7 +287,10 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
         stages.adopt(loaded.model, stages.compression_section(loaded, result, report))
         logger.info("%s", result.gate_message)
         return OneshotResult(loaded.model, loaded.tokenizer, report, None, result)
-    if not dist.is_main():
+    if not dist.is_main():  # a size run's statistics are measured by every rank, the rest by rank 0 alone
+        import torch
+
+        size.sizing(recipe).follow(loaded.model, torch.cat([calibrated.cal.fit, calibrated.cal.heldout]))
         return _wait_for_main(loaded, result)
     try:
         request = stages.write_request(recipe, loaded, checked, result, report)

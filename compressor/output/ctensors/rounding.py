@@ -6,6 +6,8 @@ Rounded once per run: write stores the codes and scales (one byte a weight) on t
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import itertools
 
@@ -113,7 +115,19 @@ def _compress(model: nn.Module, schemes: dict[str, IntScheme | None], rounded: d
         mod.weight = nn.Parameter(r.weight.to(device), requires_grad=False)
         mod.weight_scale = nn.Parameter(r.scales.to(device), requires_grad=False)
     compressor = ModelCompressor(quantization_config=qconfig)
-    compressor.compress_model(model)
+    with alone():
+        compressor.compress_model(model)
     return compressor
+
+
+def alone():
+    """The library working in this process only: under torchrun it would otherwise deal the layers out to every
+    rank and broadcast them (``replace_module_parallel``), while rank 0 writes and reloads the folder alone
+    (the other ranks wait for its report)."""
+    try:
+        from compressed_tensors.offload.utils import as_single_threaded
+    except ImportError:  # a version without distributed compression: nothing to turn off
+        return contextlib.nullcontext()
+    return as_single_threaded()
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from compressor.core.onload import is_offloaded
 from compressor.output.base import VerificationError, WriteRequest, Writer
 from compressor.output.ctensors.grids import IntScheme, Rounded, get_scheme
-from compressor.output.ctensors.rounding import _compress, _rounded, _with_weights, base_model
+from compressor.output.ctensors.rounding import _compress, _rounded, _with_weights, alone, base_model
 from compressor.output.ctensors.schemes import (
     CTENSORS_FORMAT, PACK_FORMAT, SchemePlan, _PLAIN_KINDS, _require_library, head_scheme, layer_schemes,
     library_missing, scheme_counts, tensor_bytes,
@@ -137,7 +137,8 @@ class CompressedTensorsWriter(Writer):
         base_cls = type(base)
         probe, expected = _reference_logits(request, base, rounded, dtype)
         del base, rounded  # before the reload: never three models in memory at once
-        reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).eval()
+        with alone():
+            reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).eval()
         cls = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
         if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not base_cls:
             raise VerificationError(f"the compressed-tensors folder reloaded as {cls}, not the base class "
@@ -192,7 +193,8 @@ def score_folder(folder: Path, domains: list[dict], dtype: torch.dtype) -> dict:
     WindowScores``): the anchor a size plan is measured beside."""
     from transformers import AutoModelForCausalLM
 
-    reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    with alone():
+        reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     scores = {row["name"]: row["scores"] for row in _score(reloaded, domains)}
     del reloaded  # as in verify: before another model is loaded
     gc.collect()

@@ -71,6 +71,10 @@ class Structural:
         """None: the pipeline writes and verifies every format itself."""
         return None
 
+    def follow(self, model, windows: torch.Tensor) -> None:
+        """A rank other than 0 under torchrun, while rank 0 ships: nothing (rank 0 writes alone)."""
+        return None
+
     def estimate(self, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float] | None:
         return None
 
@@ -121,6 +125,15 @@ class Sized(Structural):
         from compressor.pipeline.size.ship import ship
 
         return ship(self.recipe, request, windows, checked, report, result, write=write, use_cache=use_cache)
+
+    def follow(self, model, windows: torch.Tensor) -> None:
+        """A rank other than 0 under torchrun: its share of the size plan's statistics, with rank 0
+        (:func:`~compressor.pipeline.size.prices.follow`); rank 0 prices, rounds and writes."""
+        from compressor.core.moe import unfused_experts
+        from compressor.pipeline.size.prices import follow
+
+        with unfused_experts(model):  # the same modules as rank 0 measures (compressor.core.moe)
+            follow(model, windows, self.recipe.calibration.batch_size)
 
     def estimate(self, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float]:
         from compressor.pipeline.size.runtime import estimate

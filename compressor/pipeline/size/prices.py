@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from compressor.core import distributed as dist
 from compressor.core.onload import is_offloaded
 from compressor.core.archs import arch_for, find_blocks
 from compressor.engine.layerwise import layer_moments, output_fisher_sequential
@@ -73,7 +74,7 @@ def moment_groups(model, names: list[str], budget: int | None = None, copies: in
 FACTOR_BYTES = 1 << 30
 
 #: Bump when what a priced option means changes: cached prices of another version are not read.
-PRICES_VERSION = 7
+PRICES_VERSION = 8  # 8: batches' sums merged in the canonical tree order (the same bits under torchrun)
 
 #: Calibration tokens the loss-gradient pass reads (:func:`fisher_windows`). F is one mean square per output
 #: (a diagonal, d_out numbers per layer), where Ĥ is a d_in × d_in matrix that GPTQ inverts: F settles on far
@@ -184,20 +185,19 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
         key = "prices-" + cache.stats_key(cache.model_fingerprint(model), data_fp, settings)
         hit = cache.get(key)
         if hit is not None:
+            dist.broadcast_object(None)  # nothing for the other ranks to measure
             logger.info("size plan: prices of every tensor type from the cache (%s)", key)
             units, priced = from_tensors(hit[0], json.loads(hit[1]["prices"]), target.payload)
             return Measured(units, priced, True, precision=precision)
     bs = recipe.calibration.batch_size
+    crossfit = target.heldout_prices and recipe.output.rounding == "gptq" and windows.shape[0] >= 2
+    go = Statistics(precision.name, crossfit, MomentPasses.plan(model, crossfit))
+    dist.broadcast_object(go)  # under torchrun: the other ranks measure their share with rank 0 (:func:`follow`)
     t0 = time.perf_counter()
-    # gradients from a spread subset; a token's frequency (an embedding row's lookup weight) from every window
-    # an onloaded model: one layer's weights at a time, its forward recomputed for the backward
-    fisher_of = output_fisher_sequential if is_offloaded(model) else output_fisher
-    with precision.context(model):
-        fisher = fisher_of(model, fisher_windows(windows), batch_size=bs, counted=windows)
+    fisher = go.fisher(model, windows, bs)
     timings["statistics_s"] = time.perf_counter() - t0
     units, priced, namer = {}, [], target.namer(model)
-    crossfit = target.heldout_prices and recipe.output.rounding == "gptq" and windows.shape[0] >= 2
-    passes = MomentPasses(model, windows, bs, precision, crossfit)
+    passes = go.passes(model, windows, bs)
     kept: dict | None = {} if passes.count == 1 or spill is not None else None
     # pricing's GPTQ factors are kept for the plan's rounding when that reads the same Ĥ objects (one group)
     rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if passes.count == 1 else 0))
@@ -223,6 +223,43 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     return Measured(units, priced, False, kept, rounded, precision)
 
 
+@dataclass(frozen=True)
+class Statistics:
+    """How a size plan's statistics are measured, decided on rank 0 and handed to every rank (under torchrun each
+    measures its share of the batches, the sums merged in one order: :class:`~compressor.core.distributed.
+    TreeReduce`, the same bits as one process): the precision, cross-fitted halves or not, the groups of layers
+    whose moments one pass holds (from rank 0's free memory; None: layer by layer)."""
+
+    precision: str
+    crossfit: bool
+    groups: list[list[str]] | None
+
+    def fisher(self, model, windows: torch.Tensor, batch_size: int):
+        """F from a spread subset of ``windows`` (:func:`fisher_windows`), token counts from all of them; an onloaded
+        model one layer's weights at a time, its forward recomputed for the backward."""
+        fisher_of = output_fisher_sequential if is_offloaded(model) else output_fisher
+        with StatisticsPrecision(self.precision).context(model):
+            return fisher_of(model, fisher_windows(windows), batch_size=batch_size, counted=windows,
+                             parallel=dist.world_size() > 1)
+
+    def passes(self, model, windows: torch.Tensor, batch_size: int) -> "MomentPasses":
+        return MomentPasses(model, windows, batch_size, StatisticsPrecision(self.precision), self.crossfit,
+                            groups=self.groups, parallel=dist.world_size() > 1)
+
+
+def follow(model, windows: torch.Tensor, batch_size: int) -> None:
+    """A rank other than 0 in a size run: measure this rank's share of the statistics rank 0 asks for (nothing
+    when its prices came from the cache), then return; rank 0 prices, rounds and writes."""
+    go = dist.broadcast_object()
+    if isinstance(go, tuple):  # rank 0 failed before measuring: what the runner broadcasts then
+        raise dist.RankFailed(*go[0])
+    if go is None:
+        return
+    go.fisher(model, windows, batch_size)
+    for _ in go.passes(model, windows, batch_size):
+        pass
+
+
 class MomentPasses:
     """The input moments of every linear layer, group by group: ``(modules, folds, moments)`` per group, each
     measured when the caller asks for it (then priced and spilled before the next). A model held in memory is
@@ -232,21 +269,28 @@ class MomentPasses:
     each half's moments for cross-fitted prices (in memory only), else None."""
 
     def __init__(self, model, windows: torch.Tensor, batch_size: int, precision: StatisticsPrecision,
-                 crossfit: bool) -> None:
+                 crossfit: bool, groups: list[list[str]] | None = None, parallel: bool = False) -> None:
         self.model, self.windows, self.batch_size, self.precision = model, windows, batch_size, precision
-        self.crossfit = crossfit
+        self.crossfit, self.parallel = crossfit, parallel
         self.layered = is_offloaded(model) and not crossfit
-        names = linear_names(model)
-        self.groups = None if self.layered else moment_groups(model, names, copies=3 if crossfit else 1)
+        self.groups = None if self.layered else groups if groups is not None else self.plan(model, crossfit)
         layers = None if self.groups is not None else find_blocks(model, arch_for(model, structural=False)[1])[1]
         self.count = len(self.groups) if self.groups is not None else len(layers) + 1
         self.seconds = 0.0
         self.tokens: dict[str, int] = {}
         """Tokens each linear read (a routed expert, those the router sent it), where measured in memory."""
 
+    @staticmethod
+    def plan(model, crossfit: bool) -> list[list[str]] | None:
+        """The groups of layers a pass holds the moments of (:func:`moment_groups`), None for an onloaded model
+        (layer by layer)."""
+        if is_offloaded(model) and not crossfit:
+            return None
+        return moment_groups(model, linear_names(model), copies=3 if crossfit else 1)
+
     def __iter__(self):
         if self.layered:
-            passes = layer_moments(self.model, self.windows, batch_size=self.batch_size)
+            passes = layer_moments(self.model, self.windows, batch_size=self.batch_size, parallel=self.parallel)
             while True:
                 t0 = time.perf_counter()
                 with self.precision.context(self.model):  # the layer runs when the next item is asked for
@@ -259,11 +303,11 @@ class MomentPasses:
             t0 = time.perf_counter()
             with self.precision.context(self.model):
                 if self.crossfit:
-                    folds = fold_moments(self.model, self.windows, group, self.batch_size)
+                    folds = fold_moments(self.model, self.windows, group, self.batch_size, self.parallel)
                     moments = mean_moments(*folds, self.windows.shape[0])
                 else:
                     folds, moments = None, input_moments(self.model, self.windows, group, batch_size=self.batch_size,
-                                                         tokens=self.tokens)
+                                                         tokens=self.tokens, parallel=self.parallel)
             self.seconds += time.perf_counter() - t0
             yield group, folds, moments
 
@@ -276,10 +320,11 @@ def _spilled(moments: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Te
     return torch.load(path, mmap=True, weights_only=True)
 
 
-def fold_moments(model, windows: torch.Tensor, names: list[str], batch_size: int):
+def fold_moments(model, windows: torch.Tensor, names: list[str], batch_size: int, parallel: bool = False):
     """The input moments of ``names`` over the even and over the odd calibration windows: two halves of the
     text, each unseen by a fit to the other."""
-    return tuple(input_moments(model, windows[k::2], names, batch_size=batch_size) for k in (0, 1))
+    return tuple(input_moments(model, windows[k::2], names, batch_size=batch_size, parallel=parallel)
+                 for k in (0, 1))
 
 
 def mean_moments(even: dict, odd: dict, n_windows: int) -> dict:

@@ -14,6 +14,7 @@ import torch
 
 from compressor.core.params import count_params
 from compressor.evaluation.evaluate import Evaluator, gate_ppl_limit
+from compressor.evaluation.teacher import complete_rows
 from compressor.output.base import WriteRequest
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import Recipe
@@ -31,6 +32,8 @@ def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> Co
                          batch_size={n: cfgs[n].batch_size for n in streams},
                          top_k=min(c.kl_top_k for c in cfgs.values()))
     base = ev.baseline
+    for teacher in ev.teachers:  # rank 0 scores the planned files on every window alone (torchrun)
+        complete_rows(teacher)
     params = count_params(model)
     return CompressionResult(
         model=model, profiles=[], decisions=[], baseline=base, final=base,
