@@ -94,17 +94,26 @@ def _recipe(tmp_path: Path, src: Path, out: str, offload: str, size: str = "Q4_0
     })
 
 
-def test_an_onloaded_size_run_writes_the_in_memory_runs_file(tmp_path):
+def test_an_onloaded_size_run_writes_the_in_memory_runs_file(tmp_path, monkeypatch):
     """``model.offload: disk`` plans the same file, byte for byte, as the model held in memory: the same
-    prices (same statistics), the same types, the same GPTQ bytes; llama.cpp runs it."""
+    prices (same statistics), the same types, the same GPTQ bytes; llama.cpp runs it. The onloaded run's
+    rounded bytes go through the work folder (mapped back from disk), the held run's stay in memory."""
     pytest.importorskip("llama_cpp")
+    from compressor.pipeline.size import rounding
+
     src = _folder(tmp_path)
     held = compressor.run(_recipe(tmp_path, src, "held", "none"))
+    mapped = []
+    kept = rounding.Compensator._kept
+    monkeypatch.setattr(rounding, "SPILL_BYTES", 0)  # every tiny tensor's bytes spilled
+    monkeypatch.setattr(rounding.Compensator, "_kept",
+                        lambda self, *a: mapped.append(kept(self, *a)) or mapped[-1])
     streamed = compressor.run(_recipe(tmp_path, src, "streamed", "disk"))
     assert held.exit_code == 0 and streamed.exit_code == 0, streamed.report.get("message")
     a, b = held.report["size_plan"], streamed.report["size_plan"]
     assert {r["tensor"]: r["type"] for r in a["tensors"]} == {r["tensor"]: r["type"] for r in b["tensors"]}
     assert (held.output / "model.gguf").read_bytes() == (streamed.output / "model.gguf").read_bytes()
+    assert mapped and all(isinstance(m, np.memmap) for m in mapped)
     assert streamed.report["verification"]["gguf"]["gate_passed"]
     assert not list(tmp_path.glob(".*.size-*"))
 

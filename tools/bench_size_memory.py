@@ -12,6 +12,10 @@ processes on two cores run ten times slower.
 
     python tools/bench_size_memory.py --shape 1b                 # → tools/results/size_memory_1b.json
     python tools/bench_size_memory.py --shape 3b --modes disk    # the streamed run alone
+    python tools/bench_size_memory.py --shape 3b --modes llama --llama-tools BUILD/bin   # what llama.cpp users run
+
+``--modes llama`` measures llama.cpp's converter, ``llama-imatrix`` and ``llama-quantize --imatrix`` on the same
+checkpoint and calibration tokens the same way; each invocation's modes join those already in the result file.
 """
 
 from __future__ import annotations
@@ -134,6 +138,43 @@ def run_measured(cmd: list[str], log: Path, every: float = 5.0) -> dict:
             "peak_at": {"seconds": peak_at[0], "log": peak_at[1]} if peak_at else None, "timeline": timeline}
 
 
+CONVERT = """
+import sys, tempfile
+from pathlib import Path
+from compressor.output.gguf.converter import convert
+with tempfile.TemporaryDirectory() as tmp:
+    convert(Path(sys.argv[1]), Path(sys.argv[2]), Path(tmp))
+"""
+
+
+def llama_tools(args, folder: Path, work: Path) -> dict:
+    """What a user of llama.cpp runs instead, on the same checkpoint and calibration tokens, each measured like
+    compressor (:func:`run_measured`): the converter's F16, ``llama-imatrix`` over the first ``--tokens`` of
+    WikiText-2 valid (512-token chunks, as compressor's windows), ``llama-quantize --imatrix`` to ``--size``."""
+    if args.llama_tools is None:
+        sys.exit("--modes llama needs --llama-tools DIR (llama-imatrix and llama-quantize)")
+    f16, imatrix, quant = work / "llama-f16.gguf", work / "llama-imatrix.gguf", work / f"llama-{args.size}.gguf"
+    rows = {}
+    steps = [("convert_hf_to_gguf", [sys.executable, "-c", CONVERT, str(folder), str(f16)]),
+             ("llama-imatrix", [str(args.llama_tools / "llama-imatrix"), "-m", str(f16), "-f",
+                                str(WIKITEXT_DIR / "valid.txt"), "--chunks", str(args.tokens // 512), "-c", "512",
+                                "-t", str(args.threads), "-o", str(imatrix)]),
+             ("llama-quantize", [str(args.llama_tools / "llama-quantize"), "--imatrix", str(imatrix), str(f16),
+                                 str(quant), args.size, str(args.threads)])]
+    for name, cmd in steps:
+        print(f"running {name} ...", file=sys.stderr)
+        rows[name] = run_measured(cmd, work / f"log-{name}.txt")
+        rows[name]["command"] = " ".join(cmd[:2] + ["…"] if name == "convert_hf_to_gguf" else cmd)
+        if rows[name]["exit_code"] != 0:
+            sys.exit(f"{name} failed (exit {rows[name]['exit_code']}); see {work / f'log-{name}.txt'}")
+        print(f"  {name}: {rows[name]['wall_s']:.0f} s, peak anon {rows[name]['peak_anon_bytes'] / 2**30:.2f} GiB",
+              file=sys.stderr)
+    rows["llama-quantize"]["file_bytes"] = quant.stat().st_size
+    for p in (f16, imatrix, quant):
+        p.unlink()
+    return rows
+
+
 def recipe(folder: Path, out: Path, offload: str, args) -> dict:
     return {
         "model": {"source": str(folder), "offload": offload, "dtype": "float32"},
@@ -165,6 +206,10 @@ def plot(paths: list[Path], out: Path) -> None:
             ax.plot([p for p, _ in pts], [m["peak_anon_bytes"] / 1e9 for _, m in pts], style, label=label)
             ax.plot([p for p, _ in pts], [m["predicted_peak_bytes"] / 1e9 for _, m in pts], style[0] + "--",
                     alpha=0.5, label=f"{label}: memory model")
+    for mode, style in (("llama-imatrix", "^-"), ("llama-quantize", "v-")):
+        pts = [(xi, r["modes"][mode]) for xi, r in zip(x, rows) if mode in r["modes"]]
+        if pts:
+            ax.plot([p for p, _ in pts], [m["peak_anon_bytes"] / 1e9 for _, m in pts], style, label=mode)
     ax.set_xlabel("parameters (billions; random-weight Llama shapes)")
     ax.set_ylabel("peak anonymous memory (GB)")
     ax.set_title("GGUF size plan: peak memory of the process tree")
@@ -182,7 +227,12 @@ def main() -> None:
     ap.add_argument("--size", default="Q4_K_M")
     ap.add_argument("--tokens", type=int, default=8192, help="calibration tokens (WikiText-2 valid)")
     ap.add_argument("--eval-tokens", type=int, default=2048, help="the gate's tokens (WikiText-2 test)")
-    ap.add_argument("--modes", nargs="+", default=["disk", "none"], choices=["disk", "none"])
+    ap.add_argument("--modes", nargs="+", default=["disk", "none"], choices=["disk", "none", "llama"],
+                    help="disk: compressor onloaded; none: held in memory; llama: llama.cpp's converter, "
+                         "llama-imatrix and llama-quantize on the same F16 and tokens (needs --llama-tools)")
+    ap.add_argument("--llama-tools", type=Path, default=None,
+                    help="folder holding llama-imatrix and llama-quantize (a llama.cpp build's bin/)")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     ap.add_argument("--work", type=Path, default=None, help="folder for the checkpoint and outputs (kept)")
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (times comparable)")
@@ -212,6 +262,9 @@ def main() -> None:
     weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     rows = {}
     for mode in args.modes:
+        if mode == "llama":
+            rows.update(llama_tools(args, folder, work))
+            continue
         out = work / f"out-{mode}"
         path = work / f"recipe-{mode}.yaml"
         path.write_text(yaml.safe_dump(recipe(folder, out, mode, args)))
@@ -234,7 +287,7 @@ def main() -> None:
         rows[mode] = row
         print(f"  {mode}: exit {row['exit_code']}, {row['wall_s']:.0f} s, peak anon "
               f"{row['peak_anon_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
-    hashes = {m: r.get("file_sha256") for m, r in rows.items()}
+    hashes = {m: r.get("file_sha256") for m, r in rows.items() if m in ("disk", "none")}
     planned = args.source or f"a random-weight Llama of the {args.shape} shape"
     result = {
         "source": str(args.source) if args.source else f"random-weight llama-{args.shape}",
@@ -249,7 +302,13 @@ def main() -> None:
         "environment": environment(),
     }
     name = args.source.name if args.source else args.shape
-    write_json(args.output or RESULTS_DIR / f"size_memory_{name}.json", result)
+    path = args.output or RESULTS_DIR / f"size_memory_{name}.json"
+    if path.exists():  # another invocation's modes (each run alone) are kept beside this one's
+        earlier = json.loads(path.read_text())
+        result["modes"] = {**{m: r for m, r in earlier.get("modes", {}).items() if m not in rows}, **rows}
+        if earlier.get("ran_alone") is not None and earlier.get("modes", {}).keys() - rows.keys():
+            result["ran_alone"] = {"this invocation": bool(args.alone), "earlier modes": earlier["ran_alone"]}
+    write_json(path, result)
 
 
 if __name__ == "__main__":

@@ -202,3 +202,29 @@ def size_peak_of(config, *, offload: str, dtype: str = "float32", tokens: int = 
                      tied=bool(getattr(config, "tie_word_embeddings", False)), offload=offload)
     scale = {"float32": 1.0, "auto": 1.0}.get(dtype, 0.5)  # bfloat16 / float16 weights take half
     return int(peak * scale)
+
+
+def size_work(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_tokens: int = 2048,
+              heads: int | None = None, kv_heads: int | None = None) -> dict[str, float]:
+    """Floating-point operations of a GGUF size plan's parts, for a Llama-shaped model — the time model's work,
+    each part's seconds being its work over a throughput measured on a smaller run
+    (``tools/bench_size_memory.py``, ``docs/large-models.md``):
+
+    * ``statistics``: Ĥ's forward over ``tokens`` (2 · layer weights a token) and its products
+      (``2 · (3d² + ff²)`` a token a layer: q/k/v and gate/up share their input), and F's pass over
+      ``fisher_tokens`` (forward, the recomputed forward, backward: 8 · weights a token) with the output head's
+      logits and gradient;
+    * ``pricing``: the GPTQ factor of every layer's four distinct Ĥ (a damped Cholesky and its inverse in float64:
+      about ``n³`` each); the types' roundings of the sampled rows are far smaller;
+    * ``rounding``: the chosen plan's GPTQ over every row (``2 · rows · n²`` a tensor), with the factors made again
+      (the ones pricing kept are a small model's only).
+
+    Attention's own products (``seq_len`` long windows) and the layer's norms are left out."""
+    heads = heads or max(1, d // 128)
+    kv = (kv_heads or heads) * (d // heads)
+    linear = 2 * d * d + 2 * d * kv + 3 * d * ff  # q, o; k, v; gate, up, down
+    grams = 3 * d * d + ff * ff
+    statistics = layers * (2 * linear + 2 * grams) * tokens + (8 * layers * linear + 6 * vocab * d) * fisher_tokens
+    factors = layers * (3 * d ** 3 + ff ** 3)
+    gptq = layers * 2 * (d * d * d + kv * d * d * 2 + d * d * d + 2 * ff * d * d + d * ff * ff) + 2 * vocab * d * d
+    return {"statistics": float(statistics), "pricing": float(factors), "rounding": float(factors + gptq)}

@@ -93,6 +93,10 @@ class WindowScores:
                 "kl_p99": float(np.quantile(self.token_kl, 0.99)), "same_top_token": sum(self.agree) / n}
 
 
+#: Rows of a window's logits scored at once (:func:`window_scores`).
+SCORE_ROWS = 64
+
+
 def window_scores(logits, tokens: torch.Tensor, seq_len: int, stride: int, teacher: "TeacherCache | None" = None
                   ) -> WindowScores:
     """Per window of ``tokens`` (:func:`windows`), the NLL of its scored tokens and, with ``teacher`` (the
@@ -105,15 +109,25 @@ def window_scores(logits, tokens: torch.Tensor, seq_len: int, stride: int, teach
     for w, (begin, end, scored) in enumerate(windows(len(ids_all), seq_len, stride)):
         ids = ids_all[begin:end]
         k = min(scored, len(ids) - 1)
-        logp = torch.log_softmax(logits(ids, k).double(), dim=-1)
+        raw = logits(ids, k)
         target = torch.tensor(ids[len(ids) - k:])
-        out.nll.append(float(-logp.gather(-1, target[:, None]).sum()))
+        nll, kl, agree = [], [], []
+        # a few rows at a time (each row's numbers are its own): a window's logits in float64 are 8 · k · vocab
+        # bytes, twice over (0.4 GB at 512 × 49,152, 2.1 GB at Gemma's 262,144)
+        for a in range(0, k, SCORE_ROWS):
+            logp = torch.log_softmax(raw[a:a + SCORE_ROWS].double(), dim=-1)
+            nll.append(-logp.gather(-1, target[a:a + SCORE_ROWS, None]))
+            if teacher is not None:
+                kl.append(kl_terms(logp.float(), teacher, w, rows=slice(a, a + SCORE_ROWS)).double())
+                top1 = teacher.topk_idx[int(teacher.offsets[w]) + a: int(teacher.offsets[w]) + min(a + SCORE_ROWS, k), 0]
+                agree.append(logp.argmax(-1) == top1)
+            del logp
+        out.nll.append(float(torch.cat(nll).sum()))
         out.tokens.append(k)
         if teacher is not None:
-            kl = kl_terms(logp.float(), teacher, w).double()
-            top1 = teacher.topk_idx[int(teacher.offsets[w]): int(teacher.offsets[w + 1]), 0]
+            kl = torch.cat(kl)
             out.kl.append(float(kl.sum()))
-            out.agree.append(float((logp.argmax(-1) == top1).sum()))
+            out.agree.append(float(torch.cat(agree).double().sum()))
             out.token_kl.append(kl.numpy())
     if teacher is not None:
         out.token_kl = np.concatenate(out.token_kl)

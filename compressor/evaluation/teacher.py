@@ -238,10 +238,15 @@ def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate")
     return _summary(scores, teacher.seq_len, teacher.stride, teacher.name, teacher.top_k)
 
 
-def kl_terms(student_logp: torch.Tensor, teacher: "TeacherCache", window: int) -> torch.Tensor:
-    """Per scored token of ``window``, KL(teacher ‖ student) coarsened to the teacher's top-k and tail, from
-    the student's log-probabilities at those tokens (``[scored, vocab]``)."""
-    sl = slice(int(teacher.offsets[window]), int(teacher.offsets[window + 1]))
+def kl_terms(student_logp: torch.Tensor, teacher: "TeacherCache", window: int, rows: slice | None = None
+             ) -> torch.Tensor:
+    """Per scored token of ``window`` (of its scored tokens at ``rows``, when given), KL(teacher ‖ student)
+    coarsened to the teacher's top-k and tail, from the student's log-probabilities at those tokens
+    (``[scored, vocab]``)."""
+    first, end = int(teacher.offsets[window]), int(teacher.offsets[window + 1])
+    if rows is not None:
+        first, end = first + rows.start, min(end, first + rows.stop)
+    sl = slice(first, end)
     return _kl_terms(student_logp, teacher.topk_logp[sl], teacher.topk_idx[sl], teacher.tail_logp[sl])
 
 

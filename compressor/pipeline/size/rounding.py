@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from compressor.core import onload
@@ -29,19 +31,25 @@ from compressor.sizing.sites import priced_rows
 
 logger = logging.getLogger(__name__)
 
+#: Rounded bytes of a tensor at least this large go to the work folder (:attr:`Compensator.spill`).
+SPILL_BYTES = 1 << 20
+
 
 class Compensator:
     """Full-row GPTQ bytes of the tensors a plan compensates (:meth:`fill`), each (tensor, type) once."""
 
     def __init__(self, request, priced: list[Priced], windows: torch.Tensor, batch_size: int,
                  timings: dict, target, moments: dict | None = None, rounded: dict | None = None,
-                 units: dict | None = None, precision: "StatisticsPrecision | None" = None) -> None:
+                 units: dict | None = None, precision: "StatisticsPrecision | None" = None,
+                 spill: Path | None = None) -> None:
         """``moments``: every linear layer's Ĥ over ``windows``, as the pricing pass measured it (None: measured
         here, in groups). ``rounded``: ``(tensor, type) → bytes`` pricing already rounded over every row on the
         same Ĥ (:attr:`~.prices.Measured.rounded`): stored as they are, not rounded again. ``units``: every
         tensor's priced options, whose compensated ones a tensor priced on all its rows is rounded beside.
         ``precision``: how moments measured here are measured (the pricing pass's, so that a run with cached
-        prices writes a fresh run's bytes; default float32)."""
+        prices writes a fresh run's bytes; default float32). ``spill``: a folder the rounded bytes are written to
+        as each tensor is done and mapped back (file pages, not the run's memory: a 3B's grow to 1.2 GB by the
+        end of its rounding, and stay until the file is written and checked); None keeps them in memory."""
         self.request, self.windows, self.batch_size, self.timings = request, windows, batch_size, timings
         self.priced = {p.name: p for p in priced}
         self.target = target
@@ -50,13 +58,29 @@ class Compensator:
         self._rounded = rounded if rounded is not None else {}
         self.units = units or {}
         self.precision = precision or StatisticsPrecision("float32")
+        self.spill = spill
+
+    def _kept(self, name: str, option: str, raw):
+        """``raw`` written to the spill folder and mapped back (a numpy array of at least :data:`SPILL_BYTES`),
+        else as it is; a full disk keeps it in memory (said once)."""
+        if self.spill is None or not isinstance(raw, np.ndarray) or raw.nbytes < SPILL_BYTES:
+            return raw
+        path = self.spill / "rounded" / f"{name}.{option}.npy"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.save(path, raw)
+            return np.load(path, mmap_mode="r")
+        except OSError as exc:
+            logger.warning("size plan: rounded bytes kept in memory, not in %s (%s)", path.parent, exc)
+            self.spill = None
+            return raw
 
     def fill(self, *plans: SizePlan) -> None:
         """Put every compensated tensor's bytes on each plan's ``stored``: what none was rounded in before, in
         one pass over the calibration windows (a plan and the anchor beside it share Ĥ and its factor)."""
         need = sorted({(n, p.types[n]) for p in plans for n in p.compensated} - set(self._done))
         for key in [k for k in need if k in self._rounded]:
-            self._done[key] = self.target.store(*key, self._rounded[key], self.request)
+            self._done[key] = self._kept(*key, self.target.store(*key, self._rounded[key], self.request))
         need = [k for k in need if k not in self._done]
         if need:
             t0 = time.perf_counter()
@@ -98,8 +122,8 @@ class Compensator:
         model = self.request.model
         for name, t in tensors:
             weight = onload.weight(model, self.priced[name].module)
-            self._done[name, t] = self.target.round_full(name, t, weight, fac, self.priced[name], self.request,
-                                                         alongside=self._alongside(name, t))
+            self._done[name, t] = self._kept(name, t, self.target.round_full(name, t, weight, fac, self.priced[name],
+                                                                    self.request, alongside=self._alongside(name, t)))
         return len(tensors)
 
     def _round(self, need: list[tuple[str, str]]) -> None:

@@ -110,10 +110,14 @@ class DiskNeed:
     """Input moments spilled to the work folder for the plan's rounding (an onloaded model, or one whose moments
     are measured in groups of layers): one float32 ``d_in²`` per input read."""
 
+    rounded: int = 0
+    """The rounded tensors' bytes, spilled to the work folder as the plan's rounding makes them (at most the
+    planned file)."""
+
     @property
     def work(self) -> int:
         """On the work folder's disk, where it is not the output's: a passing plan is copied there."""
-        return self.f16 + self.preset + self.planned + self.moments
+        return self.f16 + self.preset + self.planned + self.moments + self.rounded
 
     @property
     def output(self) -> int:
@@ -123,7 +127,7 @@ class DiskNeed:
     @property
     def total(self) -> int:
         """On one disk holding both (a plan moves between them by rename)."""
-        return self.f16 + self.preset + self.plans * self.planned + self.other + self.moments
+        return self.f16 + self.preset + self.plans * self.planned + self.other + self.moments + self.rounded
 
     def describe(self) -> str:
         from compressor.engine.cache import human_bytes
@@ -136,6 +140,8 @@ class DiskNeed:
             parts.append(f"the other formats (about {human_bytes(self.other)})")
         if self.moments:
             parts.append(f"the input moments kept for the rounding (about {human_bytes(self.moments)})")
+        if self.rounded:
+            parts.append(f"the rounded tensors kept for the file (about {human_bytes(self.rounded)})")
         return ", ".join(parts)
 
 
@@ -165,7 +171,7 @@ def disk_need(recipe: Recipe, request, fmt: str) -> DiskNeed | None:
     planned = preset or f16 // 4
     other = weights * getattr(request.dtype, "itemsize", 2) if "hf" in recipe.output.formats else 0
     return DiskNeed(weights, f16, preset, preset_name, planned, other, plans=2 if kind == "smallest" else 1,
-                    moments=spilled_moments(model))
+                    moments=spilled_moments(model), rounded=planned)
 
 
 def spilled_moments(model) -> int:

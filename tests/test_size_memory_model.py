@@ -1,0 +1,60 @@
+"""The size plan's memory and time models (:mod:`compressor.engine.memory`), against hand counts.
+
+The benchmarks (``tools/bench_size_memory.py``) hold the models against measured runs; these tests hold the
+formulas to what their docstrings say, on shapes small enough to count by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from compressor.engine.memory import PROCESS_BYTES, size_components, size_peak, size_work
+
+TINY = dict(d=8, ff=16, layers=2, vocab=32, heads=2, kv_heads=1)
+
+
+def test_the_peak_is_the_largest_phase_over_what_every_phase_holds():
+    c = size_components(tokens=64, offload="disk", **TINY)
+    phases = (c["fisher"], c["hidden_states"] + c["moments"], c["converter"])
+    assert c["peak"] == PROCESS_BYTES + c["resident"] + c["model"] + max(phases)
+    assert c["resident"] == 2 * 32 * 8 * 4  # untied embedding and head, float32
+    assert size_components(tokens=64, offload="disk", tied=True, **TINY)["resident"] == 32 * 8 * 4
+    # one layer's moments (q/k/v and gate/up share theirs) and two float64 factors' working sets
+    assert c["moments"] == (3 * 8 * 8 + 16 * 16) * 4 + 16 * (16 * 16 + 8 * 8)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(d=3072, ff=8192, layers=28, vocab=128256, heads=24, kv_heads=8),   # Llama-3.2-3B
+    dict(d=8192, ff=28672, layers=80, vocab=128256, heads=64, kv_heads=8),  # Llama-3.3-70B
+])
+def test_onloading_holds_one_layer_where_memory_holds_every_one(shape):
+    held = size_components(tokens=16384, offload="none", **shape)
+    streamed = size_components(tokens=16384, offload="disk", **shape)
+    layer_bytes = held["model"] // (shape["layers"] + 1)
+    assert streamed["model"] == 2 * layer_bytes  # the running layer and its priced copy
+    assert streamed["peak"] < held["peak"] / 2
+    assert size_peak(tokens=16384, offload="disk", **shape) == streamed["peak"]
+
+
+def test_the_work_of_each_part_counted_by_hand():
+    w = size_work(tokens=10, fisher_tokens=4, **TINY)
+    kv = 1 * (8 // 2)  # one KV head of width 4
+    linear = 2 * 8 * 8 + 2 * 8 * kv + 3 * 8 * 16
+    grams = 3 * 8 * 8 + 16 * 16
+    assert w["statistics"] == 2 * (2 * linear + 2 * grams) * 10 + (8 * 2 * linear + 6 * 32 * 8) * 4
+    factors = 2 * (3 * 8 ** 3 + 16 ** 3)
+    assert w["pricing"] == factors
+    # GPTQ over every row: q and o (8 rows of 8), k and v (4 rows of 8), gate and up (16 of 8), down (8 of 16),
+    # and the output head (32 rows of 8)
+    rows_n2 = 8 * 64 + 8 * 64 + 2 * 4 * 64 + 2 * 16 * 64 + 8 * 256
+    assert w["rounding"] == factors + 2 * 2 * rows_n2 + 2 * 32 * 64
+
+
+def test_the_work_grows_with_the_shape_as_its_terms_say():
+    small = size_work(d=2048, ff=8192, layers=16, vocab=49152, tokens=8192, heads=32, kv_heads=8)
+    deeper = size_work(d=2048, ff=8192, layers=32, vocab=49152, tokens=8192, heads=32, kv_heads=8)
+    assert deeper["pricing"] == 2 * small["pricing"]  # every layer's factors, nothing else
+    wider = size_work(d=2048, ff=16384, layers=16, vocab=49152, tokens=8192, heads=32, kv_heads=8)
+    assert wider["pricing"] > 7 * small["pricing"]  # the down projection's ff³ dominates
+    more = size_work(d=2048, ff=8192, layers=16, vocab=49152, tokens=16384, heads=32, kv_heads=8)
+    assert 1.5 < more["statistics"] / small["statistics"] < 2  # Ĥ's pass grows with the tokens, F's does not
