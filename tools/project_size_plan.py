@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchlib import RESULTS_DIR, write_json
 
-from compressor.engine.memory import size_components, size_work
+from compressor.engine.memory import layer_params, size_components, size_work
 
 #: Public shapes (hidden, FFN, layers, vocabulary, heads, KV heads).
 MODELS = {
@@ -35,8 +35,8 @@ PARTS = {"statistics": "statistics_s", "pricing": "pricing_s", "rounding": "comp
 
 
 def _params(d: int, ff: int, layers: int, vocab: int, heads: int, kv: int) -> int:
-    hd = d // heads
-    return layers * (2 * d * d + 2 * d * kv * hd + 3 * d * ff + 2 * d) + 2 * vocab * d + d
+    """Every weight: the decoder layers, an untied embedding and head, the final norm."""
+    return layers * layer_params(d, ff, heads, kv) + 2 * vocab * d + d
 
 
 def throughputs(paths: list[Path]) -> dict[str, dict[str, float]]:

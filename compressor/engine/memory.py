@@ -222,7 +222,7 @@ def size_work(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_t
     Attention's own products (``seq_len`` long windows) and the layer's norms are left out."""
     heads = heads or max(1, d // 128)
     kv = (kv_heads or heads) * (d // heads)
-    linear = 2 * d * d + 2 * d * kv + 3 * d * ff  # q, o; k, v; gate, up, down
+    linear = layer_params(d, ff, heads, kv_heads or heads) - 2 * d  # q, o; k, v; gate, up, down (no norms)
     grams = 3 * d * d + ff * ff
     statistics = layers * (2 * linear + 2 * grams) * tokens + (8 * layers * linear + 6 * vocab * d) * fisher_tokens
     factors = layers * (3 * d ** 3 + ff ** 3)

@@ -1,12 +1,5 @@
-"""The ``hf`` writer: a normal Hugging Face folder that reloads with ``from_pretrained``.
-
-The folder holds safetensors weights (the replaced FFN weights are gone), the
-tokenizer, ``config.json`` with a versioned ``compression`` section and an
-``auto_map`` pointing at ``modeling_compressor.py`` (a verbatim copy of
-:mod:`compressor.core.modeling` plus a footer naming the base classes), the
-recipe, the report and a model card. It is built in a temporary folder beside
-the output and renamed into place at the end.
-"""
+"""The ``hf`` writer and what the other folder writers share (casting, the reference logits, the reload check,
+``load_compressed``); the folder it writes is described in the package's docstring (:mod:`compressor.output.hf`)."""
 
 from __future__ import annotations
 
