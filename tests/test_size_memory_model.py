@@ -17,10 +17,22 @@ def test_the_peak_is_the_largest_phase_over_what_every_phase_holds():
     c = size_components(tokens=64, offload="disk", **TINY)
     phases = (c["fisher"], c["hidden_states"] + c["moments"], c["converter"])
     assert c["peak"] == PROCESS_BYTES + c["resident"] + c["model"] + max(phases)
-    assert c["resident"] == 2 * 32 * 8 * 4  # untied embedding and head, float32
-    assert size_components(tokens=64, offload="disk", tied=True, **TINY)["resident"] == 32 * 8 * 4
+    assert c["resident"] == 32 * 8 * 4  # onloaded: the embedding or the head read in float32, one at a time
+    assert size_components(tokens=64, offload="none", **TINY)["resident"] == 2 * 32 * 8 * 4  # both, held
+    assert size_components(tokens=64, offload="none", tied=True, **TINY)["resident"] == 32 * 8 * 4
     # one layer's moments (q/k/v and gate/up share theirs) and two float64 factors' working sets
     assert c["moments"] == (3 * 8 * 8 + 16 * 16) * 4 + 16 * (16 * 16 + 8 * 8)
+
+
+def test_a_compressed_tensors_plan_makes_no_f16_and_reloads_every_weight_in_the_saved_dtype():
+    c = size_components(tokens=64, offload="disk", fmt="compressed-tensors", **TINY)
+    linear = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16  # q, o; k, v of one KV head of width 4; gate, up, down
+    every = 2 * (linear + 2 * 8) + 2 * 32 * 8  # both layers (norms too), the untied embedding and head
+    assert c["converter"] == 0 and c["reload"] == every * 2  # bfloat16 after the library decompresses
+    held = size_components(tokens=64, offload="none", fmt="compressed-tensors", **TINY)
+    assert held["reload"] == every * 4  # the in-memory check reloads in the compute dtype
+    assert c["peak"] == PROCESS_BYTES + c["resident"] + c["model"] + max(
+        c["fisher"], c["hidden_states"] + c["moments"], c["reload"])
 
 
 @pytest.mark.parametrize("shape", [

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Peak memory and time of a GGUF size plan, the model onloaded (``model.offload: disk``) and held in memory.
+"""Peak memory and time of a size plan, the model onloaded (``model.offload: disk``) and held in memory.
 
 A Llama of a published shape with random weights (``--shape 1b | 3b | 8b``: Llama-3.2-1B / 3B, Llama-3.1-8B,
 SmolLM2's 49,152-token tokenizer, untied head) is built from its config and saved once as bfloat16 safetensors
@@ -16,6 +16,11 @@ processes on two cores run ten times slower.
 
 ``--modes llama`` measures llama.cpp's converter, ``llama-imatrix`` and ``llama-quantize --imatrix`` on the same
 checkpoint and calibration tokens the same way; each invocation's modes join those already in the result file.
+``--recipe FILE`` runs that recipe instead of the built-in GGUF one (its ``model.offload`` and ``output.path``
+set per mode): a compressed-tensors size of a real checkpoint, say, whose file is then the folder's safetensors.
+
+    python tools/bench_size_memory.py --source /tmp/offgrid-qwen --recipe run.yaml --modes disk --alone \
+        --output tools/results/size_memory_ctensors_offgrid_qwen.json
 """
 
 from __future__ import annotations
@@ -235,6 +240,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     ap.add_argument("--work", type=Path, default=None, help="folder for the checkpoint and outputs (kept)")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--recipe", type=Path, default=None,
+                    help="a recipe to run instead of the built-in GGUF one (model.offload, output.path set per mode)")
     ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (times comparable)")
     ap.add_argument("--plot", nargs="+", type=Path, default=None, help="plot these result JSONs and exit")
     args = ap.parse_args()
@@ -252,8 +259,10 @@ def main() -> None:
         cfg = json.loads((folder / "config.json").read_text())
         d, ff, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
         heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        vocab = cfg["vocab_size"]
     else:
         d, ff, layers, heads, kv = SHAPES[args.shape]
+        vocab = 49152
     if not (folder / "config.json").exists():
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", BUILD, *map(str, SHAPES[args.shape]), str(folder)], check=True,
@@ -261,29 +270,48 @@ def main() -> None:
         print(f"built {folder} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     rows = {}
+    fmt = (yaml.safe_load(args.recipe.read_text()).get("output", {}).get("formats") or ["gguf"])[0] if (
+        args.recipe is not None) else "gguf"
     for mode in args.modes:
         if mode == "llama":
             rows.update(llama_tools(args, folder, work))
             continue
         out = work / f"out-{mode}"
         path = work / f"recipe-{mode}.yaml"
-        path.write_text(yaml.safe_dump(recipe(folder, out, mode, args)))
+        if args.recipe is not None:
+            given = yaml.safe_load(args.recipe.read_text())
+            given["model"] = {**given.get("model", {}), "source": str(folder), "offload": mode}
+            given["output"] = {**given.get("output", {}), "path": str(out)}
+            path.write_text(yaml.safe_dump(given))
+        else:
+            path.write_text(yaml.safe_dump(recipe(folder, out, mode, args)))
         print(f"running offload={mode} ...", file=sys.stderr)
         row = run_measured([sys.executable, "-m", "compressor", "run", str(path), "--overwrite"],
                            work / f"log-{mode}.txt")
         report = out / "report.json"
         if report.exists():
             rep = json.loads(report.read_text())
-            row["timings"] = rep.get("size_plan", {}).get("timings")
-            row["file_bytes"] = rep.get("verification", {}).get("gguf", {}).get("file_bytes")
+            row["timings"] = {**rep.get("timings", {}), **(rep.get("size_plan", {}).get("timings") or {})}
+            check = next(iter(rep.get("verification", {}).values()), {})
+            row["file_bytes"] = check.get("file_bytes")
+            row["gate_passed"] = check.get("gate_passed")
+            row["reload_check"] = {k: check.get(k) for k in ("compared_with", "tensors_compared",
+                                                              "max_abs_logit_diff", "passed") if k in check}
             row["budget_bytes"] = rep.get("size_plan", {}).get("budget_bytes")
             row["types_used"] = rep.get("size_plan", {}).get("types_used")
-        if row["exit_code"] == 0 and mode == "disk":
+        if row["exit_code"] == 0 and mode == "disk" and (out / "model.gguf").exists():
             row["agreement"] = agreement(folder, out / "model.gguf")
-        if (out / "model.gguf").exists():
-            row["file_sha256"] = hashlib.sha256((out / "model.gguf").read_bytes()).hexdigest()
-        row["predicted_peak_bytes"] = size_peak(d=d, ff=ff, layers=layers, vocab=49152, tokens=args.tokens,
-                                                heads=heads, kv_heads=kv, fisher_tokens=2048, offload=mode)
+        files = sorted(out.glob("model.gguf")) or sorted(out.glob("*.safetensors"))
+        if files and row["exit_code"] == 0:
+            digest = hashlib.sha256()
+            for f in files:
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 24), b""):
+                        digest.update(chunk)
+            row["file_sha256"] = digest.hexdigest()
+        row["predicted_peak_bytes"] = size_peak(d=d, ff=ff, layers=layers, vocab=vocab, tokens=args.tokens,
+                                                heads=heads, kv_heads=kv, fisher_tokens=2048, offload=mode,
+                                                fmt=fmt)
         rows[mode] = row
         print(f"  {mode}: exit {row['exit_code']}, {row['wall_s']:.0f} s, peak anon "
               f"{row['peak_anon_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
@@ -292,9 +320,11 @@ def main() -> None:
     result = {
         "source": str(args.source) if args.source else f"random-weight llama-{args.shape}",
         "same_file": len(set(hashes.values())) == 1 and None not in hashes.values() if len(hashes) > 1 else None,
-        "what": f"GGUF size plan ({args.size}) of {planned}, onloaded and held in memory: peak anonymous "
+        "what": f"size plan ({'the recipe' if args.recipe else 'GGUF ' + args.size}) of {planned}, onloaded and "
+                "held in memory: peak anonymous "
                 "RSS of the process tree (sampled every 50 ms) and time",
-        "shape": {"hidden": d, "ffn": ff, "layers": layers, "heads": heads, "kv_heads": kv, "vocab": 49152},
+        "shape": {"hidden": d, "ffn": ff, "layers": layers, "heads": heads, "kv_heads": kv, "vocab": vocab},
+        "recipe": yaml.safe_load(args.recipe.read_text()) if args.recipe is not None else None,
         "bf16_weight_bytes": weights, "calibration_tokens": args.tokens, "eval_tokens": args.eval_tokens,
         "weights_are_random": None if args.source else "memory, time and the file's validity only: its "
                                                           "perplexity means nothing",

@@ -20,7 +20,8 @@ module's sum is added up in the same order (``tests/test_size_stream.py`` compar
 Ĥ (:func:`layer_moments`) is measured the way the layer-sequential engine walks (:class:`~compressor.engine.walker.
 LayerWalker`): every calibration window's hidden states go through layer ``i``, its linears' inputs are summed,
 and the layer's moments are handed to the caller (priced, spilled) before layer ``i + 1`` runs; one pass over the
-layers, where measuring in groups of layers re-runs every layer below each group.
+layers, where measuring in groups of layers re-runs every layer below each group. Cross-fitted prices' two halves
+(the even and the odd windows) are two splits of the same walk, each summed in its own taps.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ from compressor.engine.measure import _first_tensor
 from compressor.engine.sensitivity import backward_rows, frozen
 from compressor.engine.tensorstats import EMBEDDING, Fisher, GradSquares, MomentTaps, _AllSeen, linear_names
 from compressor.engine.walker import LayerWalker, _Stop
+
+LinearMoments = dict[str, torch.Tensor]
+"""Ĥ of some linears by name (:meth:`~compressor.engine.tensorstats.MomentTaps.moments`)."""
+FoldMoments = tuple[LinearMoments, LinearMoments]
+"""Ĥ over the even and over the odd calibration windows (:func:`layer_moments` with ``folds``)."""
 
 
 @contextmanager
@@ -162,30 +168,63 @@ def output_fisher_sequential(model: nn.Module, windows: torch.Tensor, *, batch_s
 
 
 def layer_moments(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8, names: list[str] | None = None,
-                  parallel: bool = False) -> Iterator[tuple[list[str], dict[str, torch.Tensor]]]:
+                  parallel: bool = False, folds: bool = False,
+                  ) -> Iterator[tuple[list[str], LinearMoments | FoldMoments]]:
     """:func:`~compressor.engine.tensorstats.input_moments` of every linear in ``names`` (default: all), one
     decoder layer at a time: yields ``(that layer's linears, their moments)`` layer by layer, then the linears
     that run after the layers (the output head, fed the final norm of the last layer's output). The same
     batches and sums as the whole-model passes. Holds the hidden states of every window (float32) and one
-    layer's weights and moments."""
+    layer's weights and moments.
+
+    ``folds``: the moments over the even and over the odd windows apart, in the same pass — each item is
+    ``(linears, (even, odd))``, the same bits as ``input_moments`` of ``windows[0::2]`` and of ``windows[1::2]``
+    (:func:`~compressor.pipeline.size.prices.fold_moments`): each half is its own split of the walk, batched
+    and numbered from 0 within it, its sums in its own tree.
+
+    >>> for linears, (even, odd) in layer_moments(model, windows, folds=True): ...   # doctest: +SKIP
+    """
     names = linear_names(model) if names is None else names
-    walker = LayerWalker(model, {"calibration": windows}, batch_size=batch_size, parallel=parallel)
-    path, n_tokens, n_batches = walker.blocks_path, windows.numel(), len(walker.batches)
+    splits = {"even": windows[0::2], "odd": windows[1::2]} if folds else {"calibration": windows}
+    walker = LayerWalker(model, splits, batch_size=batch_size, parallel=parallel)
+    path = walker.blocks_path
+    position = {b: p for p, b in enumerate(walker.local)}
     stream = walker.inputs
+
+    def measured(linears: list[str], run, stop: bool = False) -> list[LinearMoments]:
+        """Each split's moments of ``linears``: ``run(positions, end_batch)`` runs the split's batches (this
+        rank's, at those positions of the stream, in its tree's order) and calls ``end_batch(b)`` after each
+        with the walker's batch index ``b`` (the taps number the split's batches from 0)."""
+        out = []
+        for split, first, end in walker.splits:
+            with MomentTaps(model, linears, end - first, stop=stop, parallel=parallel) as taps:
+                run([position[first + j] for j in taps.items], lambda b, first=first: taps.end_batch(b - first))
+            out.append(taps.moments(splits[split].numel()))  # a collective with ``parallel``: every rank, in order
+        return out
+
     for i in range(len(walker.layers)):
         mine = [n for n in names if n.startswith(f"{path}.{i}.")]
-        with MomentTaps(model, mine, n_batches, parallel=parallel) as taps:
-            stream = walker.forward_layer(i, stream, on_batch=lambda b, y: taps.end_batch(b))
-        yield mine, taps.moments(n_tokens)
+        following: list[torch.Tensor | None] = [None] * len(stream)
+
+        def run(positions: list[int], end_batch) -> None:
+            outs = walker.forward_layer(i, stream, positions=positions, on_batch=lambda b, y: end_batch(b))
+            for p, y in zip(positions, outs):  # the next layer's stream in the walker's order
+                following[p] = y
+
+        moments = measured(mine, run)
+        stream = following
+        yield mine, tuple(moments) if folds else moments[0]
     rest = [n for n in names if not n.startswith(f"{path}.")]
     if rest:
         device = execution_device(model.get_input_embeddings())
-        with MomentTaps(model, rest, n_batches, stop=True, parallel=parallel) as taps, \
-                _without_layers(model, path), torch.no_grad():
-            for b, h in zip(walker.local, stream):
-                try:
-                    model(inputs_embeds=h.to(device), use_cache=False)
-                except _AllSeen:
-                    pass
-                taps.end_batch(b)
-        yield rest, taps.moments(n_tokens)
+
+        def head(positions: list[int], end_batch) -> None:
+            with _without_layers(model, path), torch.no_grad():
+                for p in positions:
+                    try:
+                        model(inputs_embeds=stream[p].to(device), use_cache=False)
+                    except _AllSeen:
+                        pass
+                    end_batch(walker.local[p])
+
+        moments = measured(rest, head, stop=True)
+        yield rest, tuple(moments) if folds else moments[0]

@@ -134,11 +134,14 @@ CONVERTER_PROCESS_BYTES = 300 * 2**20
 
 def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_tokens: int = 2048,
                     heads: int | None = None, kv_heads: int | None = None, tied: bool = False, seq_len: int = 512,
-                    offload: str = "disk", batch_size: int = 8) -> dict[str, int]:
-    """Host bytes a GGUF size plan holds at its peak, by component, for a Llama-shaped model (float32 compute):
+                    offload: str = "disk", batch_size: int = 8, fmt: str = "gguf",
+                    saved_bytes: int = 2) -> dict[str, int]:
+    """Host bytes a size plan (``fmt``: ``gguf`` or ``compressed-tensors``) holds at its peak, by component, for a
+    Llama-shaped model (float32 compute):
 
     * ``process``: the interpreter and libraries (:data:`PROCESS_BYTES`);
-    * ``resident``: the token embedding and the output head (untied), float32;
+    * ``resident``: the token embedding and the output head (untied), float32; onloaded, they wait on disk too and
+      one of them is read in float32 at a time (its forward, a backward through the head, its pricing);
     * ``model``: without onloading, every decoder layer's float32 weights; onloaded, one layer's, plus the float32
       copy of that layer's weights that pricing and rounding read;
     * ``hidden_states``: every calibration token's hidden state at the current layer and the next (float32), for
@@ -154,11 +157,15 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     * ``converter``: llama.cpp's converter making the F16 of a Hugging Face folder, a child process
       (:mod:`compressor.output.gguf.converter`): its interpreter and torch (:data:`CONVERTER_PROCESS_BYTES`) and
       the largest tensor in float32 and float16 (the embedding: measured 1.21 GB on a 3.2B Llama shape with a
-      49,152-token vocabulary).
+      49,152-token vocabulary); a GGUF's only;
+    * ``reload``: a compressed-tensors checkpoint reloaded by plain transformers for its check and the gate, the
+      library having decompressed every layer: all the weights in the saved dtype (``saved_bytes`` each) — in the
+      compute dtype for a model held in memory (its in-memory check), beside the model itself.
 
     The peak is the largest phase: the F16 made (process + resident + model + converter), the F pass (process +
-    resident + model + fisher) or the Ĥ and pricing pass (process + resident + model + hidden states + moments). ``tools/bench_size_memory.py`` measures it against
-    this."""
+    resident + model + fisher), the Ĥ and pricing pass (process + resident + model + hidden states + moments), or a
+    compressed-tensors reload (process + resident + model + reload). ``tools/bench_size_memory.py`` measures it
+    against this."""
     from compressor.engine.sensitivity import BACKWARD_BUDGET_BYTES
 
     heads = heads or max(1, d // 128)
@@ -176,10 +183,13 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     else:
         fisher = rows * seq_len * layers * (4 * ff + 10 * d) * f4 + logits
     moments = (3 * d * d + ff * ff) * f4 + 16 * (ff * ff + d * d)
-    converter = CONVERTER_PROCESS_BYTES + max(vocab * d, ff * d) * (f4 + 2)
+    ct = fmt == "compressed-tensors"
+    converter = 0 if ct else CONVERTER_PROCESS_BYTES + max(vocab * d, ff * d) * (f4 + 2)
+    every = layers * one_layer // f4 + vocab * d * (1 if tied else 2)
+    reload = every * (saved_bytes if offload != "none" else f4) if ct else 0
     return {"process": PROCESS_BYTES, "resident": resident, "model": model, "hidden_states": hidden,
-            "fisher": fisher, "moments": moments, "converter": converter,
-            "peak": PROCESS_BYTES + resident + model + max(fisher, hidden + moments, converter)}
+            "fisher": fisher, "moments": moments, "converter": converter, "reload": reload,
+            "peak": PROCESS_BYTES + resident + model + max(fisher, hidden + moments, converter, reload)}
 
 
 def size_peak(**kwargs) -> int:
@@ -187,9 +197,10 @@ def size_peak(**kwargs) -> int:
     return size_components(**kwargs)["peak"]
 
 
-def size_peak_of(config, *, offload: str, dtype: str = "float32", tokens: int = 16384) -> int | None:
-    """:func:`size_peak` for a Hugging Face ``config`` (its text config for a multimodal one), the weights in
-    ``dtype`` (the float32 estimate scaled); None where the config lacks a decoder's shape fields."""
+def size_peak_of(config, *, offload: str, dtype: str = "float32", tokens: int = 16384,
+                 fmt: str = "gguf") -> int | None:
+    """:func:`size_peak` for a Hugging Face ``config`` (its text config for a multimodal one) planned into ``fmt``,
+    the weights in ``dtype`` (the float32 estimate scaled); None where the config lacks a decoder's shape fields."""
     cfg = getattr(config, "text_config", None) or config
     try:
         d, ff, layers, vocab = (int(getattr(cfg, k)) for k in ("hidden_size", "intermediate_size",
@@ -199,7 +210,7 @@ def size_peak_of(config, *, offload: str, dtype: str = "float32", tokens: int = 
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0) or None
     kv = int(getattr(cfg, "num_key_value_heads", 0) or 0) or heads
     peak = size_peak(d=d, ff=ff, layers=layers, vocab=vocab, tokens=tokens, heads=heads, kv_heads=kv,
-                     tied=bool(getattr(config, "tie_word_embeddings", False)), offload=offload)
+                     tied=bool(getattr(config, "tie_word_embeddings", False)), offload=offload, fmt=fmt)
     scale = {"float32": 1.0, "auto": 1.0}.get(dtype, 0.5)  # bfloat16 / float16 weights take half
     return int(peak * scale)
 

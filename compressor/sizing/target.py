@@ -87,6 +87,19 @@ class SizeTarget:
         called for what the target offered."""
         raise NotImplementedError
 
+    def spill(self, raw, path: Path, at_least: int):
+        """What :meth:`round_full` (or :meth:`store`) returned, written to ``path`` (plus a suffix) and mapped back
+        from disk when it holds at least ``at_least`` bytes, else ``raw`` itself: file pages rather than the run's
+        memory until the file is written. Default: a numpy array (a GGUF tensor's bytes) as ``.npy``."""
+        import numpy as np
+
+        if not isinstance(raw, np.ndarray) or raw.nbytes < at_least:
+            return raw
+        path = path.with_name(path.name + ".npy")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, raw)
+        return np.load(path, mmap_mode="r")
+
     def priced(self, sites: list) -> list:
         """What planning keeps of the priced sites, one :class:`~compressor.sizing.plan.Priced` per unit
         of the allocation (default: per site)."""

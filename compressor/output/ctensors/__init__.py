@@ -29,14 +29,19 @@ A pruned model (``replacement.kind: prune``) is saved as its base class at the p
 ``hf-standard`` does (:func:`compressor.output.hf.standard.standard_model`); other kinds have no place in a
 plain transformers class and are refused.
 
-Modules: :mod:`.writer` (the writer and its reload check), :mod:`.schemes` (which layer gets which scheme,
-the config), :mod:`.rounding` (rounding and the library's packing), :mod:`.grids` (the integer grids, GPTQ),
-:mod:`.target` (the size target).
+An onloaded model (``model.offload: disk``) is written and checked one tensor at a time instead
+(:mod:`.stream`): the library's per-layer packer, safetensors shards, and a reload check that compares every
+tensor exactly; the same folder as the in-memory path.
+
+Modules: :mod:`.writer` (the writer and its reload check), :mod:`.stream` (an onloaded model's),
+:mod:`.schemes` (which layer gets which scheme, the config), :mod:`.rounding` (rounding and the library's
+packing), :mod:`.grids` (the integer grids, GPTQ), :mod:`.target` (the size target).
 
 Verification reloads the folder with plain ``AutoModelForCausalLM.from_pretrained`` (the library
 decompresses it) and compares its logits with the in-memory model whose quantized weights are replaced by
-the values the file decodes to, to float tolerance; the reloaded model's perplexity on the probe is
-recorded with the change quantizing made (judged, if at all, by the stage that chose the schemes).
+the values the file decodes to, to float tolerance (onloaded: every tensor, exactly); the reloaded model's
+perplexity on the probe is recorded with the change quantizing made (judged, if at all, by the stage that
+chose the schemes).
 """
 
 from compressor.output.ctensors.grids import IntScheme, Rounded

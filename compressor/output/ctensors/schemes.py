@@ -221,7 +221,9 @@ def tensor_bytes(model: nn.Module, schemes: dict[str, IntScheme | None], dtype: 
     size = torch.empty((), dtype=dtype).element_size()
     for name, t in model.state_dict().items():
         module, _, leaf = name.rpartition(".")
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        # a meta placeholder (an onloaded layer's) has no storage to tell ties by: its name is its own
+        key = (name,) if t.device.type == "meta" else (t.untyped_storage().data_ptr(), t.storage_offset(),
+                                                       tuple(t.shape))
         if (leaf == "weight" and module in schemes) or key in seen:
             continue
         seen.add(key)

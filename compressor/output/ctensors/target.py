@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from compressor.output.ctensors.grids import Rounded
 from compressor.sizing.budget import Budget, Layout
 from compressor.sizing.target import SizeTarget
 from compressor.policy.options import Option
@@ -68,6 +69,7 @@ class CompressedTensorsTarget(SizeTarget):
     heldout_prices = True
     gptq_options = 6  # the integer schemes (SCHEMES)
     full_roundings = 2  # the plan and the uniform anchor
+    streams = True
 
     def __init__(self, output=None) -> None:
         super().__init__(output)
@@ -99,12 +101,14 @@ class CompressedTensorsTarget(SizeTarget):
         for site in progress(sites, desc="price: integer schemes", unit="layer"):
             by_module[site.name] = price_layer(site, rounding, self.dtype)
         units: dict[str, list[Option]] = {}
+        # options in order of bytes, then name: two schemes can tie exactly (W8A16 and W8A16_CH on a layer of 128
+        # inputs are one grid), and a set's order changes with the process's string hashing
         for unit, parts in fused_units(by_module).items():
             common = set.intersection(*(set(by_module[p]) for p in parts))
             units[unit] = [Option(unit, s, sum(by_module[p][s][0] for p in parts),
                                   sum(by_module[p][s][1] for p in parts),
                                   payload=Choice(s, False, rounding == "gptq" and s != FLOAT))
-                           for s in sorted(common, key=lambda s: by_module[parts[0]][s][0])]
+                           for s in sorted(common, key=lambda s: (by_module[parts[0]][s][0], s))]
         return units
 
     def priced(self, sites: list) -> list:
@@ -174,9 +178,23 @@ class CompressedTensorsTarget(SizeTarget):
 
         # h: Ĥ or its act-order factor (shared by every option of the unit); Rounded kept without the float
         # weight (the writer decodes it): 6 GB for 1.5B
-        return {m: gptq(request.model.get_submodule(m).weight.detach(), h, option, scale_dtype=self.dtype,
-                        **GPTQ_ORDER)._replace(weight=None)
+        from compressor.core import onload
+
+        return {m: gptq(weight if m == priced.module else onload.weight(request.model, m), h, option,
+                        scale_dtype=self.dtype, **GPTQ_ORDER)._replace(weight=None)
                 for m in unit_members(name)}
+
+    def spill(self, raw, path: Path, at_least: int):
+        """A unit's ``{module: Rounded}`` (int8 codes and scales: a byte a weight, 1.3 GB for a 1.5B model's plan and
+        as much for its anchor) saved with torch and mapped back."""
+        held = sum(r.ints.nbytes + r.scales.nbytes for r in raw.values())
+        if held < at_least:
+            return raw
+        path = path.with_name(path.name + ".pt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({m: {"scales": r.scales, "ints": r.ints} for m, r in raw.items()}, path)
+        back = torch.load(path, mmap=True, weights_only=True)
+        return {m: Rounded(None, t["scales"], t["ints"]) for m, t in back.items()}
 
     def file_plan(self, plan, request):
         """The plan's scheme per unit as a scheme per layer, with the layers the size stage rounded by GPTQ;
@@ -208,7 +226,7 @@ class CompressedTensorsTarget(SizeTarget):
         that rounded the file, :meth:`anchor_plan`), written and reloaded by plain transformers like the file,
         scored on the gate's windows, then removed."""
         from compressor.output.registry import get_writer
-        from compressor.output.ctensors.writer import score_folder
+        from compressor.output.ctensors.writer import reload_dtype, score_folder
 
         scheme = preset["name"]
         plan = run.anchor_plan()
@@ -220,7 +238,8 @@ class CompressedTensorsTarget(SizeTarget):
                                       extra_files={})
         try:
             get_writer(self.format).write(request, folder)
-            return score_folder(folder, run.request.options.get("gate_domains") or [], run.request.model.dtype)
+            return score_folder(folder, run.request.options.get("gate_domains") or [],
+                                reload_dtype(run.request.model, _dtype(run.request)))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -57,13 +57,13 @@ def fit_memory(recipe: Recipe, config) -> None:
 
     mc = recipe.model
     avail = available_bytes()
+    target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
     if mc.offload != "none":
-        _warn_onloaded(config, mc.dtype, avail)
+        _warn_onloaded(config, mc.dtype, avail, target.format)
         return
-    need = size_peak_of(config, offload="none", dtype=mc.dtype)
+    need = size_peak_of(config, offload="none", dtype=mc.dtype, fmt=target.format)
     if avail is None or need is None or need <= avail:
         return
-    target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
     held = (f"held in memory ({mc.dtype}) the size plan needs about {need / 1e9:.1f} GB, {avail / 1e9:.1f} GB are "
             "available")
     from compressor.core.archs import moe_refusal
@@ -72,11 +72,11 @@ def fit_memory(recipe: Recipe, config) -> None:
         raise InputError(f"output.size: {held}, and a mixture of experts is planned held in memory (its experts "
                          "are not onloaded); run on a machine with more memory")
     if target.streams:
-        onloaded = size_peak_of(config, offload="disk", dtype=mc.dtype)
+        onloaded = size_peak_of(config, offload="disk", dtype=mc.dtype, fmt=target.format)
         logger.warning("output.size: %s: onloading the decoder layers from disk (model.offload: disk, about "
                        "%.1f GB); set model.offload to choose", held, onloaded / 1e9)
         mc.offload = "disk"
-        _warn_onloaded(config, mc.dtype, avail)
+        _warn_onloaded(config, mc.dtype, avail, target.format)
         return
     streamed = sorted(f for f, cls in targets().items() if cls.streams)
     raise InputError(f"output.size: {held} (within {LIMIT_ENV} or the container's limit, where set), and a "
@@ -97,12 +97,13 @@ def _streamed_fix(streamed: list[str]) -> str:
     return " or ".join(f"{f} (output.formats: [{f}], {sizes(f)})" for f in streamed)
 
 
-def _warn_onloaded(config, dtype: str, avail: int | None) -> None:
+def _warn_onloaded(config, dtype: str, avail: int | None, fmt: str) -> None:
     """Said before loading when even the onloaded run's estimated peak (resident embedding and head, one layer,
-    its statistics) passes the memory available: an estimate, so a warning, with what to change."""
+    its statistics; a compressed-tensors checkpoint's reload) passes the memory available: an estimate, so a
+    warning, with what to change."""
     from compressor.engine.memory import size_peak_of
 
-    need = size_peak_of(config, offload="disk", dtype=dtype)
+    need = size_peak_of(config, offload="disk", dtype=dtype, fmt=fmt)
     if avail is not None and need is not None and need > avail:
         logger.warning("output.size: the onloaded run needs about %.1f GB at its peak (memory model: "
                        "compressor.engine.memory.size_components), %.1f GB are available; it may be stopped for "

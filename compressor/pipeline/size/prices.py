@@ -74,7 +74,7 @@ def moment_groups(model, names: list[str], budget: int | None = None, copies: in
 FACTOR_BYTES = 1 << 30
 
 #: Bump when what a priced option means changes: cached prices of another version are not read.
-PRICES_VERSION = 8  # 8: batches' sums merged in the canonical tree order (the same bits under torchrun)
+PRICES_VERSION = 9  # 9: a compressed-tensors unit's tied options in order of name (8: tree-ordered sums)
 
 #: Calibration tokens the loss-gradient pass reads (:func:`fisher_windows`). F is one mean square per output
 #: (a diagonal, d_out numbers per layer), where Ĥ is a d_in × d_in matrix that GPTQ inverts: F settles on far
@@ -266,13 +266,14 @@ class MomentPasses:
     measured in groups of layers whose moments fit memory (:func:`moment_groups`), each group a pass over the
     windows; an onloaded one a decoder layer at a time in one layer-sequential pass
     (:func:`~compressor.engine.layerwise.layer_moments`: one layer's weights and moments resident). ``folds``:
-    each half's moments for cross-fitted prices (in memory only), else None."""
+    each half's moments for cross-fitted prices (``(even, odd)``: :func:`fold_moments`; onloaded, the two halves
+    as two splits of the one pass, the same bits), else None; ``moments`` then :func:`mean_moments` of them."""
 
     def __init__(self, model, windows: torch.Tensor, batch_size: int, precision: StatisticsPrecision,
                  crossfit: bool, groups: list[list[str]] | None = None, parallel: bool = False) -> None:
         self.model, self.windows, self.batch_size, self.precision = model, windows, batch_size, precision
         self.crossfit, self.parallel = crossfit, parallel
-        self.layered = is_offloaded(model) and not crossfit
+        self.layered = is_offloaded(model)
         self.groups = None if self.layered else groups if groups is not None else self.plan(model, crossfit)
         layers = None if self.groups is not None else find_blocks(model, arch_for(model, structural=False)[1])[1]
         self.count = len(self.groups) if self.groups is not None else len(layers) + 1
@@ -283,22 +284,27 @@ class MomentPasses:
     @staticmethod
     def plan(model, crossfit: bool) -> list[list[str]] | None:
         """The groups of layers a pass holds the moments of (:func:`moment_groups`), None for an onloaded model
-        (layer by layer)."""
-        if is_offloaded(model) and not crossfit:
+        (layer by layer, cross-fitted or not)."""
+        if is_offloaded(model):
             return None
         return moment_groups(model, linear_names(model), copies=3 if crossfit else 1)
 
     def __iter__(self):
         if self.layered:
-            passes = layer_moments(self.model, self.windows, batch_size=self.batch_size, parallel=self.parallel)
+            passes = layer_moments(self.model, self.windows, batch_size=self.batch_size, parallel=self.parallel,
+                                   folds=self.crossfit)
             while True:
                 t0 = time.perf_counter()
                 with self.precision.context(self.model):  # the layer runs when the next item is asked for
                     item = next(passes, None)
+                    if item is not None and self.crossfit:
+                        item = item[0], item[1], mean_moments(*item[1], self.windows.shape[0])
+                    elif item is not None:
+                        item = item[0], None, item[1]
                 self.seconds += time.perf_counter() - t0
                 if item is None:
                     return
-                yield item[0], None, item[1]
+                yield item
         for group in self.groups:
             t0 = time.perf_counter()
             with self.precision.context(self.model):

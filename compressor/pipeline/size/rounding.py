@@ -16,7 +16,6 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from compressor.core import onload
@@ -61,15 +60,14 @@ class Compensator:
         self.spill = spill
 
     def _kept(self, name: str, option: str, raw):
-        """``raw`` written to the spill folder and mapped back (a numpy array of at least :data:`SPILL_BYTES`),
+        """``raw`` written to the spill folder and mapped back (:meth:`~compressor.sizing.target.SizeTarget.spill`:
+        a GGUF tensor's bytes, an integer scheme's codes and scales) when it holds at least :data:`SPILL_BYTES`,
         else as it is; a full disk keeps it in memory (said once)."""
-        if self.spill is None or not isinstance(raw, np.ndarray) or raw.nbytes < SPILL_BYTES:
+        if self.spill is None:
             return raw
-        path = self.spill / "rounded" / f"{name}.{option}.npy"
+        path = self.spill / "rounded" / f"{name}.{option}"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.save(path, raw)
-            return np.load(path, mmap_mode="r")
+            return self.target.spill(raw, path, SPILL_BYTES)
         except OSError as exc:
             logger.warning("size plan: rounded bytes kept in memory, not in %s (%s)", path.parent, exc)
             self.spill = None
