@@ -21,11 +21,12 @@ def _quantization(folder):
 
 def test_an_onloaded_compressed_tensors_size_writes_the_in_memory_runs_checkpoint(tmp_path, monkeypatch):
     """W4A16's size planned with the layers onloaded: the same schemes, the same safetensors bytes and the same
-    quantization config as the model held in memory; the GPTQ codes wait in the work folder, mapped back; the
-    reload check compares every tensor; plain transformers loads the folder."""
+    quantization config as the model held in memory (the streamed one packed a few rows at a time); the GPTQ codes
+    wait in the work folder, mapped back; the reload check compares every tensor; plain transformers loads it."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
+    from compressor.output.ctensors import stream
     from compressor.output.ctensors.target import CompressedTensorsTarget
     from compressor.pipeline.size import rounding
 
@@ -42,6 +43,7 @@ def test_an_onloaded_compressed_tensors_size_writes_the_in_memory_runs_checkpoin
 
     monkeypatch.setattr(rounding, "SPILL_BYTES", 0)
     monkeypatch.setattr(CompressedTensorsTarget, "spill", spy)
+    monkeypatch.setattr(stream, "CHUNK_ROWS", 7)  # packed and checked 7 rows at a time: the same bytes
     streamed = compressor.run(_recipe(tmp_path, src, "streamed", "disk", size="W4A16"))
     assert held.exit_code == 0 and streamed.exit_code == 0, streamed.report.get("message")
     a, b = held.report["size_plan"], streamed.report["size_plan"]
