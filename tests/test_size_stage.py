@@ -83,14 +83,13 @@ def _validate(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("model_type,output,model,match", [
     ("llama", {"size": "Q4_0", "formats": ["hf"]}, {}, "add gguf to output.formats"),
-    ("llama", {"size": "W4A16"}, {"offload": "disk"}, "model.offload: none"),
     ("gpt2", {"size": "Q4_0"}, {}, "remove output.size"),
 ])
 def test_validate_refuses_what_run_refuses_with_a_size(tmp_path, model_type, output, model, match):
     """``compressor validate`` runs every check that needs no model, so it agrees with ``run``: a size with
-    no GGUF among the formats, compressed-tensors with an onloaded model, or for an architecture whose GGUF cannot be planned
-    (whose message then does not send the user to a recipe that is refused in turn). A GGUF size streams
-    with an onloaded model (tests/test_size_stream.py); a compressed-tensors size does not, and says so."""
+    no GGUF among the formats, or for an architecture whose GGUF cannot be planned (whose message then does not
+    send the user to a recipe that is refused in turn). GGUF and compressed-tensors sizes both stream with an
+    onloaded model (tests/test_size_stream.py, tests/test_ctensors_stream.py)."""
     import yaml
 
     src = save_tiny_checkpoint(tmp_path / "tiny", model_type)
