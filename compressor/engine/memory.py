@@ -140,8 +140,7 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     Llama-shaped model (float32 compute):
 
     * ``process``: the interpreter and libraries (:data:`PROCESS_BYTES`);
-    * ``resident``: the token embedding and the output head (untied), float32; onloaded, they wait on disk too and
-      one of them is read in float32 at a time (its forward, a backward through the head, its pricing);
+    * ``resident``: the token embedding and the output head (untied), float32;
     * ``model``: without onloading, every decoder layer's float32 weights; onloaded, one layer's, plus the float32
       copy of that layer's weights that pricing and rounding read;
     * ``hidden_states``: every calibration token's hidden state at the current layer and the next (float32), for

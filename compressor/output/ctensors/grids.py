@@ -169,6 +169,13 @@ class Rounded(NamedTuple):
     """int8 ``[out, in]``: the codes, in ``[qmin, qmax]``."""
 
 
+def decoded(r: Rounded, rows=slice(None)) -> torch.Tensor:
+    """``ints · scales`` of ``rows`` (default all) in float32: the values the checkpoint decodes to, bit for bit."""
+    ints, scales = r.ints[rows], r.scales[rows]
+    per = ints.shape[1] // scales.shape[1]
+    return ints.float() * scales.float().repeat_interleave(per, dim=1)
+
+
 def _as_float32(weight) -> np.ndarray:
     w = weight.detach().cpu().float().numpy() if isinstance(weight, torch.Tensor) else np.asarray(weight, np.float32)
     if w.ndim != 2:

@@ -16,8 +16,8 @@ from torch import nn
 
 from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
 from compressor.core.progress import progress
-from compressor.output.ctensors.grids import IntScheme, Rounded, gptq, rtn
-from compressor.output.ctensors.schemes import GPTQ_ORDER, SchemePlan, _embedding_names, quantization_config
+from compressor.output.ctensors.grids import IntScheme, Rounded, decoded, gptq, rtn
+from compressor.output.ctensors.schemes import GPTQ_ORDER, SchemePlan, model_quantization_config
 
 
 
@@ -34,15 +34,21 @@ def round_layers(model: nn.Module, schemes: dict[str, IntScheme | None], hessian
     out: dict[str, Rounded] = {}
     with progress(total=len(todo), desc="compressed-tensors: rounding", unit="layer") as bar:
         for name, s in todo:
-            w = model.get_submodule(name).weight.detach()
-            h = hessians.get(name)
-            try:
-                out[name] = (rtn(w, s, scale_dtype=scale_dtype) if h is None else
-                             gptq(w, h, s, scale_dtype=scale_dtype, **GPTQ_ORDER))
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+            out[name] = round_layer(model.get_submodule(name).weight.detach(), s, hessians.get(name), scale_dtype,
+                                    name)
             bar.update(1)
     return out
+
+
+def round_layer(weight: torch.Tensor, scheme: IntScheme, h: torch.Tensor | None, scale_dtype: torch.dtype,
+                name: str) -> Rounded:
+    """One layer's weight onto ``scheme``: GPTQ through ``h`` (its Ĥ), or to nearest without one; a weight the
+    scheme cannot take is a ``ValueError`` naming the layer."""
+    try:
+        return (rtn(weight, scheme, scale_dtype=scale_dtype) if h is None else
+                gptq(weight, h, scheme, scale_dtype=scale_dtype, **GPTQ_ORDER))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _rounded(plan: SchemePlan, model: nn.Module, schemes: dict[str, IntScheme | None],
@@ -52,18 +58,12 @@ def _rounded(plan: SchemePlan, model: nn.Module, schemes: dict[str, IntScheme | 
     (:attr:`~.schemes.SchemePlan.codes`) for verify."""
     key = (tuple(schemes.items()), scale_dtype)
     if plan.codes is not None and plan.codes[0] == key:
-        return {n: r._replace(weight=_dequantized(r)) for n, r in plan.codes[1].items()}
-    out = {m: r._replace(weight=_dequantized(r)) for m, r in plan.rounded.items() if schemes.get(m) is not None}
+        return {n: r._replace(weight=decoded(r)) for n, r in plan.codes[1].items()}
+    out = {m: r._replace(weight=decoded(r)) for m, r in plan.rounded.items() if schemes.get(m) is not None}
     out.update(round_layers(model, {n: s for n, s in schemes.items() if n not in out},
                             {n: h for n, h in (plan.hessians or {}).items() if n not in out}, scale_dtype))
     plan.codes = (key, {n: r._replace(weight=None) for n, r in out.items()})
     return out
-
-
-def _dequantized(r: Rounded) -> torch.Tensor:
-    """``ints · scales`` in float32, as :mod:`~compressor.output.ctensors.grids` computes it (bit for bit)."""
-    per = r.ints.shape[1] // r.scales.shape[1]
-    return r.ints.float() * r.scales.float().repeat_interleave(per, dim=1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,8 +100,7 @@ def _compress(model: nn.Module, schemes: dict[str, IntScheme | None], rounded: d
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
 
-    qconfig = quantization_config(schemes, sorted((_embedding_names(model) - set(schemes)) & {
-        n for n, m in model.named_modules() if isinstance(m, nn.Linear)}))
+    qconfig = model_quantization_config(model, schemes)
     apply_quantization_config(model, qconfig, show_progress=False)
     targeted = {n for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
     if targeted != set(rounded):

@@ -202,6 +202,13 @@ def quantization_config(schemes: dict[str, IntScheme | None], ignore_extra: list
                               quantization_status=QuantizationStatus.FROZEN)
 
 
+def model_quantization_config(model: nn.Module, schemes: dict[str, IntScheme | None]):
+    """:func:`quantization_config` of ``model``'s ``schemes``, a tied output head (a linear that is an embedding and
+    has no scheme) ignored with the embedding."""
+    return quantization_config(schemes, sorted((_embedding_names(model) - set(schemes)) & {
+        n for n, m in model.named_modules() if isinstance(m, nn.Linear)}))
+
+
 def scheme_counts(schemes: dict[str, IntScheme | None]) -> dict[str, int]:
     """Layers per scheme name (``unquantized`` for None)."""
     return dict(sorted(Counter(s.name if s else "unquantized" for s in schemes.values()).items()))

@@ -26,8 +26,9 @@ from torch import nn
 
 from compressor.core import onload
 from compressor.core.progress import progress
-from compressor.output.ctensors.grids import IntScheme, Rounded, gptq, rtn
-from compressor.output.ctensors.schemes import GPTQ_ORDER, PACK_FORMAT, SchemePlan, _embedding_names, quantization_config
+from compressor.output.ctensors.grids import IntScheme, Rounded, decoded
+from compressor.output.ctensors.rounding import round_layer
+from compressor.output.ctensors.schemes import PACK_FORMAT, SchemePlan, model_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -37,29 +38,16 @@ SHARD_BYTES = 512 << 20
 
 def layer_rounded(plan: SchemePlan, model: nn.Module, name: str, scheme: IntScheme, dtype: torch.dtype) -> Rounded:
     """Layer ``name``'s codes and scales on ``scheme``: the size stage's rounding where the plan holds it, else
-    GPTQ through ``plan.hessians``' Ĥ or to nearest, from the weight read from the offload store."""
+    :func:`~compressor.output.ctensors.rounding.round_layer` of the weight read from the offload store."""
     if name in plan.rounded:
         return plan.rounded[name]
-    weight = onload.weight(model, name)
-    h = (plan.hessians or {}).get(name)
-    try:
-        r = rtn(weight, scheme, scale_dtype=dtype) if h is None else gptq(weight, h, scheme, scale_dtype=dtype,
-                                                                       **GPTQ_ORDER)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
-    return r._replace(weight=None)
+    return round_layer(onload.weight(model, name), scheme, (plan.hessians or {}).get(name), dtype,
+                       name)._replace(weight=None)
 
 
 #: Rows of a quantized weight decoded, packed or compared at once: a whole output head decoded in float32 took
 #: three copies of it (codes, scales spread over the row, their product: 2.8 GB for Qwen2.5-1.5B's untied head).
 CHUNK_ROWS = 4096
-
-
-def decoded(r: Rounded, rows=slice(None)) -> torch.Tensor:
-    """``ints · scales`` of ``rows`` in float32 (exact), as :mod:`~compressor.output.ctensors.grids` computes it."""
-    ints, scales = r.ints[rows], r.scales[rows]
-    per = ints.shape[1] // scales.shape[1]
-    return ints.float() * scales.float().repeat_interleave(per, dim=1)
 
 
 def _chunks(n: int) -> list[slice]:
@@ -80,16 +68,6 @@ def _saved_names(model: nn.Module) -> list[str]:
     """The state dict's names as ``save_pretrained`` stores them: persistent tensors, a tied one once."""
     keys = set(model.state_dict())
     return [n for n, _ in onload.named_tensors(model) if n in keys]
-
-
-def _config(model: nn.Module, schemes: dict[str, IntScheme | None]):
-    """The library's config for ``schemes`` (a tied output head ignored with the embedding), status compressed."""
-    from compressed_tensors.quantization import QuantizationStatus
-
-    qconfig = quantization_config(schemes, sorted((_embedding_names(model) - set(schemes)) & {
-        n for n, m in model.named_modules() if isinstance(m, nn.Linear)}))
-    qconfig.quantization_status = QuantizationStatus.COMPRESSED
-    return qconfig
 
 
 class _Shards:
@@ -164,8 +142,11 @@ def write_streamed(model: nn.Module, plan: SchemePlan, schemes: dict[str, IntSch
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(folder)
     from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationStatus
 
-    ModelCompressor(quantization_config=_config(model, schemes)).update_config(str(folder))
+    qconfig = model_quantization_config(model, schemes)
+    qconfig.quantization_status = QuantizationStatus.COMPRESSED  # as compress_model leaves it
+    ModelCompressor(quantization_config=qconfig).update_config(str(folder))
 
 
 @torch.no_grad()

@@ -124,12 +124,6 @@ class CompressedTensorsWriter(Writer):
         tolerance, those of the in-memory model whose quantized weights are the values the file decodes to
         and whose other tensors are rounded through the saved dtype. Records the reload's perplexity."""
         _require_library()
-        from compressed_tensors import __version__ as ct_version
-        from transformers import AutoModelForCausalLM
-
-        from compressor.core.params import count_params
-        from compressor.evaluation.evaluate import perplexity
-
         t0 = time.perf_counter()
         model = request.model
         dtype = request.dtype or model.dtype
@@ -144,34 +138,16 @@ class CompressedTensorsWriter(Writer):
         base_cls = type(base)
         probe, expected = _reference_logits(request, base, rounded, dtype)
         del base, rounded  # before the reload: never three models in memory at once
-        with alone():
-            reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).eval()
-        cls = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
-        if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not base_cls:
-            raise VerificationError(f"the compressed-tensors folder reloaded as {cls}, not the base class "
-                                    f"{base_cls.__name__}; the folder was not published")
+        reloaded, cls = _reload(folder, base_cls, model.dtype)
         diff = float((expected - _logits(reloaded, probe)).abs().max())
         tol = logit_tolerance(model.dtype, computes_on_gpu(model) or computes_on_gpu(reloaded))
-        again = perplexity(reloaded, request.probe_tokens, seq_len=request.probe_seq_len,
-                           stride=request.probe_stride, batch_size=request.probe_batch_size,
-                           desc="compressed-tensors reload check", shard=False)
-        ref_ppl = request.expected_ppl
-        check = {"runtime": "transformers", "compressed_tensors": ct_version, "class": cls, "format": PACK_FORMAT,
-                 "saved_dtype": str(dtype).removeprefix("torch."), "schemes": scheme_counts(schemes),
-                 "gptq_layers": _gptq_layers(plan, schemes),
-                 "tensor_bytes": stored_bytes, "file_bytes": folder_weight_bytes(Path(folder)),
-                 "params": count_params(reloaded), "max_abs_logit_diff": diff, "logit_tolerance": tol,
-                 "compared_with": "the in-memory model with the decoded weights",
-                 "perplexity": again.ppl, "expected_perplexity": ref_ppl,
-                 "quantization_change": again.ppl / ref_ppl - 1.0 if ref_ppl else None,
-                 "passed": diff <= tol, "seconds": time.perf_counter() - t0}
-        if not check["passed"]:
+        if diff > tol:
             raise VerificationError(
                 f"compressed-tensors reload check failed: max |Δlogit| {diff:.3g} against the in-memory model with the "
                 f"decoded weights (tolerance {tol:g}); the folder was not published")
-        if plan.measured:  # a plan's file is measured where it runs, for the size stage's gate
-            check.update(quant="plan", disk_bytes=check["file_bytes"], file_bytes=stored_bytes,
-                         domains=_score(reloaded, _gate_domains(request)))
+        check = _measured(request, folder, reloaded, cls, plan, schemes, dtype, stored_bytes, t0, {
+            "max_abs_logit_diff": diff, "logit_tolerance": tol,
+            "compared_with": "the in-memory model with the decoded weights"})
         # freed now: reference cycles in a reloaded model wait for a full collection, and the next model (the
         # anchor; Qwen2.5-1.5B: 7 GB in float32) must not be loaded beside it
         del reloaded
@@ -179,48 +155,64 @@ class CompressedTensorsWriter(Writer):
         return check
 
     def _verify_streamed(self, request: WriteRequest, folder: Path, plan: SchemePlan, t0: float) -> dict:
-        """An onloaded model's folder: reloaded by plain transformers (its packed weights stay packed) and checked
-        tensor by tensor (:func:`~compressor.output.ctensors.stream.check_reload`), not against a second model's
-        logits: the model is never whole in memory."""
-        from compressed_tensors import __version__ as ct_version
-        from transformers import AutoModelForCausalLM
-
-        from compressor.core.params import count_params
-        from compressor.evaluation.evaluate import perplexity
-
+        """An onloaded model's folder: reloaded by plain transformers and checked tensor by tensor
+        (:func:`~compressor.output.ctensors.stream.check_reload`), not against a second model's logits: the model
+        is never whole in memory."""
         model = request.model
         dtype = request.dtype or model.dtype
         schemes = layer_schemes(model, plan.options(request.options))
         stored_bytes = tensor_bytes(model, schemes, dtype)
-        with alone():
-            reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=reload_dtype(model, dtype)).eval()
-        cls = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
-        if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not type(model):
-            raise VerificationError(f"the compressed-tensors folder reloaded as {cls}, not {type(model).__name__}; "
-                                    "the folder was not published")
+        reloaded, cls = _reload(folder, type(model), reload_dtype(model, dtype))
         tensors = check_reload(model, reloaded, plan, schemes, dtype)
         if not tensors["passed"]:
             raise VerificationError(f"compressed-tensors reload check failed: {tensors['failed_at']}; the folder "
                                     "was not published")
-        again = perplexity(reloaded, request.probe_tokens, seq_len=request.probe_seq_len,
-                           stride=request.probe_stride, batch_size=request.probe_batch_size,
-                           desc="compressed-tensors reload check", shard=False)
-        ref_ppl = request.expected_ppl
-        check = {"runtime": "transformers", "compressed_tensors": ct_version, "class": cls, "format": PACK_FORMAT,
-                 "saved_dtype": str(dtype).removeprefix("torch."),
-                 "reloaded_in": str(reload_dtype(model, dtype)).removeprefix("torch."), "schemes": scheme_counts(schemes),
-                 "gptq_layers": _gptq_layers(plan, schemes), "tensor_bytes": stored_bytes,
-                 "file_bytes": folder_weight_bytes(Path(folder)), "params": count_params(reloaded),
-                 **{k: v for k, v in tensors.items() if k != "failed_at"},
-                 "perplexity": again.ppl, "expected_perplexity": ref_ppl,
-                 "quantization_change": again.ppl / ref_ppl - 1.0 if ref_ppl else None,
-                 "seconds": time.perf_counter() - t0}
-        if plan.measured:
-            check.update(quant="plan", disk_bytes=check["file_bytes"], file_bytes=stored_bytes,
-                         domains=_score(reloaded, _gate_domains(request)))
+        check = _measured(request, folder, reloaded, cls, plan, schemes, dtype, stored_bytes, t0, {
+            "reloaded_in": str(reload_dtype(model, dtype)).removeprefix("torch."),
+            **{k: v for k, v in tensors.items() if k != "failed_at"}})
         del reloaded
         gc.collect()
         return check
+
+
+def _reload(folder: Path, cls: type, dtype: torch.dtype) -> tuple[nn.Module, str]:
+    """The folder reloaded by plain ``AutoModelForCausalLM`` in ``dtype``, and its class's name; it must be
+    transformers' ``cls`` (the base class), else :class:`VerificationError`."""
+    from transformers import AutoModelForCausalLM
+
+    with alone():
+        reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    name = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
+    if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not cls:
+        raise VerificationError(f"the compressed-tensors folder reloaded as {name}, not the base class "
+                                f"{cls.__name__}; the folder was not published")
+    return reloaded, name
+
+
+def _measured(request: WriteRequest, folder: Path, reloaded: nn.Module, cls: str, plan: SchemePlan,
+              schemes: dict[str, IntScheme | None], dtype: torch.dtype, stored_bytes: int, t0: float,
+              compared: dict) -> dict:
+    """The report entry of a reload that passed its comparison (``compared``: how, and what it found): the folder's
+    facts, the reload's perplexity on the probe, and for a size's plan its scores on every gate domain."""
+    from compressed_tensors import __version__ as ct_version
+
+    from compressor.core.params import count_params
+    from compressor.evaluation.evaluate import perplexity
+
+    again = perplexity(reloaded, request.probe_tokens, seq_len=request.probe_seq_len, stride=request.probe_stride,
+                       batch_size=request.probe_batch_size, desc="compressed-tensors reload check", shard=False)
+    ref_ppl = request.expected_ppl
+    check = {"runtime": "transformers", "compressed_tensors": ct_version, "class": cls, "format": PACK_FORMAT,
+             "saved_dtype": str(dtype).removeprefix("torch."), "schemes": scheme_counts(schemes),
+             "gptq_layers": _gptq_layers(plan, schemes), "tensor_bytes": stored_bytes,
+             "file_bytes": folder_weight_bytes(Path(folder)), "params": count_params(reloaded), **compared,
+             "perplexity": again.ppl, "expected_perplexity": ref_ppl,
+             "quantization_change": again.ppl / ref_ppl - 1.0 if ref_ppl else None,
+             "passed": True, "seconds": time.perf_counter() - t0}
+    if plan.measured:  # a plan's file is measured where it runs, for the size stage's gate
+        check.update(quant="plan", disk_bytes=check["file_bytes"], file_bytes=stored_bytes,
+                     domains=_score(reloaded, _gate_domains(request)))
+    return check
 
 
 def reload_dtype(model: nn.Module, saved: torch.dtype) -> torch.dtype:
