@@ -36,8 +36,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from compressor.fitting import gridround  # noqa: E402
 from compressor.output.ctensors.grids import (  # noqa: E402
-    SCHEMES, IntScheme, get_scheme, gptq, output_error, rtn, scales_of, weight_bytes,
+    SCHEMES, IntScheme, decoded, get_scheme, gptq, output_error, rtn, scales_of, weight_bytes,
 )
+from compressor.output.ctensors import grids  # noqa: E402
 from compressor.output import VerificationError, WriteRequest, get_writer  # noqa: E402
 from compressor.output import ctensors  # noqa: E402
 
@@ -188,6 +189,19 @@ def test_gptq_is_the_recursion_for_any_batch(scheme, static_groups):
         assert np.array_equal(r.ints.numpy(), Q), block
         assert torch.equal(r.weight, r.ints.float() * r.scales.float().repeat_interleave(
             64 // r.scales.shape[1], dim=1))
+
+
+@pytest.mark.parametrize("static_groups", [False, True])
+def test_gptq_rounds_a_tall_weight_a_few_rows_at_a_time(monkeypatch, static_groups):
+    """Rows are independent: an output head goes in chunks of rows, each chunk the recursion's codes."""
+    torch.manual_seed(5)
+    W, H, s = torch.randn(8, 64).to(torch.bfloat16), correlated(64), IntScheme("G16", 4, 16)
+    whole = gptq(W, H, s, static_groups=static_groups)
+    monkeypatch.setattr(grids, "ROW_CHUNK", 3 * 64)  # chunks of 3, 3 and 2 rows
+    r = gptq(W, H, s, static_groups=static_groups, decode=False)
+    assert np.array_equal(r.ints.numpy(), gptq_reference(W.float(), H, s, static_groups=static_groups))
+    assert r.weight is None and torch.equal(r.ints, whole.ints) and torch.equal(r.scales, whole.scales)
+    assert torch.equal(decoded(r), whole.weight)
 
 
 def test_gptq_with_identity_moment_is_rtn():

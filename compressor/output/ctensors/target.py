@@ -181,7 +181,7 @@ class CompressedTensorsTarget(SizeTarget):
         from compressor.core import onload
 
         return {m: gptq(weight if m == priced.module else onload.weight(request.model, m), h, option,
-                        scale_dtype=self.dtype, **GPTQ_ORDER)._replace(weight=None)
+                        scale_dtype=self.dtype, decode=False, **GPTQ_ORDER)
                 for m in unit_members(name)}
 
     def spill(self, raw, path: Path, at_least: int):
