@@ -17,7 +17,9 @@ from checkpoints import save_tiny_checkpoint
 
 import compressor
 from compressor.inputs.load import load_model
-from compressor.core.onload import execution_device, is_offloaded, named_tensors, tensor
+from compressor.core.onload import (
+    execution_device, input_device, is_offloaded, named_tensors, offloaded_embeddings, tensor,
+)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -58,8 +60,11 @@ def test_disk_offload_keeps_layers_off_memory_and_reads_them_back(tmp_path, mode
     off, _, _ = load_model(str(src), offload="disk")
     assert is_offloaded(off) and not is_offloaded(whole)
     meta = [n for n, p in off.named_parameters() if p.device.type == "meta"]
-    assert meta and all(".h." in n or ".layers." in n for n in meta)  # decoder layers only
-    assert execution_device(off) == torch.device("cpu")
+    # decoder layers, and an untied embedding and head (gpt2's are one tensor: it stays)
+    embeddings = {f"{m}.weight" for m in offloaded_embeddings(off)}
+    assert meta and all(".h." in n or ".layers." in n or n in embeddings for n in meta)
+    assert bool(embeddings) == (model_type == "llama") and embeddings <= set(meta)
+    assert execution_device(off) == torch.device("cpu") and input_device(off) == torch.device("cpu")
     ref = dict(whole.named_parameters())
     got = dict(named_tensors(off, buffers=False))
     assert set(got) == set(ref)
@@ -70,6 +75,21 @@ def test_disk_offload_keeps_layers_off_memory_and_reads_them_back(tmp_path, mode
     ids = torch.randint(3, 100, (2, 16))
     with torch.no_grad():
         assert torch.equal(off(input_ids=ids).logits, whole(input_ids=ids).logits)
+
+
+def test_an_untied_embedding_and_head_on_disk_generate_what_memory_generates(tmp_path):
+    """The embedding and head wait on disk with the layers; a forward, sampling and reading them back give what
+    the model held in memory gives (model.device is then the meta device: transformers' generate copes)."""
+    src = save_tiny_checkpoint(tmp_path / "in", "llama")
+    whole, _, _ = load_model(str(src))
+    off, _, _ = load_model(str(src), offload="disk")
+    assert not whole.config.tie_word_embeddings
+    assert off.get_input_embeddings().weight.device.type == "meta"
+    assert off.get_output_embeddings().weight.device.type == "meta"
+    ids = torch.randint(3, 100, (1, 8))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(off.generate(input_ids=ids, **kw), whole.generate(input_ids=ids, **kw))
+    assert torch.equal(tensor(off, "lm_head.weight"), whole.lm_head.weight)
 
 
 def test_profile_with_offload_equals_in_memory(tmp_path):

@@ -14,13 +14,31 @@ TINY = dict(d=8, ff=16, layers=2, vocab=32, heads=2, kv_heads=1)
 
 
 def test_the_peak_is_the_largest_phase_over_what_every_phase_holds():
-    c = size_components(tokens=64, offload="disk", **TINY)
+    c = size_components(tokens=64, offload="none", **TINY)
     phases = (c["fisher"], c["hidden_states"] + c["moments"], c["converter"])
     assert c["peak"] == PROCESS_BYTES + c["resident"] + c["model"] + max(phases)
-    assert c["resident"] == 2 * 32 * 8 * 4  # untied embedding and head, float32
-    assert size_components(tokens=64, offload="disk", tied=True, **TINY)["resident"] == 32 * 8 * 4
+    assert c["resident"] == 2 * 32 * 8 * 4 and c["vocab_pass"] == 0  # untied embedding and head, float32
+    tied = size_components(tokens=64, offload="disk", tied=True, **TINY)
+    assert tied["resident"] == 32 * 8 * 4 and tied["vocab_pass"] == 0  # one tensor, on the compute device
+    c = size_components(tokens=64, offload="disk", **TINY)
     # one layer's moments (q/k/v and gate/up share theirs) and two float64 factors' working sets
     assert c["moments"] == (3 * 8 * 8 + 16 * 16) * 4 + 16 * (16 * 16 + 8 * 8)
+
+
+def test_an_untied_embedding_and_head_onloaded_from_disk_are_held_only_while_they_run():
+    held = size_components(tokens=64, offload="cpu", **TINY)
+    c = size_components(tokens=64, offload="disk", **TINY)
+    head = 32 * 8 * 4
+    assert c["resident"] == 0 and held["resident"] == 2 * head
+    assert c["fisher"] == held["fisher"] + head  # the head's weight beside F's logits
+    assert c["vocab_pass"] == 2 * head  # the head read, and its float32 copy priced and rounded
+    assert c["peak"] == PROCESS_BYTES + c["model"] + max(
+        c["fisher"], c["hidden_states"] + c["moments"], c["converter"], c["vocab_pass"])
+    # an 8B (Llama-3.1-8B's shape, 128k vocabulary): its float32 embedding and head are 4.2 GB between passes
+    eight = dict(d=4096, ff=14336, layers=32, vocab=128256, heads=32, kv_heads=8)
+    gone = size_components(tokens=4096, offload="cpu", **eight)["peak"] - size_peak(tokens=4096, offload="disk",
+                                                                                   **eight)
+    assert gone == 2 * 128256 * 4096 * 4
 
 
 def test_a_compressed_tensors_plan_makes_no_f16_and_reloads_every_weight_in_the_saved_dtype():

@@ -27,6 +27,7 @@ from compressor.analysis.report import SCHEMA, add_readings, clean, load_analysi
 from compressor.analysis.walk import main_pass
 from compressor.core.archs import arch_for, find_blocks
 from compressor.core.errors import InputError
+from compressor.core.onload import input_device
 from compressor.core.version import __version__
 from compressor.inputs.data import CalibrationSet, TextSource, calibration_set
 
@@ -196,7 +197,7 @@ def analyze(
     # -- 4. untrained control ----------------------------------------------------------------
     if cfg.wants("control"):
         t0 = time.perf_counter()
-        config_, device_ = model.config, next(model.parameters()).device
+        config_, device_ = model.config, input_device(model)
         if loaded_here:  # the trained weights are no longer needed: never hold two models
             del model
             gc.collect()

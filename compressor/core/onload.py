@@ -15,9 +15,14 @@ The mechanism is accelerate's (``device_map`` with ``"disk"``/``"cpu"``
 entries and its ``AlignDevicesHook``), not a home-made loader: every full-model
 forward (evaluation, generation, the reload check) works unchanged, and the
 layer-sequential engine (:mod:`compressor.engine.walker`) naturally touches one layer
-at a time. Embeddings, the final norm and the LM head stay on the compute
-device. What this module adds are the few places where compressor reads
-weights itself: the execution device of a module, and a weight's value even
+at a time. The final norm stays on the compute device. With ``disk``, a token
+embedding and an output head that are two tensors (an untied head) wait on disk
+with the layers and are read, in the compute dtype, only while they run: they
+are the largest tensors of a model with a large vocabulary (an 8B's 128k × 4,096
+are 2.1 GB each in float32), and a run holds neither between its passes. A tied
+pair is one tensor in two roles and stays on the compute device. What this
+module adds are the few places where compressor reads weights itself: the
+execution device of a module (:func:`input_device`), and a weight's value even
 when its parameter is a ``meta`` placeholder.
 """
 
@@ -52,7 +57,8 @@ def layer_list_path(model: nn.Module) -> str:
 
 
 def device_map(skeleton: nn.Module, offload: str, device: str) -> dict[str, str]:
-    """An explicit accelerate ``device_map``: decoder layers → ``offload``, everything else → ``device``.
+    """An explicit accelerate ``device_map``: decoder layers → ``offload``, everything else → ``device``; with
+    ``disk``, an untied token embedding and output head → ``disk`` too (:func:`offloaded_embeddings`).
 
     ``skeleton`` is the model built on the meta device (``accelerate.init_empty_weights``).
     """
@@ -75,7 +81,27 @@ def device_map(skeleton: nn.Module, offload: str, device: str) -> dict[str, str]
             out[f"{prefix}.{name}" if prefix else name] = device
 
     visit("", skeleton)
+    if offload == "disk":
+        for path in offloaded_embeddings(skeleton):
+            if out.get(path) == device:  # a module of its own in the map (not inside one placed whole)
+                out[path] = "disk"
     return out
+
+
+def offloaded_embeddings(skeleton: nn.Module) -> list[str]:
+    """Module paths of the token embedding and the output head when they are two tensors (an untied head): what
+    ``disk`` onloading keeps on disk besides the decoder layers. A tied pair (one tensor) stays on the compute
+    device: none."""
+    from compressor.core.params import tied_head
+
+    try:
+        mods = [skeleton.get_input_embeddings(), skeleton.get_output_embeddings()]
+    except (AttributeError, NotImplementedError):
+        return []
+    if any(m is None for m in mods) or tied_head(skeleton) or _ties_embeddings(skeleton.config):
+        return []
+    names = {id(m): n for n, m in skeleton.named_modules()}
+    return [names[id(m)] for m in mods if id(m) in names]
 
 
 def offload_folder() -> str:
@@ -102,6 +128,22 @@ def execution_device(module: nn.Module) -> torch.device:
         if p.device.type != "meta":
             return p.device
     return torch.device("cpu")
+
+
+def _ties_embeddings(config) -> bool:
+    """Whether the config ties the head to the embedding (a skeleton on the meta device is not tied yet)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s token ids go: its input embedding's execution device (its weight may wait on disk as a
+    ``meta`` placeholder: :func:`device_map`); a model without one, its first parameter's."""
+    try:
+        embed = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embed = None
+    return execution_device(embed if embed is not None else model)
 
 
 def tensor(module: nn.Module, name: str) -> torch.Tensor:
@@ -184,6 +226,9 @@ def load_kwargs(config, auto_cls, offload: str, device: str, common: dict) -> di
     kwargs = {"device_map": dm}
     if offload == "disk":
         kwargs["offload_folder"] = offload_folder()
-    logger.info("onloading: %d decoder layers offloaded to %s, executed on %s",
-                sum(v == offload for v in dm.values()), offload, device)
+    embeddings = [p for p in offloaded_embeddings(skeleton) if dm.get(p) == offload]
+    logger.info("onloading: %d decoder layers%s offloaded to %s, executed on %s",
+                sum(v == offload for v in dm.values()) - len(embeddings),
+                f" and the token embedding and output head ({', '.join(embeddings)})" if embeddings else "",
+                offload, device)
     return kwargs

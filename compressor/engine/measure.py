@@ -19,6 +19,7 @@ from compressor.core.progress import progress
 
 from compressor.core.archs import arch_for, find_blocks
 from compressor.core.finite import check_activations_finite
+from compressor.core.onload import input_device
 from compressor.core.stats import LogHistogram, Moments
 
 logger = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ class StatsCollector:
     def run(self, windows: torch.Tensor, split: str, batch_size: int = 8, desc: str = "measure") -> None:
         """Forward ``windows`` [N, L] (token ids) in batches, accumulating into ``split``."""
         self._set_split(split)
-        device = _input_device(self.model)
+        device = input_device(self.model)
         n = windows.shape[0]
         steps = range(0, n, batch_size)
         bar = progress(steps, desc=f"{desc} ({split})", unit="batch")
@@ -250,11 +251,6 @@ class StatsCollector:
         bar.close()
 
 
-def _input_device(model: nn.Module) -> torch.device:
-    try:
-        return model.get_input_embeddings().weight.device
-    except (AttributeError, NotImplementedError):
-        return next(model.parameters()).device
 
 
 def collect(

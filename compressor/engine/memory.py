@@ -140,7 +140,10 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     Llama-shaped model (float32 compute):
 
     * ``process``: the interpreter and libraries (:data:`PROCESS_BYTES`);
-    * ``resident``: the token embedding and the output head (untied), float32;
+    * ``resident``: the token embedding and the output head (untied), float32, held between passes — except
+      onloaded from disk with an untied head, where both wait on disk with the layers (:mod:`compressor.core.onload`)
+      and one of them at a time is read while it runs: ``vocab_pass``, the head's weight (float32) beside F's
+      logits, or beside its float32 copy while it is priced and rounded;
     * ``model``: without onloading, every decoder layer's float32 weights; onloaded, one layer's, plus the float32
       copy of that layer's weights that pricing and rounding read;
     * ``hidden_states``: every calibration token's hidden state at the current layer and the next (float32), for
@@ -162,8 +165,9 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
       compute dtype for a model held in memory (its in-memory check), beside the model itself.
 
     The peak is the largest phase: the F16 made (process + resident + model + converter), the F pass (process +
-    resident + model + fisher), the Ĥ and pricing pass (process + resident + model + hidden states + moments), or a
-    compressed-tensors reload (process + resident + model + reload). ``tools/bench_size_memory.py`` measures it
+    resident + model + fisher, + the head's weight when it waits on disk), the Ĥ and pricing pass (process +
+    resident + model + hidden states + moments), the head priced and rounded from disk (process + model + twice its
+    float32 weight), or a compressed-tensors reload (process + resident + model + reload). ``tools/bench_size_memory.py`` measures it
     against this."""
     from compressor.engine.sensitivity import BACKWARD_BUDGET_BYTES
 
@@ -171,7 +175,9 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     kv_heads = kv_heads or heads
     f4 = 4
     one_layer = layer_params(d, ff, heads, kv_heads) * f4
-    resident = vocab * d * f4 * (1 if tied else 2)
+    on_disk = offload == "disk" and not tied  # the embedding and head wait on disk (compressor.core.onload)
+    resident = 0 if on_disk else vocab * d * f4 * (1 if tied else 2)
+    head = vocab * d * f4 if on_disk else 0
     model = 2 * one_layer if offload != "none" else layers * one_layer + one_layer
     hidden = 2 * tokens * d * f4
     per_window = 4 * seq_len * (layers * (4 * ff + 10 * d) + 4 * vocab)
@@ -187,8 +193,10 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     every = layers * one_layer // f4 + vocab * d * (1 if tied else 2)
     reload = every * (saved_bytes if offload != "none" else f4) if ct else 0
     return {"process": PROCESS_BYTES, "resident": resident, "model": model, "hidden_states": hidden,
-            "fisher": fisher, "moments": moments, "converter": converter, "reload": reload,
-            "peak": PROCESS_BYTES + resident + model + max(fisher, hidden + moments, converter, reload)}
+            "fisher": fisher + head, "moments": moments, "converter": converter, "reload": reload,
+            "vocab_pass": 2 * head,
+            "peak": PROCESS_BYTES + resident + model + max(fisher + head, hidden + moments, converter, reload,
+                                                           2 * head)}
 
 
 def size_peak(**kwargs) -> int:

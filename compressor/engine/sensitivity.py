@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compressor.core import distributed as dist
+from compressor.core.onload import input_device
 from compressor.core.progress import progress
 
 
@@ -96,7 +97,7 @@ def output_grad_moments(model: nn.Module, windows: torch.Tensor, modules: dict[i
 
     for i, path in modules.items():
         handles.append(model.get_submodule(path).register_forward_hook(make_hook(i)))
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     starts = range(0, windows.shape[0], batch_size)
     rows = backward_rows(model, windows.shape[1], batch_size)
     try:

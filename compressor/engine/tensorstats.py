@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from compressor.core.distributed import TreeReduce
+from compressor.core.onload import input_device
 from compressor.core.progress import progress
 from compressor.engine.sensitivity import backward_rows, frozen, summed_loss_backward
 
@@ -125,13 +126,12 @@ def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     measured one layer at a time instead (:func:`compressor.engine.layerwise.output_fisher_sequential`).
     ``parallel``: under a process group, each rank runs its share of the batches (a collective)."""
     names = linear_names(model) if names is None else names
-    embed = model.get_input_embeddings()
     rows = backward_rows(model, windows.shape[1], batch_size)
     starts = range(0, windows.shape[0], rows)
     with GradSquares(model, names, len(starts), parallel) as squares, frozen(model):
         for b in progress(squares.items, desc="price: loss gradients", unit="batch"):
             squares.begin(b)
-            ids = windows[starts[b]:starts[b] + rows].to(embed.weight.device)
+            ids = windows[starts[b]:starts[b] + rows].to(input_device(model))
             squares.add(EMBEDDING, summed_loss_backward(model, ids))
     return squares.fisher(windows.numel(), windows if counted is None else counted)
 
@@ -285,7 +285,7 @@ def input_moments(model: nn.Module, windows: torch.Tensor, names: list[str], *,
     model is measured one layer at a time instead (:func:`compressor.engine.layerwise.layer_moments`).
     ``tokens``: filled with the tokens each module read (fewer than all for a routed expert). ``parallel``:
     under a process group, each rank runs its share of the batches (a collective)."""
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     starts = range(0, windows.shape[0], batch_size)
     with MomentTaps(model, names, len(starts), stop=True, parallel=parallel) as taps, torch.no_grad():
         for b in progress(taps.items, desc="price: input moments", unit="batch"):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from compressor.core.onload import input_device
 
 #: Prompts continued by both models, and the tokens each continuation has.
 CONTINUATION_PROMPTS = 4
@@ -51,7 +52,7 @@ def prompts_from(tokens: torch.Tensor, seq_len: int, n: int = CONTINUATION_PROMP
 def greedy_continue(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Greedy continuations ``[n, new_tokens]``: no sampling, end-of-text not a stop (every continuation
     has ``new_tokens`` tokens), the model's own generation loop and cache."""
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     ids = prompts.to(device)
     was = model.training
     model.eval()

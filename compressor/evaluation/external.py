@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compressor.core.onload import input_device
 from compressor.evaluation.perplexity import Evaluation, _EvalMode, _summary, ratio_mean_se, windows
 from compressor.evaluation.teacher import TeacherCache, kl_terms
 
@@ -138,7 +139,7 @@ def window_scores(logits, tokens: torch.Tensor, seq_len: int, stride: int, teach
 def model_scores(model: nn.Module, tokens: torch.Tensor, seq_len: int, stride: int,
                  teacher: "TeacherCache | None" = None) -> WindowScores:
     """:func:`window_scores` of a transformers model (a reloaded checkpoint), one window at a time."""
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
 
     def logits(ids: list[int], k: int) -> torch.Tensor:
         out = model(input_ids=torch.tensor([ids], device=device)).logits[0, len(ids) - 1 - k: len(ids) - 1]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compressor.core import distributed as dist
+from compressor.core.onload import input_device
 from compressor.core.progress import progress
 from compressor.engine.records import register_record
 
@@ -196,7 +197,7 @@ def perplexity(
     _check_stride(seq_len, stride)
     tokens = tokens.flatten()
     wins, batches = _batches(tokens, seq_len, stride, logits_batch(batch_size, seq_len, model))
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     sums = torch.zeros(len(wins), dtype=torch.float64)
     counts = torch.zeros(len(wins), dtype=torch.float64)
     owned: list[int] = []

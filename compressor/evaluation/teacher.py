@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compressor.core import distributed as dist
+from compressor.core.onload import input_device
 from compressor.core.progress import progress
 from compressor.engine.records import register_record
 from compressor.evaluation.perplexity import (
@@ -93,7 +94,7 @@ class TeacherCache:
         counts = torch.tensor([min(s, e - b - 1) for b, e, s in wins], dtype=torch.long)
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
         total = int(offsets[-1])
-        device = model.get_input_embeddings().weight.device
+        device = input_device(model)
         k_eff = None
         logp_k = idx_k = tail = nll_all = None
         mine = _share(len(batches), True)
@@ -211,7 +212,7 @@ def evaluate(model: nn.Module, teacher: TeacherCache, *, desc: str = "evaluate")
                          f"{dist.world_size()}: build it in the same process group")
     kept = teacher.windows
     _, batches = _batches(teacher.tokens, teacher.seq_len, teacher.stride, teacher.batch_size, teacher.keep)
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     at = {w: j for j, w in enumerate(kept)}  # window → row of the sums
     sums = torch.zeros(len(kept), 3, dtype=torch.float64)  # NLL, KL, agreeing tokens
     off = teacher.offsets

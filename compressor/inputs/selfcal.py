@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compressor.core.onload import input_device
 from compressor.core.progress import progress
 from compressor.engine.cache import cache_dir, model_fingerprint
 from compressor.core.distributed import from_main
@@ -156,7 +157,7 @@ def generate_tokens(model: nn.Module, tokenizer, settings: SelfCalSettings = Sel
     from transformers import StoppingCriteriaList
 
     s = settings
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     chunks: list[torch.Tensor] = []
     have, rounds = 0, 0

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compressor.core.onload import input_device
 from compressor.recipe.schema import Recipe
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,7 @@ def _minutes(s: float) -> str:
 def forward_seconds_per_token(model: nn.Module, seq_len: int, rows: int = 2) -> float:
     """Seconds per token of one forward pass over ``rows`` windows of ``seq_len`` random ids (after a
     warm-up call on one short window)."""
-    emb = model.get_input_embeddings()
-    device, vocab = emb.weight.device, emb.weight.shape[0]
+    device, vocab = input_device(model), model.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, seq_len), generator=g).to(device)
     model(input_ids=ids[:1, : min(seq_len, 16)], use_cache=False)
@@ -85,10 +85,10 @@ def decode_seconds_per_token(model: nn.Module, batch: int, steps: int = 3) -> fl
     """Seconds per sampled token of self-calibration (its batch, its thread rule), from ``steps`` steps."""
     from compressor.inputs.selfcal import SelfCalSettings, decode_threads
 
-    emb = model.get_input_embeddings()
-    prompt = torch.zeros(batch, 2, dtype=torch.long, device=emb.weight.device)
+    device = input_device(model)
+    prompt = torch.zeros(batch, 2, dtype=torch.long, device=device)
     threads = torch.get_num_threads()
-    if emb.weight.device.type == "cpu":
+    if device.type == "cpu":
         torch.set_num_threads(decode_threads(model, threads))
     st = SelfCalSettings()  # sampled as self-calibration samples: top-p sorts the whole vocabulary each step
     kw = dict(attention_mask=torch.ones_like(prompt), do_sample=True, temperature=st.temperature, top_p=st.top_p,

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compressor.core.onload import is_offloaded
+from compressor.core.onload import input_device, is_offloaded
 from compressor.output.base import VerificationError, WriteRequest, Writer
 from compressor.output.ctensors.grids import IntScheme, Rounded, get_scheme
 from compressor.output.ctensors.rounding import _compress, _replaced, _rounded, _with_weights, alone, base_model
@@ -277,7 +277,7 @@ def _reference_logits(request: WriteRequest, base: nn.Module, rounded: dict[str,
 
 @torch.no_grad()
 def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     return model(input_ids=input_ids.to(device)).logits.float().cpu()
 
 

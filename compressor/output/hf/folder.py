@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from compressor.core import modeling as hf_modeling
-from compressor.core.onload import is_offloaded
+from compressor.core.onload import input_device, is_offloaded
 from compressor.output.base import VerificationError, WriteRequest, Writer
 
 logger = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ def load_compressed(folder: str | Path, *, offload: str = "none", device: str = 
 
 @torch.no_grad()
 def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     return model(input_ids=input_ids.to(device)).logits.float().cpu()
 
 
