@@ -26,6 +26,7 @@ set per mode): a compressed-tensors size of a real checkpoint, say, whose file i
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
@@ -230,8 +231,10 @@ def main() -> None:
     ap.add_argument("--source", type=Path, default=None,
                     help="plan this Hugging Face folder instead of a random-weight shape (e.g. tools/offgrid.py's)")
     ap.add_argument("--size", default="Q4_K_M")
-    ap.add_argument("--tokens", type=int, default=8192, help="calibration tokens (WikiText-2 valid)")
-    ap.add_argument("--eval-tokens", type=int, default=2048, help="the gate's tokens (WikiText-2 test)")
+    ap.add_argument("--tokens", type=int, default=8192,
+                    help="calibration tokens (WikiText-2 valid); with --recipe, its calibration.max_tokens")
+    ap.add_argument("--eval-tokens", type=int, default=2048,
+                    help="the gate's tokens (WikiText-2 test); with --recipe, its evaluation's")
     ap.add_argument("--modes", nargs="+", default=["disk", "none"], choices=["disk", "none", "llama"],
                     help="disk: compressor onloaded; none: held in memory; llama: llama.cpp's converter, "
                          "llama-imatrix and llama-quantize on the same F16 and tokens (needs --llama-tools)")
@@ -270,16 +273,22 @@ def main() -> None:
         print(f"built {folder} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     rows = {}
-    fmt = (yaml.safe_load(args.recipe.read_text()).get("output", {}).get("formats") or ["gguf"])[0] if (
-        args.recipe is not None) else "gguf"
+    given_recipe = yaml.safe_load(args.recipe.read_text()) if args.recipe is not None else None
+    fmt = "gguf"
+    if given_recipe is not None:  # its tokens, not the flags' defaults, are what the run measures and predicts
+        fmt = (given_recipe.get("output", {}).get("formats") or ["gguf"])[0]
+        args.tokens = int((given_recipe.get("calibration") or {}).get("max_tokens") or args.tokens)
+        evals = given_recipe.get("evaluation") or []
+        evals = [evals] if isinstance(evals, dict) else evals
+        args.eval_tokens = sum(int(e.get("max_tokens") or 0) for e in evals) or args.eval_tokens
     for mode in args.modes:
         if mode == "llama":
             rows.update(llama_tools(args, folder, work))
             continue
         out = work / f"out-{mode}"
         path = work / f"recipe-{mode}.yaml"
-        if args.recipe is not None:
-            given = yaml.safe_load(args.recipe.read_text())
+        if given_recipe is not None:
+            given = copy.deepcopy(given_recipe)
             given["model"] = {**given.get("model", {}), "source": str(folder), "offload": mode}
             given["output"] = {**given.get("output", {}), "path": str(out)}
             path.write_text(yaml.safe_dump(given))
@@ -324,7 +333,7 @@ def main() -> None:
                 "held in memory: peak anonymous "
                 "RSS of the process tree (sampled every 50 ms) and time",
         "shape": {"hidden": d, "ffn": ff, "layers": layers, "heads": heads, "kv_heads": kv, "vocab": vocab},
-        "recipe": yaml.safe_load(args.recipe.read_text()) if args.recipe is not None else None,
+        "recipe": given_recipe,
         "bf16_weight_bytes": weights, "calibration_tokens": args.tokens, "eval_tokens": args.eval_tokens,
         "weights_are_random": None if args.source else "memory, time and the file's validity only: its "
                                                           "perplexity means nothing",

@@ -226,7 +226,8 @@ def load_kwargs(config, auto_cls, offload: str, device: str, common: dict) -> di
     kwargs = {"device_map": dm}
     if offload == "disk":
         kwargs["offload_folder"] = offload_folder()
-    embeddings = [p for p in offloaded_embeddings(skeleton) if dm.get(p) == offload]
+    layers = layer_list_path(skeleton) + "."
+    embeddings = [p for p, v in dm.items() if v == "disk" and not p.startswith(layers)]  # device is never disk
     logger.info("onloading: %d decoder layers%s offloaded to %s, executed on %s",
                 sum(v == offload for v in dm.values()) - len(embeddings),
                 f" and the token embedding and output head ({', '.join(embeddings)})" if embeddings else "",

@@ -251,8 +251,6 @@ class StatsCollector:
         bar.close()
 
 
-
-
 def collect(
     model: nn.Module,
     fit_windows: torch.Tensor,

@@ -167,8 +167,8 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     The peak is the largest phase: the F16 made (process + resident + model + converter), the F pass (process +
     resident + model + fisher, + the head's weight when it waits on disk), the Ĥ and pricing pass (process +
     resident + model + hidden states + moments), the head priced and rounded from disk (process + model + twice its
-    float32 weight), or a compressed-tensors reload (process + resident + model + reload). ``tools/bench_size_memory.py`` measures it
-    against this."""
+    float32 weight), or a compressed-tensors reload (process + resident + model + reload).
+    ``tools/bench_size_memory.py`` measures it against this."""
     from compressor.engine.sensitivity import BACKWARD_BUDGET_BYTES
 
     heads = heads or max(1, d // 128)

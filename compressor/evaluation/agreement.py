@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
 from compressor.core.onload import input_device
 
 #: Prompts continued by both models, and the tokens each continuation has.
