@@ -55,9 +55,10 @@ cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=d, intermediate_siz
     num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096, tie_word_embeddings=False,
     torch_dtype="bfloat16")
 torch.manual_seed(0)
+torch.set_default_dtype(torch.bfloat16)  # allocated in bfloat16 (an 8B's float32 would be 32 GB)
 with torch.device("meta"):
     model = transformers.LlamaForCausalLM(cfg)
-model = model.to_empty(device="cpu").to(torch.bfloat16)
+model = model.to_empty(device="cpu")
 with torch.no_grad():
     for name, p in model.named_parameters():
         p.normal_(0, 0.02) if p.dim() == 2 else p.fill_(1.0)
