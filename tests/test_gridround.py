@@ -273,3 +273,24 @@ def test_shared_factors_solve_each_matrix_once_and_keep_it_within_the_bytes(monk
     with ThreadPoolExecutor(4) as pool:
         made = list(pool.map(many.get, [h2] * 8))
     assert all(m is made[0] for m in made) and calls == [id(h2)]
+
+
+def test_factor_is_the_damped_inverse_cholesky_in_rounding_order():
+    """U is upper triangular and UᵀU is the damped Ĥ's inverse in rounding order (float64 reference), across
+    several of the inverse's column blocks: the blocks solve only their trailing rows, in float32."""
+    import torch
+
+    from compressor.fitting import gridround
+
+    g = torch.Generator().manual_seed(3)
+    n = 2 * gridround._SOLVE_COLUMNS + 40
+    x = torch.randn(n + 64, n, generator=g, dtype=torch.float64) * torch.logspace(-1, 1, n, dtype=torch.float64)
+    h = x.T @ x / x.shape[0]
+    f = gridround.factor(h.float())
+    o = torch.from_numpy(f.order)
+    hd = h.float().double()[o][:, o]
+    hd.diagonal().add_(f.damp * float(hd.diagonal().mean()))
+    u = torch.from_numpy(f.u).double()
+    assert torch.equal(u, torch.triu(u))
+    ref = torch.linalg.inv(hd)
+    assert torch.allclose(u.T @ u, ref, rtol=0, atol=1e-4 * float(ref.abs().max()))

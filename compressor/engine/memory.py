@@ -233,8 +233,8 @@ def size_work(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_t
       ``fisher_tokens`` (forward, the recomputed forward, backward: 8 · weights a token) with the output head's
       logits and gradient;
     * ``pricing``: the GPTQ factor of every layer's four distinct Ĥ (a damped Cholesky in float64 and its
-      triangular inverse in float32: ``n³/3`` multiply-adds each, counted as ``n³`` here, the rate the runs
-      measured before the inverse skipped its zero blocks); the types' roundings of the sampled rows are far
+      triangular inverse in float32, ``n³/3`` multiply-adds each step; counted as ``n³`` a factor here, as when the
+      throughputs were measured, before the inverse skipped its zero blocks); the types' roundings of the sampled rows are far
       smaller;
     * ``rounding``: the chosen plan's GPTQ over every row (``2 · rows · n²`` a tensor), with the factors made again
       (the ones pricing kept are a small model's only).

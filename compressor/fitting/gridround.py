@@ -65,8 +65,8 @@ _SOLVE_COLUMNS = 1024
 
 
 def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool = True) -> Factor:
-    """Ĥ's damped inverse Cholesky factor in rounding order (float64 Cholesky, float32 inverse; dead columns, Ĥ_jj = 0, set to
-    1 first as GPTQ does: nothing reaches them or leaves them, so they are rounded to nearest).
+    """Ĥ's damped inverse Cholesky factor in rounding order (float64 Cholesky, float32 inverse; dead columns,
+    Ĥ_jj = 0, set to 1 first as GPTQ does: nothing reaches them or leaves them, so they are rounded to nearest).
     ``act_order``: columns in descending diag Ĥ (GPTQ's act-order)."""
     H = torch.as_tensor(_as_numpy(h))  # gathered in its own dtype, then made float64 (exact either way)
     if H.ndim != 2 or H.shape[0] != H.shape[1]:
