@@ -256,7 +256,7 @@ def test_shared_factors_solve_each_matrix_once_and_keep_it_within_the_bytes(monk
     shared = gr.SharedFactors([h1, h1, h1, h2])
     got = [shared.get(h1) for _ in range(3)]
     assert got[0] is got[1] is got[2] and calls == [id(h1)]
-    assert np.array_equal(got[0].u, real(h1).u) and np.array_equal(got[0].order, real(h1).order)
+    assert np.array_equal(got[0].r, real(h1).r) and np.array_equal(got[0].order, real(h1).order)
     shared.get(h2)
     assert calls == [id(h1), id(h2)] and not shared._entries  # all released
     shared.get(h1)  # not expected any more: solved again, not kept
@@ -264,7 +264,7 @@ def test_shared_factors_solve_each_matrix_once_and_keep_it_within_the_bytes(monk
     kept = gr.SharedFactors([h1], keep_bytes=1 << 20)
     first = kept.get(h1)
     kept.expect([h1])
-    assert kept.get(h1) is first and kept.kept_bytes == first.u.nbytes
+    assert kept.get(h1) is first and kept.kept_bytes == first.r.nbytes
     small = gr.SharedFactors([h1], keep_bytes=16)
     small.get(h1)
     assert not small._entries and small.kept_bytes == 0
@@ -275,22 +275,27 @@ def test_shared_factors_solve_each_matrix_once_and_keep_it_within_the_bytes(monk
     assert all(m is made[0] for m in made) and calls == [id(h2)]
 
 
-def test_factor_is_the_damped_inverse_cholesky_in_rounding_order():
-    """U is upper triangular and UᵀU is the damped Ĥ's inverse in rounding order (float64 reference), across
-    several of the inverse's column blocks: the blocks solve only their trailing rows, in float32."""
+def test_factor_is_the_damped_cholesky_in_rounding_order_that_gptq_reads():
+    """R̂ is unit upper triangular, and it is GPTQ's textbook factor by another route: the upper Cholesky factor U
+    of the damped Ĥ's inverse (float64, in rounding order) has ``U⁻¹ = R`` with ``R̂ = R / diag(R)`` column by
+    column; a dead column (Ĥ_jj = 0) is set to 1 before damping, as GPTQ does."""
     import torch
 
     from compressor.fitting import gridround
 
     g = torch.Generator().manual_seed(3)
-    n = 2 * gridround._SOLVE_COLUMNS + 40
+    n = 300
     x = torch.randn(n + 64, n, generator=g, dtype=torch.float64) * torch.logspace(-1, 1, n, dtype=torch.float64)
     h = x.T @ x / x.shape[0]
+    h[:, 11] = h[11, :] = 0
     f = gridround.factor(h.float())
     o = torch.from_numpy(f.order)
     hd = h.float().double()[o][:, o]
+    hd.diagonal()[hd.diagonal() == 0] = 1.0
     hd.diagonal().add_(f.damp * float(hd.diagonal().mean()))
-    u = torch.from_numpy(f.u).double()
-    assert torch.equal(u, torch.triu(u))
-    ref = torch.linalg.inv(hd)
-    assert torch.allclose(u.T @ u, ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
+    r = torch.from_numpy(f.r).double()
+    assert f.r.dtype == np.float32 and torch.equal(r, torch.triu(r)) and torch.equal(r.diagonal(), torch.ones(n))
+    u = torch.linalg.cholesky(torch.linalg.inv(hd), upper=True)
+    ref = torch.linalg.inv(u)
+    ref = ref / ref.diagonal()
+    assert torch.allclose(r, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))

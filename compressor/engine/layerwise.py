@@ -168,7 +168,7 @@ def output_fisher_sequential(model: nn.Module, windows: torch.Tensor, *, batch_s
 
 
 def layer_moments(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8, names: list[str] | None = None,
-                  parallel: bool = False, folds: bool = False,
+                  parallel: bool = False, folds: bool = False, tokens: dict[str, int] | None = None,
                   ) -> Iterator[tuple[list[str], LinearMoments | FoldMoments]]:
     """:func:`~compressor.engine.tensorstats.input_moments` of every linear in ``names`` (default: all), one
     decoder layer at a time: yields ``(that layer's linears, their moments)`` layer by layer, then the linears
@@ -180,6 +180,9 @@ def layer_moments(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     ``(linears, (even, odd))``, the same bits as ``input_moments`` of ``windows[0::2]`` and of ``windows[1::2]``
     (:func:`~compressor.pipeline.size.prices.fold_moments`): each half is its own split of the walk, batched
     and numbered from 0 within it, its sums in its own tree.
+
+    ``tokens``: filled with the tokens each linear read, over every split (fewer than all for a routed expert),
+    as each layer is measured.
 
     >>> for linears, (even, odd) in layer_moments(model, windows, folds=True): ...   # doctest: +SKIP
     """
@@ -199,6 +202,9 @@ def layer_moments(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
             with MomentTaps(model, linears, end - first, stop=stop, parallel=parallel) as taps:
                 run([position[first + j] for j in taps.items], lambda b, first=first: taps.end_batch(b - first))
             out.append(taps.moments(splits[split].numel()))  # a collective with ``parallel``: every rank, in order
+            if tokens is not None:
+                for name, rows in taps.rows.items():
+                    tokens[name] = tokens.get(name, 0) + rows
         return out
 
     for i in range(len(walker.layers)):

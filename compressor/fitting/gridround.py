@@ -54,20 +54,27 @@ class Factor:
 
     order: np.ndarray
     """The columns in the order they are rounded."""
-    u: np.ndarray
-    """float32 upper ``U`` with ``(Ĥ_oo + damp·mean(diag Ĥ)·I)⁻¹ = Uᵀ U``, ``o`` = :attr:`order`."""
+    r: np.ndarray
+    """float32 unit upper triangular ``R̂`` with ``Ĥ_oo + damp·mean(diag Ĥ)·I = R̂ D R̂ᵀ`` (``D`` diagonal, ``o`` =
+    :attr:`order`): Ĥ's Cholesky factor from the last column up, each column divided by its diagonal."""
     damp: float
     act_order: bool
 
 
-#: Columns of the identity solved at once for Ĥ's inverse factor (:func:`factor`): a bounded workspace.
-_SOLVE_COLUMNS = 1024
-
-
 def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool = True) -> Factor:
-    """Ĥ's damped inverse Cholesky factor in rounding order (float64 Cholesky, float32 inverse; dead columns,
-    Ĥ_jj = 0, set to 1 first as GPTQ does: nothing reaches them or leaves them, so they are rounded to nearest).
-    ``act_order``: columns in descending diag Ĥ (GPTQ's act-order)."""
+    """Ĥ's damped Cholesky factor in rounding order, in the form GPTQ's column loop reads (:attr:`Factor.r`;
+    float64 Cholesky, float32 result; dead columns, Ĥ_jj = 0, set to 1 first as GPTQ does: nothing reaches them
+    or leaves them, so they are rounded to nearest). ``act_order``: columns in descending diag Ĥ (GPTQ's
+    act-order).
+
+    GPTQ is usually written with the Cholesky factor ``U`` of Ĥ's inverse (``Ĥ⁻¹ = UᵀU``): column ``j``'s error
+    ``(w̃_j − q_j)/U_jj`` moves onto each later column ``k`` times ``U_jk``. With ``R = U⁻¹``, Ĥ's own Cholesky
+    factor from the last column up (``Ĥ = RRᵀ``, ``R`` upper), the same corrected weights are
+    ``w̃_k = w_k + Σ_{j<k} (R_jk / R_kk)(w_j − q_j)``: each column's value moves by the rounding errors of the
+    columns before it, measured on the original weights — Babai's nearest-plane rounding, which GPTQ is (Chen et
+    al. 2025). The same codes, without an inverse: an 8,960-wide Ĥ (Qwen2.5-1.5B's down projection, three solves
+    a layer with held-out prices) took 5.7 s with the inverse's trailing blocks in float32 (11.6 s in float64),
+    its Cholesky alone 3.5 s."""
     H = torch.as_tensor(_as_numpy(h))  # gathered in its own dtype, then made float64 (exact either way)
     if H.ndim != 2 or H.shape[0] != H.shape[1]:
         raise ValueError(f"h must be a square [n, n] matrix, got shape {tuple(H.shape)}")
@@ -75,11 +82,8 @@ def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool 
         raise ValueError(f"damp must be >= 0, got {damp}")
     n = H.shape[0]
     order = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(n)
-    # With J the reversal, J·H·J = M·Mᵀ (M lower) gives H⁻¹ = Uᵀ·U for the upper U = J·M⁻¹·J: one
-    # Cholesky and one triangular inverse, not a factor, an inverse and a second factor. J·H·J is taken in the
-    # reordering itself, one row gather and one column gather, each source dropped as soon as it is gathered,
-    # and the inverse is solved a block of columns at a time: an 8,192-wide Ĥ's factor held 1.08 GB at its
-    # peak, where the whole-matrix steps held 2.16 GB (measured, the same bits).
+    # With J the reversal, J·H·J = M·Mᵀ (M lower) gives H = R·Rᵀ for the upper R = J·M·J. J·H·J is taken in the
+    # reordering itself, one row gather and one column gather, each source dropped as soon as it is gathered.
     rev = order.flip(0)
     H = H[rev]
     H = H[:, rev].to(torch.float64)
@@ -92,22 +96,10 @@ def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool 
     if int(info):
         raise ValueError(f"the damped Ĥ is not positive definite (minor {int(info)} of {n}) at damp={damp}: "
                          f"pass a larger damp (e.g. {max(damp * 10, 0.01):g})")
-    # M⁻¹ a block of columns at a time, read back flipped. Columns j…k of a lower triangle's inverse are zero
-    # above row j, so each block solves only the trailing M[j:, j:] (n³/3 multiply-adds in all, not n³), and in
-    # float32, U's own precision: a triangular solve is backward stable column by column, and the Cholesky
-    # factor, where damping and rounding decide whether Ĥ counts as positive definite, stays float64. An
-    # 8,960-wide Ĥ (Qwen2.5-1.5B's down projection, solved three times a layer with held-out prices) took
-    # 11.6 s, now 5.7 s; U within 1e-7 of the float64 solve's, relative to its largest element.
-    L = M.float()
+    R = M.flip(0, 1)
     del M
-    U = torch.zeros((n, n), dtype=torch.float32)
-    for j in range(0, n, _SOLVE_COLUMNS):
-        k = min(n, j + _SOLVE_COLUMNS)
-        eye = torch.zeros((n - j, k - j), dtype=L.dtype)
-        eye.diagonal().fill_(1.0)
-        U[:n - j, n - k:n - j] = torch.linalg.solve_triangular(L[j:, j:], eye, upper=False).flip(0, 1)
-    del L
-    return Factor(order.numpy(), U.numpy(), float(damp), bool(act_order))
+    R /= torch.diagonal(R).clone()  # column k by R_kk: the unit upper R̂
+    return Factor(order.numpy(), R.float().numpy(), float(damp), bool(act_order))
 
 
 class SharedFactors:
@@ -149,8 +141,8 @@ class SharedFactors:
             made = entry.factor
         with self._lock:
             if entry.users <= 0 and not entry.kept:
-                if self.kept_bytes + made.u.nbytes <= self.keep_bytes:
-                    entry.kept, self.kept_bytes = True, self.kept_bytes + made.u.nbytes
+                if self.kept_bytes + made.r.nbytes <= self.keep_bytes:
+                    entry.kept, self.kept_bytes = True, self.kept_bytes + made.r.nbytes
                 else:
                     self._entries.pop(id(h), None)
         return made
@@ -176,8 +168,8 @@ def factor_for(h, n: int, *, damp: float, act_order: bool) -> Factor:
     """``h`` as a :class:`Factor` for rows of ``n`` inputs: made here from Ĥ, or checked when given (one solve
     shared by every type or scheme a layer is tried in must have been made with the same settings)."""
     f = h if isinstance(h, Factor) else factor(h, damp=damp, act_order=act_order)
-    if f.u.shape != (n, n):
-        raise ValueError(f"h must be [{n}, {n}] for rows of {n} inputs, got {f.u.shape}")
+    if f.r.shape != (n, n):
+        raise ValueError(f"h must be [{n}, {n}] for rows of {n} inputs, got {f.r.shape}")
     if (f.damp, f.act_order) != (float(damp), bool(act_order)):
         raise ValueError(f"the factor was made with damp={f.damp}, act_order={f.act_order}; this call asks for "
                          f"damp={damp}, act_order={act_order}")
@@ -204,13 +196,17 @@ def gptq_quantize(weight: np.ndarray | torch.Tensor, h: np.ndarray | torch.Tenso
 
 def gptq_quantize_many(weight: np.ndarray | torch.Tensor, h: np.ndarray | torch.Tensor | Factor,
                        qtypes: list[GGMLType], imatrix: np.ndarray | None, *, damp: float = DAMP,
-                       block: int = BLOCK, act_order: bool = True) -> list[np.ndarray]:
+                       block: int = BLOCK, act_order: bool = True,
+                       quantized: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """:func:`gptq_quantize` of one ``weight`` in each of ``qtypes``: the types' rows go through GPTQ's column
     loop side by side (one pass, a few array operations per column for all of them), since pricing a tensor
     tries it in up to nine types and the loop's per-column overhead, not its arithmetic, is what a row of a
     few hundred elements costs. Each type's bytes are what it gets alone up to the order in which BLAS sums
     the wider products: a near-tie can round the other way (SmolLM2-135M, one of 34 tensor-types checked:
-    24 bytes of an FFN up projection's Q5_1). The same ``qtypes`` give the same bytes, run to run."""
+    24 bytes of an FFN up projection's Q5_1). The same ``qtypes`` give the same bytes, run to run.
+    ``quantized``: ggml's bytes of ``weight`` in each type with ``imatrix`` (:func:`compressor.core.ggml.quantize`),
+    where the caller has them: their scales are kept, not searched again (ggml's search for IQ4_XS's or Q4_K's
+    scales with an importance matrix costs more than GPTQ's loop over a row of 1,536)."""
     types = [GGMLType(t) for t in qtypes]
     lays = [layout(t) for t in types]
     W = np.ascontiguousarray(_as_numpy(weight), dtype=np.float32)
@@ -227,14 +223,18 @@ def gptq_quantize_many(weight: np.ndarray | torch.Tensor, h: np.ndarray | torch.
         raise ValueError(f"block must be >= 1, got {block}")
     if not types:
         return []
+    if quantized is not None and (len(quantized) != len(types) or any(q.shape[0] != rows for q in quantized)):
+        raise ValueError(f"quantized must hold ggml's bytes of all {rows} rows in each of the {len(types)} types")
     f = factor_for(h, n, damp=damp, act_order=act_order)
     # rows are rounded independently (ggml's scales are per row, GPTQ's error moves along a row): a large
     # tensor goes in chunks of rows, its bytes the same, its memory bounded (an output head of 152k rows of
     # 1,536 held ~10 GB of grids and codes at once and was killed on a 24 GB machine)
     step_rows = max(1, CHUNK_ELEMENTS // (n * len(types)))
     # the chunks side by side (an output head of 49,152 rows was the last tensor a plan rounded, alone)
-    parts = list(side_by_side(lambda r: _gptq_rows(W[r:r + step_rows], f, types, lays, imatrix, block),
-                              range(0, rows, step_rows)))
+    parts = list(side_by_side(
+        lambda r: _gptq_rows(W[r:r + step_rows], f, types, lays, imatrix, block,
+                             None if quantized is None else [q[r:r + step_rows] for q in quantized]),
+        range(0, rows, step_rows)))
     return [np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(len(types))]
 
 
@@ -243,8 +243,9 @@ def gptq_quantize_many(weight: np.ndarray | torch.Tensor, h: np.ndarray | torch.
 CHUNK_ELEMENTS = 1 << 22
 
 
-def _gptq_rows(W: np.ndarray, f: Factor, types: list[GGMLType], lays: list[Layout], imatrix, block: int):
-    """:func:`gptq_quantize_many` of the rows ``W``: raw bytes per type."""
+def _gptq_rows(W: np.ndarray, f: Factor, types: list[GGMLType], lays: list[Layout], imatrix, block: int,
+               quantized: list[np.ndarray] | None = None):
+    """:func:`gptq_quantize_many` of the rows ``W``: raw bytes per type (``quantized``: ggml's, given)."""
     rows, n = W.shape
     o = f.order
     total = rows * len(types)
@@ -252,13 +253,13 @@ def _gptq_rows(W: np.ndarray, f: Factor, types: list[GGMLType], lays: list[Layou
     S = np.empty((n, total), dtype=np.float32)
     raws = []
     for i, (t, lay) in enumerate(zip(types, lays)):
-        raw = ggml.quantize(W, t, imatrix)
+        raw = ggml.quantize(W, t, imatrix) if quantized is None else quantized[i]
         base, step = lay.grid(raw, n)
         B[:, i * rows:(i + 1) * rows] = base[:, o].T
         S[:, i * rows:(i + 1) * rows] = step[:, o].T
         del base, step
         raws.append(raw)
-    codes = _round_many(np.tile(W[:, o].T, (1, len(types))), B, S, [lay.table for lay in lays], f.u, block)
+    codes = _round_many(np.tile(W[:, o].T, (1, len(types))), B, S, [lay.table for lay in lays], f.r, block)
     del B, S
     out = []
     for i, (raw, lay) in enumerate(zip(raws, lays)):
@@ -268,31 +269,33 @@ def _gptq_rows(W: np.ndarray, f: Factor, types: list[GGMLType], lays: list[Layou
     return out
 
 
-def _round_many(W: np.ndarray, base: np.ndarray, step: np.ndarray, tables: list[np.ndarray], U: np.ndarray,
+def _round_many(W: np.ndarray, base: np.ndarray, step: np.ndarray, tables: list[np.ndarray], R: np.ndarray,
                 block: int) -> np.ndarray:
     """GPTQ's lazy-batch loop on transposed ``[n, rows]`` float32 arrays (a column is a contiguous row) whose
     rows are ``len(tables)`` equal slices, slice ``i`` on grids of table ``tables[i]``: codes ``[n, rows]``,
-    each the nearest level of its element's grid to the error-compensated weight.
+    each the nearest level of its element's grid to the error-compensated weight ``w̃_k = w_k + Σ_{j<k} R̂_jk
+    (w_j − q_j)`` (``R``: :attr:`Factor.r`). ``W`` is overwritten.
 
-    Within a batch each column gathers the corrections of the batch's earlier columns (one GEMV) rather
-    than having them scattered onto the whole batch after each column: the same sums, a third of the
-    memory traffic. Slices whose tables are alike share one search per column: an affine type's table is
-    ``0, 1, …, 2^k − 1``, a prefix of the widest one, so a search in the widest capped at ``2^k − 1`` is the
-    search in its own. numpy, not torch: torch's threaded rank-1 updates stall on a busy 2-core machine."""
+    Within a batch each column gathers the corrections of the batch's earlier columns (one GEMV with the batch's
+    diagonal block of R̂); after it, the batch's errors move onto every later column (one GEMM). Slices whose
+    tables are alike share one search per column: an affine type's table is ``0, 1, …, 2^k − 1``, a prefix of
+    the widest one, so a search in the widest capped at ``2^k − 1`` is the search in its own. numpy, not torch:
+    torch's threaded rank-1 updates stall on a busy 2-core machine."""
     n, total = W.shape
     rows = total // len(tables)
     groups = _table_groups(tables, rows)
     B, S = base.astype(np.float32, copy=False), step.astype(np.float32, copy=False)
     with np.errstate(divide="ignore"):
         inv = np.where(S != 0, 1 / S, 0).astype(np.float32)  # step 0: every code gives base; any will do
-    Ut = np.ascontiguousarray(U.T)
+    W0 = W.copy()  # the original weights: each error is measured on them
     idx = np.empty((n, total), dtype=np.uint8)  # positions in a table of at most 2⁸ levels
     lev = np.empty(total, dtype=np.float32)
     err = np.empty((block, total), dtype=np.float32)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
+        Rt = np.ascontiguousarray(R[i1:i2, i1:i2].T)  # row j − i1: R̂_{i1…j−1, j}
         for j in range(i1, i2):
-            w = W[j] - Ut[j, i1:j] @ err[:j - i1]
+            w = W[j] + Rt[j - i1, :j - i1] @ err[:j - i1]
             x = (w - B[j]) * inv[j]
             k = idx[j]
             for sl, levels, mids, cap in groups:
@@ -305,9 +308,9 @@ def _round_many(W: np.ndarray, base: np.ndarray, step: np.ndarray, tables: list[
                 kk = np.searchsorted(mids, x[sl])
                 k[sl] = kk
                 lev[sl] = levels[kk]
-            err[j - i1] = (w - (B[j] + S[j] * lev)) / U[j, j]
+            err[j - i1] = W0[j] - (B[j] + S[j] * lev)
         if i2 < n:
-            W[i2:] -= U[i1:i2, i2:].T @ err[:i2 - i1]
+            W[i2:] += R[i1:i2, i2:].T @ err[:i2 - i1]
     out = np.empty((n, total), dtype=np.uint8)
     for sl, order in _orders(tables, rows):
         out[:, sl] = order[idx[:, sl]]

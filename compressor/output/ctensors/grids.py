@@ -301,8 +301,15 @@ def _gptq_rows(w: np.ndarray, f, s: IntScheme, gs: int, block: int, scale_dtype:
     S = np.empty((groups, rows), dtype=np.float32)
     if fixed:
         S[:] = _scales(w.reshape(rows, groups, gs), s, scale_dtype).float().numpy().T
-    U = f.u
-    Ut = np.ascontiguousarray(U.T)
+    # Column k's corrected weight is w_k + Σ_{j<k} R̂_jk (w_j − q_j) (gridround.factor: the errors measured on
+    # the original weights). A scale fitted to a group's weights as corrected so far needs GPTQ's own running
+    # state instead, the errors of the corrected weights spread by R̂⁻¹ (GPTQ's inverse factor, each row over its
+    # diagonal): that costs a triangular inverse, made only for such scales.
+    if fixed:
+        V, E = f.r, Wt.copy()
+    else:
+        r = torch.from_numpy(f.r)
+        V, E = -torch.linalg.solve_triangular(r, torch.eye(n), upper=True, unitriangular=True).numpy(), None
     Q = np.empty((n, rows), dtype=np.int8)
     err = np.empty((block, rows), dtype=np.float32)
     for i1 in range(0, n, block):
@@ -311,13 +318,13 @@ def _gptq_rows(w: np.ndarray, f, s: IntScheme, gs: int, block: int, scale_dtype:
             if not fixed and j % gs == 0:
                 # the whole group as updated so far: earlier batches' lazy updates are in Wt, this batch's
                 # corrections (columns i1..j-1) are gathered here
-                G = Wt[j:j + gs] - Ut[j:j + gs, i1:j] @ err[:j - i1]
+                G = Wt[j:j + gs] + V[i1:j, j:j + gs].T @ err[:j - i1]
                 S[gidx[j]] = _scales(G.T[None], s, scale_dtype).float().numpy()[0]
-            w_j = Wt[j] - Ut[j, i1:j] @ err[:j - i1]
+            w_j = Wt[j] + V[i1:j, j] @ err[:j - i1]
             sc = S[gidx[j]]
             q = _codes(w_j, sc, s)
             Q[j] = q
-            err[j - i1] = (w_j - q * sc) / U[j, j]
+            err[j - i1] = (w_j if E is None else E[j]) - q * sc
         if i2 < n:
-            Wt[i2:] -= U[i1:i2, i2:].T @ err[:i2 - i1]
+            Wt[i2:] += V[i1:i2, i2:].T @ err[:i2 - i1]
     return Q[np.argsort(o)].T, S.T

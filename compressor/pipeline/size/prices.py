@@ -2,10 +2,11 @@
 
 One backward pass over a spread share of the calibration windows (:func:`fisher_windows`) gives the
 loss-gradient second moment F of every linear layer's outputs
-(:func:`compressor.engine.tensorstats.output_fisher`); forward passes over every window give each layer's
-input second moment Ĥ, in groups of layers that fit in memory (:func:`moment_groups`); they are kept for the
-chosen plan's rounding (:class:`Measured`): in memory when one group holds them all, else each group written
-to the run's work folder as it is priced and mapped back from disk; each tensor is then priced in
+(:func:`compressor.engine.tensorstats.output_fisher`); a forward pass over every window gives each layer's
+input second moment Ĥ (:class:`MomentPasses`: the whole model at once where every moment fits in memory, else a
+decoder layer at a time); they are kept for the chosen plan's rounding (:class:`Measured`): in memory when one
+pass holds them all, else each layer's written to the run's work folder as it is priced and mapped back from
+disk; each tensor is then priced in
 every option of the size's target format (:meth:`~compressor.sizing.target.SizeTarget.price_all`:
 every GGML type its rows take, or every integer scheme). The prices are cached with the
 statistics (``measure.cache``): a second size of the same model and calibration text costs no pass.
@@ -35,8 +36,8 @@ from compressor.recipe.schema import Recipe
 logger = logging.getLogger(__name__)
 
 
-#: Bytes of input second moments one pass holds at least (float32 d_in² per input): Qwen2.5-1.5B's 28
-#: layers need 9.8 GB at once, so a smaller machine measures and prices them in groups of layers.
+#: Bytes of input second moments a whole-model pass may hold at least (float32 d_in² per input): Qwen2.5-1.5B's 28
+#: layers need 9.8 GB at once (29 GB cross-fitted), so a smaller machine measures and prices them a layer at a time.
 MOMENTS_BUDGET_BYTES = 2 << 30
 
 
@@ -171,8 +172,9 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     """Every tensor's options in ``target``'s format (bytes, predicted cost) and importance matrix: from the
     statistics cache when the same model, calibration windows and pricing settings were priced before
     (``measure.cache``), else measured (a backward pass over :func:`fisher_windows`, then input moments of
-    every window in groups of layers) and priced. ``spill``: a folder for the moments of groups of layers,
-    kept for the rounding (Qwen2.5-1.5B: 9.8 GB written once, where measuring them again took 15 min)."""
+    every window, a decoder layer at a time where they do not fit at once) and priced. ``spill``: a folder for
+    each layer's moments, kept for the rounding (Qwen2.5-1.5B: 9.8 GB written once, where measuring them again
+    took 15 min)."""
     from compressor.engine import cache
 
     key = None
@@ -262,37 +264,43 @@ def follow(model, windows: torch.Tensor, batch_size: int) -> None:
 
 class MomentPasses:
     """The input moments of every linear layer, group by group: ``(modules, folds, moments)`` per group, each
-    measured when the caller asks for it (then priced and spilled before the next). A model held in memory is
-    measured in groups of layers whose moments fit memory (:func:`moment_groups`), each group a pass over the
-    windows; an onloaded one a decoder layer at a time in one layer-sequential pass
+    measured when the caller asks for it (then priced and spilled before the next). A model held in memory whose
+    moments all fit (:meth:`plan`) is measured in one pass over the windows, one group; any other, and every
+    onloaded one, a decoder layer at a time in one layer-sequential pass
     (:func:`~compressor.engine.layerwise.layer_moments`: one layer's weights and moments resident). ``folds``:
     each half's moments for cross-fitted prices (``(even, odd)``: :func:`fold_moments`; onloaded, the two halves
     as two splits of the one pass, the same bits), else None; ``moments`` then :func:`mean_moments` of them."""
 
     def __init__(self, model, windows: torch.Tensor, batch_size: int, precision: StatisticsPrecision,
-                 crossfit: bool, groups: list[list[str]] | None = None, parallel: bool = False) -> None:
+                 crossfit: bool, groups: list[list[str]] | None | str = "plan", parallel: bool = False) -> None:
+        """``groups``: what :meth:`plan` returned on rank 0 (None: layer by layer), or ``"plan"``: plan here."""
         self.model, self.windows, self.batch_size, self.precision = model, windows, batch_size, precision
         self.crossfit, self.parallel = crossfit, parallel
-        self.layered = is_offloaded(model)
-        self.groups = None if self.layered else groups if groups is not None else self.plan(model, crossfit)
+        self.groups = self.plan(model, crossfit) if groups == "plan" else None if is_offloaded(model) else groups
+        self.layered = self.groups is None
         layers = None if self.groups is not None else find_blocks(model, arch_for(model, structural=False)[1])[1]
         self.count = len(self.groups) if self.groups is not None else len(layers) + 1
         self.seconds = 0.0
         self.tokens: dict[str, int] = {}
-        """Tokens each linear read (a routed expert, those the router sent it), where measured in memory."""
+        """Tokens each linear read (a routed expert, those the router sent it); filled as each group or layer is
+        measured (not by cross-fitted groups)."""
 
     @staticmethod
     def plan(model, crossfit: bool) -> list[list[str]] | None:
-        """The groups of layers a pass holds the moments of (:func:`moment_groups`), None for an onloaded model
-        (layer by layer, cross-fitted or not)."""
+        """``[every linear]`` when a model held in memory can hold all their moments at once (one pass over the
+        whole model: SmolLM2-135M's 0.4 GB), else None: a decoder layer at a time in one layer-sequential pass,
+        as an onloaded model always is. Groups of layers that fit, each a pass of its own, ran the first layers
+        once per group: Qwen2.5-1.5B's cross-fitted moments (29 GB) took six groups on a 24 GB machine, about
+        3.7 forward passes over every window where the layer-sequential pass takes one — the same sums."""
         if is_offloaded(model):
             return None
-        return moment_groups(model, linear_names(model), copies=3 if crossfit else 1)
+        groups = moment_groups(model, linear_names(model), copies=3 if crossfit else 1)
+        return groups if len(groups) == 1 else None
 
     def __iter__(self):
         if self.layered:
             passes = layer_moments(self.model, self.windows, batch_size=self.batch_size, parallel=self.parallel,
-                                   folds=self.crossfit)
+                                   folds=self.crossfit, tokens=self.tokens)
             while True:
                 t0 = time.perf_counter()
                 with self.precision.context(self.model):  # the layer runs when the next item is asked for
