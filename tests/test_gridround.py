@@ -299,3 +299,20 @@ def test_factor_is_the_damped_cholesky_in_rounding_order_that_gptq_reads():
     ref = torch.linalg.inv(u)
     ref = ref / ref.diagonal()
     assert torch.allclose(r, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_factor_falls_back_to_float64_where_float32_finds_no_cholesky():
+    """The Cholesky is float32 as GPTQ implementations take it; an Ĥ positive definite only in float64 (here: one
+    strong direction over a floor 10⁻¹⁰ of it, undamped) is factored in float64 instead of refused, and an Ĥ not
+    positive definite at all is refused naming the damping."""
+    import torch
+
+    n = 64
+    g = torch.Generator().manual_seed(4)
+    v = torch.randn(n, 1, generator=g, dtype=torch.float64)
+    h = v @ v.T + 1e-10 * torch.eye(n, dtype=torch.float64)
+    assert int(torch.linalg.cholesky_ex(h.float())[1]) != 0 and int(torch.linalg.cholesky_ex(h)[1]) == 0
+    f = gr.factor(h, damp=0.0)
+    assert np.isfinite(f.r).all() and np.allclose(np.diag(f.r), 1.0)
+    with pytest.raises(ValueError, match="larger damp"):
+        gr.factor(-torch.eye(n, dtype=torch.float64) + 0.5 * (v @ v.T), damp=0.0)
