@@ -153,9 +153,9 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
       their float copy and gradient (3 · rows · seq_len · vocab floats); in memory, every layer's saved activations
       of the micro-batch (about ``4·ff + 10·d`` floats a token a layer) besides its logits;
     * ``moments``: one layer's input second moments (q/k/v and gate/up share theirs: ``3·d² + ff²`` floats) and
-      the working set of the GPTQ factors pricing solves two at a time, two float64 matrices each
-      (:func:`~compressor.fitting.gridround.factor`: ``16 · (ff² + d²)`` bytes; an 8,192-wide factor measured
-      1.08 GB at its peak);
+      the working set of the GPTQ factors pricing solves two at a time, Ĥ reordered and its Cholesky factor
+      (:func:`~compressor.fitting.gridround.factor`: float32, or float64 where float32 finds Ĥ not positive
+      definite; counted at float64, ``16 · (ff² + d²)`` bytes, the bound);
     * ``converter``: llama.cpp's converter making the F16 of a Hugging Face folder, a child process
       (:mod:`compressor.output.gguf.converter`): its interpreter and torch (:data:`CONVERTER_PROCESS_BYTES`) and
       the largest tensor in float32 and float16 (the embedding: measured 1.21 GB on a 3.2B Llama shape with a
@@ -232,10 +232,9 @@ def size_work(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_t
       (``2 · (3d² + ff²)`` a token a layer: q/k/v and gate/up share their input), and F's pass over
       ``fisher_tokens`` (forward, the recomputed forward, backward: 8 · weights a token) with the output head's
       logits and gradient;
-    * ``pricing``: the GPTQ factor of every layer's four distinct Ĥ (a damped Cholesky in float64 and its
-      triangular inverse in float32, ``n³/3`` multiply-adds each step; counted as ``n³`` a factor here, as when the
-      throughputs were measured, before the inverse skipped its zero blocks); the types' roundings of the sampled rows are far
-      smaller;
+    * ``pricing``: the GPTQ factor of every layer's four distinct Ĥ (counted as ``n³`` a factor here, as when the
+      throughputs were measured: then a float64 Cholesky and a triangular inverse; now a float32 Cholesky alone,
+      ``n³/3``, so the projected time overstates); the types' roundings of the sampled rows are far smaller;
     * ``rounding``: the chosen plan's GPTQ over every row (``2 · rows · n²`` a tensor), with the factors made again
       (the ones pricing kept are a small model's only).
 

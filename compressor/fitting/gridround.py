@@ -77,7 +77,7 @@ def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool 
     positive definite. On Qwen2.5-Coder-1.5B's own Ĥ (four down projections, an attention output, an FFN input;
     damped condition numbers 2 × 10⁴ to 1.6 × 10⁵) GPTQ's output error through the float32 factor was within
     0.09 % of the float64 factor's, either way, in Q4_K, IQ4_XS and Q3_K. An 8,960-wide factor: 5.7 s with an
-    inverse (11.6 s in float64), 4.2 s as a float64 Cholesky, 1.6 s in float32; its working set two float32
+    inverse (11.6 s in float64), 3–4 s as a float64 Cholesky, 1.7 s in float32; its working set two float32
     matrices, not two float64 ones."""
     H = torch.as_tensor(_as_numpy(h))
     if H.ndim != 2 or H.shape[0] != H.shape[1]:

@@ -167,8 +167,9 @@ class Weighted:
     """ggml's bytes of a site's priced rows in each type with its importance matrix, quantized once and shared:
     the probe's nearest rounding, GPTQ's scales on the probe and on every priced row, for each half's fit
     (ggml quantizes rows independently, so the probe's bytes are rows of these). ggml's scale search with an
-    importance matrix was the planner's largest single cost: on the off-grid Qwen2.5-Coder-1.5B, 43 of its
-    thread-seconds in 100 (sampled), each type's search run up to six times over a tensor's priced rows."""
+    importance matrix was the planner's largest single cost: on the off-grid Qwen2.5-Coder-1.5B, 27 % of its
+    busy thread time (sampled; pricing and the plan's rounding together), each type's search run up to four times
+    over a tensor's priced rows in pricing."""
 
     def __init__(self, rows: torch.Tensor, imatrix: np.ndarray | None) -> None:
         self.rows, self.imatrix = rows, imatrix
