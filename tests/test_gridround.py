@@ -316,3 +316,30 @@ def test_factor_falls_back_to_float64_where_float32_finds_no_cholesky():
     assert np.isfinite(f.r).all() and np.allclose(np.diag(f.r), 1.0)
     with pytest.raises(ValueError, match="larger damp"):
         gr.factor(-torch.eye(n, dtype=torch.float64) + 0.5 * (v @ v.T), damp=0.0)
+
+
+def test_given_scales_give_the_bytes_quantized_here_in_chunks_too(monkeypatch):
+    """Pricing hands GPTQ ggml's bytes of the rows it already quantized (``quantized=``): only their scales are
+    read, so the codes are those GPTQ gets quantizing the rows itself, whole or a few rows a chunk; bytes for the
+    wrong rows are refused."""
+    W, H = problem(rows=7, n=256, seed=8)
+    f = gr.factor(H)
+    types = [GGMLType.Q4_K, GGMLType.IQ4_XS, GGMLType.Q3_K]
+    given = [ggml.quantize(W, t, imatrix(H)) for t in types]
+    alone = gr.gptq_quantize_many(W, f, types, imatrix(H))
+    assert all(np.array_equal(a, b) for a, b in zip(alone, gr.gptq_quantize_many(W, f, types, imatrix(H),
+                                                                                 quantized=given)))
+    monkeypatch.setattr(gr, "CHUNK_ELEMENTS", 2 * 256 * len(types))
+    chunked = gr.gptq_quantize_many(W, f, types, imatrix(H), quantized=given)
+    assert all(np.array_equal(a, b) for a, b in zip(alone, chunked))
+    with pytest.raises(ValueError, match="all 7 rows"):
+        gr.gptq_quantize_many(W, f, types, imatrix(H), quantized=[q[:3] for q in given])
+
+
+def test_a_non_finite_moment_is_refused_as_such_not_as_a_damping_problem():
+    """A NaN in Ĥ (activations that overflowed) names the cause; more damping would not help it."""
+    _, H = problem(rows=2, n=64)
+    H = H.copy()
+    H[3, 5] = H[5, 3] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        gr.factor(H)

@@ -538,3 +538,24 @@ def test_the_smallest_plan_within_a_predicted_cost_is_found_by_bisection(seed):
     floor = smallest_within(units, priced, hi, 1e9)
     assert floor.tensor_bytes == total_size({n: min(o, key=lambda o: o.size) for n, o in units.items()})
 
+
+
+def test_pricing_quantizes_each_type_once_and_its_rows_are_ggml_s_own(monkeypatch):
+    """:class:`~compressor.output.gguf.pricing.Weighted` quantizes a tensor's priced rows once per type (its probe
+    and every rounding reuse them): any subset of rows is what ggml gives those rows alone (rows are quantized
+    independently), decoded as llama.cpp decodes them."""
+    pytest.importorskip("llama_cpp")
+    from compressor.output.gguf import pricing
+
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randn(12, 256, generator=g) * 0.03
+    imat = (torch.rand(256, generator=g) + 0.1).numpy()
+    w = pricing.Weighted(rows, imat)
+    calls, real = [], pricing.quantize
+    monkeypatch.setattr(pricing, "quantize", lambda *a: calls.append(a[1]) or real(*a))
+    at = torch.tensor([1, 4, 9])
+    for t in (GGMLType.Q4_K, GGMLType.IQ4_XS):
+        assert np.array_equal(w.raw(t, at), ggml.quantize(rows[at].numpy(), t, imat))
+        assert np.array_equal(w.values(t, at), ggml.roundtrip(rows[at].numpy(), t, imat))
+        assert np.array_equal(w.raw(t), ggml.quantize(rows.numpy(), t, imat))
+    assert calls == [GGMLType.Q4_K, GGMLType.IQ4_XS]

@@ -61,7 +61,8 @@ class Factor:
     act_order: bool
 
 
-def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool = True) -> Factor:
+def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool = True,
+           dtype: torch.dtype | None = None) -> Factor:
     """Ĥ's damped Cholesky factor in rounding order, in the form GPTQ's column loop reads (:attr:`Factor.r`;
     dead columns, Ĥ_jj = 0, set to 1 first as GPTQ does: nothing reaches them or leaves them, so they are rounded
     to nearest). ``act_order``: columns in descending diag Ĥ (GPTQ's act-order).
@@ -77,22 +78,28 @@ def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool 
     positive definite. On Qwen2.5-Coder-1.5B's own Ĥ (four down projections, an attention output, an FFN input;
     damped condition numbers 2 × 10⁴ to 1.6 × 10⁵) GPTQ's output error through the float32 factor was within
     0.09 % of the float64 factor's, either way, in Q4_K, IQ4_XS and Q3_K. An 8,960-wide factor: 5.7 s with an
-    inverse (11.6 s in float64), 3–4 s as a float64 Cholesky, 1.7 s in float32; its working set two float32
-    matrices, not two float64 ones."""
+    inverse (11.6 s in float64), 3–4 s as a float64 Cholesky, about 2 s in float32 (its Cholesky 1.5 s); its working set two float32
+    matrices, not two float64 ones (``tools/bench_gptq_factor.py``). ``dtype``: the Cholesky's, only (a
+    comparison); None: float32, else float64."""
     H = torch.as_tensor(_as_numpy(h))
     if H.ndim != 2 or H.shape[0] != H.shape[1]:
         raise ValueError(f"h must be a square [n, n] matrix, got shape {tuple(H.shape)}")
     if not damp >= 0:
         raise ValueError(f"damp must be >= 0, got {damp}")
+    if not torch.isfinite(H).all():
+        raise ValueError("h has non-finite entries: the activations it was summed over were not finite (a second "
+                         "moment of finite inputs is needed)")
     n = H.shape[0]
     order = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(n)
     # With J the reversal, J·H·J = M·Mᵀ (M lower) gives H = R·Rᵀ for the upper R = J·M·J.
-    M = _reversed_cholesky(H, order, damp, torch.float32)
+    M = None
+    for cholesky_dtype in (torch.float32, torch.float64) if dtype is None else (dtype,):
+        M = _reversed_cholesky(H, order, damp, cholesky_dtype)
+        if M is not None:
+            break
     if M is None:
-        M = _reversed_cholesky(H, order, damp, torch.float64)
-    if M is None:
-        raise ValueError(f"the damped Ĥ is not positive definite at damp={damp}: pass a larger damp "
-                         f"(e.g. {max(damp * 10, 0.01):g})")
+        raise ValueError(f"the damped h is not positive definite at damp={damp} (not a second moment, which damping "
+                         f"makes positive definite): pass a larger damp (e.g. {max(damp * 10, 0.01):g})")
     M /= torch.diagonal(M).clone()  # each column by its diagonal: R̂ = J·M·J column by column over R_kk
     R = M.float()
     del M

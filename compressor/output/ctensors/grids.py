@@ -242,10 +242,11 @@ def gptq(weight, h, scheme: IntScheme | str, *, damp: float = DAMP, block: int =
     made with the same ``damp`` and ``act_order`` (one solve shared by every scheme a layer is tried in).
 
     Columns are rounded in order (``act_order``: in descending diag Ĥ, which needs ``static_groups``), each
-    column's error spread over the later ones through the Cholesky factor of the damped Ĥ⁻¹, ``block``
-    columns between two lazy updates of the rest. A group's scales are fixed from the *updated* weights
-    of the whole group when its first column is reached (with every earlier column's correction, so the
-    result does not depend on ``block``); ``static_groups``: every scale from the original weights first,
+    column's error spread over the later ones through the damped Ĥ's Cholesky factor (in GPTQ's nearest-plane
+    form, :func:`~compressor.fitting.gridround.factor`), ``block`` columns between two lazy updates of the rest.
+    A group's scales are fixed from the *updated* weights of the whole group when its first column is reached
+    (with every earlier column's correction, so the result does not depend on ``block``); ``static_groups``:
+    every scale from the original weights first,
     as llm-compressor does. A per-row scheme takes its scales from the original weights. An input column
     that never fires (Ĥ_jj = 0) neither gives nor takes corrections: it is rounded to nearest (GPTQ zeroes
     it; a column silent on the calibration text may fire on other text). With Ĥ = I the result is
@@ -277,9 +278,11 @@ def gptq(weight, h, scheme: IntScheme | str, *, damp: float = DAMP, block: int =
     ints = np.empty((rows, n), dtype=np.int8)
     scales = np.empty((rows, n // gs), dtype=np.float32)
     step = max(1, ROW_CHUNK // n)
+    fixed = static_groups or s.group_size is None
+    spread = f.r if fixed else _running_spread(f)
     for r in range(0, rows, step):
-        ints[r:r + step], scales[r:r + step] = _gptq_rows(_as_float32(weight[r:r + step]), f, s, gs, block,
-                                                          scale_dtype, static_groups or s.group_size is None)
+        ints[r:r + step], scales[r:r + step] = _gptq_rows(_as_float32(weight[r:r + step]), f.order, spread, s, gs,
+                                                          block, scale_dtype, fixed)
     out = Rounded(None, torch.from_numpy(scales).to(scale_dtype), torch.from_numpy(ints))
     return out._replace(weight=decoded(out)) if decode else out
 
@@ -289,27 +292,29 @@ def gptq(weight, h, scheme: IntScheme | str, *, damp: float = DAMP, block: int =
 ROW_CHUNK = 1 << 24
 
 
-def _gptq_rows(w: np.ndarray, f, s: IntScheme, gs: int, block: int, scale_dtype: torch.dtype,
-               fixed: bool) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`gptq` of the float32 rows ``w`` through the factor ``f``: int8 codes ``[rows, n]`` and float32
-    scales ``[rows, groups]`` (values of ``scale_dtype``). ``fixed``: every scale from the original weights."""
+def _running_spread(f) -> np.ndarray:
+    """``−R̂⁻¹`` of the factor ``f`` (GPTQ's inverse factor, each row over its diagonal): what spreads the errors of
+    the corrected weights onto the later columns, so that a group's weights as corrected so far are GPTQ's own
+    running state — what a scale fitted to them needs. A triangular inverse, made once a weight, only for such
+    scales; fixed scales read :attr:`~compressor.fitting.gridround.Factor.r` itself."""
+    r = torch.from_numpy(f.r)
+    return -torch.linalg.solve_triangular(r, torch.eye(r.shape[0]), upper=True, unitriangular=True).numpy()
+
+
+def _gptq_rows(w: np.ndarray, o: np.ndarray, V: np.ndarray, s: IntScheme, gs: int, block: int,
+               scale_dtype: torch.dtype, fixed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`gptq` of the float32 rows ``w`` rounded in the column order ``o``: int8 codes ``[rows, n]`` and
+    float32 scales ``[rows, groups]`` (values of ``scale_dtype``). ``fixed``: every scale from the original
+    weights, the errors measured on them and spread by ``V`` = R̂ (the nearest-plane form); else the errors of
+    the corrected weights, spread by ``V`` = :func:`_running_spread`."""
     rows, n = w.shape
     groups = n // gs
-    o = f.order
     Wt = np.ascontiguousarray(w[:, o].T)  # [n, rows] in rounding order: a column is a contiguous row
     gidx = o // gs  # each position's group, in original column numbering
     S = np.empty((groups, rows), dtype=np.float32)
     if fixed:
         S[:] = _scales(w.reshape(rows, groups, gs), s, scale_dtype).float().numpy().T
-    # Column k's corrected weight is w_k + Σ_{j<k} R̂_jk (w_j − q_j) (gridround.factor: the errors measured on
-    # the original weights). A scale fitted to a group's weights as corrected so far needs GPTQ's own running
-    # state instead, the errors of the corrected weights spread by R̂⁻¹ (GPTQ's inverse factor, each row over its
-    # diagonal): that costs a triangular inverse, made only for such scales.
-    if fixed:
-        V, E = f.r, Wt.copy()
-    else:
-        r = torch.from_numpy(f.r)
-        V, E = -torch.linalg.solve_triangular(r, torch.eye(n), upper=True, unitriangular=True).numpy(), None
+    E = Wt.copy() if fixed else None  # the original weights, where the errors are measured on them
     Q = np.empty((n, rows), dtype=np.int8)
     err = np.empty((block, rows), dtype=np.float32)
     for i1 in range(0, n, block):

@@ -16,7 +16,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from compressor.core.ggml import BLOCKS, GGMLType, bits_per_weight, bytes_per_row, fits, requires_imatrix, roundtrip
+from compressor.core.ggml import (BLOCKS, GGMLType, bits_per_weight, bytes_per_row, dequantize, fits, quantize,
+                                  requires_imatrix, roundtrip)
 from compressor.core.progress import progress
 from compressor.core.threads import side_by_side
 from compressor.policy.options import Option
@@ -177,16 +178,12 @@ class Weighted:
 
     def raw(self, t: GGMLType, at: torch.Tensor | None = None) -> np.ndarray:
         """Bytes ``[rows, row_bytes]`` in ``t`` of the priced rows (those at positions ``at``)."""
-        from compressor.core.ggml import quantize
-
         if t not in self._raw:
             self._raw[t] = quantize(self.rows.numpy(), t, self.imatrix)
         return self._raw[t] if at is None else self._raw[t][at.numpy()]
 
     def values(self, t: GGMLType, at: torch.Tensor | None = None) -> np.ndarray:
         """float32 values of :meth:`raw`: what the runtime computes with."""
-        from compressor.core.ggml import dequantize
-
         return dequantize(self.raw(t, at), t, self.rows.shape[1])
 
 
