@@ -275,6 +275,40 @@ def test_shared_factors_solve_each_matrix_once_and_keep_it_within_the_bytes(monk
     assert all(m is made[0] for m in made) and calls == [id(h2)]
 
 
+def test_shared_factors_beyond_the_bytes_go_to_disk_and_are_handed_over(tmp_path, caplog):
+    """With ``spill``, a factor over ``keep_bytes`` is written and mapped back (file pages, the same numbers),
+    kept for the rounding; :meth:`take` hands it over and forgets it with its Ĥ. A full disk is said once, and
+    the factors are then solved again, not kept."""
+    g = np.random.default_rng(5)
+    x1, x2 = g.standard_normal((64, 16)), g.standard_normal((64, 24))
+    h1, h2 = x1.T @ x1, x2.T @ x2
+    written = []
+
+    def spill(f):
+        written.append(tmp_path / f"f{len(written)}.npy")
+        return gr.spill_factor(f, written[-1])
+
+    shared = gr.SharedFactors([h1, h1, h2], spill=spill)
+    a, b = shared.get(h1), shared.get(h1)
+    assert a is b and len(written) == 1 and not isinstance(a.r, np.memmap)  # the caller's own
+    kept = shared.take(h1)
+    assert isinstance(kept.r, np.memmap) and np.array_equal(kept.r, gr.factor(h1).r)
+    assert np.array_equal(kept.order, a.order) and (kept.damp, kept.act_order) == (a.damp, a.act_order)
+    assert shared.take(h1) is None and id(h1) not in shared._entries
+    assert shared.get(kept) is kept  # a factor is its own
+    assert shared.take(h2) is None  # expected, never asked: nothing kept
+
+    def full(f):
+        raise OSError(28, "No space left on device")
+
+    broke = gr.SharedFactors([h1, h2], spill=full)
+    with caplog.at_level("WARNING"):
+        broke.get(h1)
+        broke.get(h2)
+    assert broke.take(h1) is None and broke.take(h2) is None and broke.spill is None
+    assert sum("no longer kept on disk" in r.message for r in caplog.records) == 1
+
+
 def test_factor_is_the_damped_cholesky_in_rounding_order_that_gptq_reads():
     """R̂ is unit upper triangular, and it is GPTQ's textbook factor by another route: the upper Cholesky factor U
     of the damped Ĥ's inverse (float64, in rounding order) has ``U⁻¹ = R`` with ``R̂ = R / diag(R)`` column by

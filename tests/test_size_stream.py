@@ -97,12 +97,27 @@ def _recipe(tmp_path: Path, src: Path, out: str, offload: str, size: str = "Q4_0
 def test_an_onloaded_size_run_writes_the_in_memory_runs_file(tmp_path, monkeypatch):
     """``model.offload: disk`` plans the same file, byte for byte, as the model held in memory: the same
     prices (same statistics), the same types, the same GPTQ bytes; llama.cpp runs it. The onloaded run's
-    rounded bytes go through the work folder (mapped back from disk), the held run's stay in memory."""
+    rounded bytes go through the work folder (mapped back from disk), the held run's stay in memory; so do the
+    GPTQ factors pricing made, which the rounding reads in place of the moments: each Ĥ is factored once in
+    either run."""
     pytest.importorskip("llama_cpp")
-    from compressor.pipeline.size import rounding
+    from compressor.fitting import gridround
+    from compressor.pipeline.size import prices, rounding
 
     src = _folder(tmp_path)
+    monkeypatch.setattr(prices, "ROUNDED_BYTES", 0)  # no bytes kept from pricing: the rounding reads every factor
+    solves = {"held": 0, "streamed": 0}
+    real = gridround.factor
+
+    def counted(run):
+        def factor(*a, **kw):
+            solves[run] += 1
+            return real(*a, **kw)
+        return factor
+
+    monkeypatch.setattr(gridround, "factor", counted("held"))
     held = compressor.run(_recipe(tmp_path, src, "held", "none"))
+    monkeypatch.setattr(gridround, "factor", counted("streamed"))
     mapped = []
     kept = rounding.Compensator._kept
     monkeypatch.setattr(rounding, "SPILL_BYTES", 0)  # every tiny tensor's bytes spilled
@@ -114,6 +129,7 @@ def test_an_onloaded_size_run_writes_the_in_memory_runs_file(tmp_path, monkeypat
     assert {r["tensor"]: r["type"] for r in a["tensors"]} == {r["tensor"]: r["type"] for r in b["tensors"]}
     assert (held.output / "model.gguf").read_bytes() == (streamed.output / "model.gguf").read_bytes()
     assert mapped and all(isinstance(m, np.memmap) for m in mapped)
+    assert solves["streamed"] == solves["held"] > 0
     assert streamed.report["verification"]["gguf"]["gate_passed"]
     assert not list(tmp_path.glob(".*.size-*"))
 

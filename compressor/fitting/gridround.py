@@ -29,9 +29,11 @@ are always decoded by the decoder itself.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from pathlib import Path
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -40,6 +42,8 @@ from compressor.core import ggml
 from compressor.core.ggml import GGMLType
 from compressor.core.threads import side_by_side
 from compressor.fitting.ggmlgrid import Layout, layout, supports  # noqa: F401  (supports: re-exported)
+
+logger = logging.getLogger(__name__)
 
 #: GPTQ's damping: this fraction of the mean of diag Ĥ is added to its diagonal before it is inverted.
 DAMP = 0.01
@@ -125,13 +129,16 @@ class SharedFactors:
     """:func:`factor` of each Ĥ that tensors ask for, made once by whichever thread needs it first (q/k/v and
     gate/up read one input: one solve for each set), dropped when its last expected tensor has it, or kept for
     a later round of asks within ``keep_bytes`` (pricing's factors for the chosen plan's rounding: off-grid
-    SmolLM2-135M, 121 solves, 3.7 s of a 14 s rounding). Ĥ is told apart by identity: the moments of modules
-    that read one input are one tensor object; an Ĥ not :meth:`expect`-ed is solved on demand, not kept."""
+    SmolLM2-135M, 121 solves, 3.7 s of a 14 s rounding), and beyond it by ``spill`` where given (a function that
+    writes a factor to disk and returns it mapped back: :func:`spill_factor`). Ĥ is told apart by identity: the
+    moments of modules that read one input are one tensor object; an Ĥ not :meth:`expect`-ed is solved on
+    demand, not kept. A :class:`Factor` asked for is its own factor."""
 
     def __init__(self, matrices: Iterable = (), *, keep_bytes: int = 0, damp: float = DAMP,
-                 act_order: bool = True) -> None:
+                 act_order: bool = True, spill: Callable[[Factor], Factor] | None = None) -> None:
         self.damp, self.act_order = damp, act_order
         self.keep_bytes, self.kept_bytes = keep_bytes, 0
+        self.spill = spill
         self._lock = threading.Lock()
         self._entries: dict[int, _Shared] = {}
         self.expect(matrices)
@@ -140,12 +147,16 @@ class SharedFactors:
         """Each of ``matrices`` will be asked for once more (a matrix once per asking tensor)."""
         with self._lock:
             for h in matrices:
+                if isinstance(h, Factor):
+                    continue
                 entry = self._entries.get(id(h))
                 if entry is None or entry.h is not h:
                     entry = self._entries[id(h)] = _Shared(h)
                 entry.users += 1
 
     def get(self, h) -> Factor:
+        if isinstance(h, Factor):
+            return h
         with self._lock:
             entry = self._entries.get(id(h))
             if entry is not None and entry.h is not h:
@@ -159,13 +170,35 @@ class SharedFactors:
                 entry.factor = factor(h, damp=self.damp, act_order=self.act_order)
             made = entry.factor
         with self._lock:
-            if entry.users <= 0 and not entry.kept:
-                if self.kept_bytes + made.r.nbytes <= self.keep_bytes:
-                    entry.kept, self.kept_bytes = True, self.kept_bytes + made.r.nbytes
-                else:
-                    self._entries.pop(id(h), None)
+            if entry.users > 0 or entry.kept:
+                return made
+            if self.kept_bytes + made.r.nbytes <= self.keep_bytes:
+                entry.kept, self.kept_bytes = True, self.kept_bytes + made.r.nbytes
+                return made
+            if self.spill is None:
+                self._entries.pop(id(h), None)
+                return made
+            entry.kept = entry.spilled = True  # no other thread drops it while it is written
+        try:
+            entry.factor = self.spill(made)
+        except OSError as exc:  # a full disk: the rounding solves this one and the rest again
+            logger.warning("GPTQ factors are no longer kept on disk (%s); the rounding solves them again", exc)
+            with self._lock:
+                self._entries.pop(id(h), None)
+                self.spill = None
         return made
 
+    def take(self, h) -> Factor | None:
+        """The kept factor of ``h``, handed over and forgotten here (with Ĥ, which the entry held); None where
+        none was kept."""
+        with self._lock:
+            entry = self._entries.get(id(h))
+            if entry is None or entry.h is not h or not entry.kept or entry.factor is None:
+                return None
+            del self._entries[id(h)]
+            if not entry.spilled:
+                self.kept_bytes -= entry.factor.r.nbytes
+            return entry.factor
 
     def settle(self) -> None:
         """Drop every entry not kept: a tensor expected but never asking (none of its types was compensated)
@@ -181,6 +214,18 @@ class _Shared:
 
     def __init__(self, h) -> None:
         self.h, self.users, self.lock, self.factor, self.kept = h, 0, threading.Lock(), None, False
+        self.spilled = False
+
+
+def spill_factor(f: Factor, path: Path) -> Factor:
+    """``f`` written to ``path`` (``.npy``, its order beside it) and mapped back copy-on-write: its pages are
+    file pages, read when GPTQ reads them and dropped under memory pressure, not the run's memory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    order = path.with_name(path.stem + ".order.npy")
+    for arr, where in ((f.r, path), (f.order, order)):
+        with open(where, "wb") as fh:
+            np.save(fh, np.ascontiguousarray(arr))
+    return Factor(np.load(order), np.load(path, mmap_mode="c"), f.damp, f.act_order)
 
 
 def factor_for(h, n: int, *, damp: float, act_order: bool) -> Factor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from compressor.core.onload import is_offloaded
 from compressor.core.archs import arch_for, find_blocks
 from compressor.engine.layerwise import layer_moments, output_fisher_sequential
 from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
-from compressor.fitting.gridround import SharedFactors
+from compressor.fitting.gridround import Factor, SharedFactors, spill_factor
 from compressor.sizing.plan import ROUNDED_BYTES, Rounded, from_tensors, to_tensors
 from compressor.sizing.sites import sites
 from compressor.recipe.schema import Recipe
@@ -201,22 +202,28 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     units, priced, namer = {}, [], target.namer(model)
     passes = go.passes(model, windows, bs)
     kept: dict | None = {} if passes.count == 1 or spill is not None else None
-    # pricing's GPTQ factors are kept for the plan's rounding when that reads the same Ĥ objects (one group)
-    rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if passes.count == 1 else 0))
+    # pricing's GPTQ factors are the plan's rounding's where both factor the same Ĥ (not with held-out prices,
+    # which factor each half's): kept in memory with the moments of one group, else written to the work folder
+    # in place of the moments (Qwen2.5-1.5B: its 28 down projections' 8,960-wide factors, ~55 s, not solved twice)
+    writes = FactorFiles(spill / "factors") if spill is not None and not crossfit else None
+    rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if passes.count == 1 else 0,
+                                                   spill=writes if passes.count > 1 else None))
     for i, (group, folds, moments) in enumerate(passes):
         t0 = time.perf_counter()
         these = sites(model, fisher, moments, namer, modules=set(group), folds=folds, tokens=passes.tokens)
+        del folds
+        units.update(target.price_all(these, recipe.output.rounding, kept=rounded))
+        priced += target.priced(these)
+        del these  # the statistics go with the sites, before the next group's moments are measured
         if kept is not None:
             try:
-                kept.update(moments if passes.count == 1 else _spilled(moments, spill / f"moments-{i}.pt"))
+                kept.update(moments if passes.count == 1 else
+                            _for_rounding(moments, rounded.factors, spill / f"moments-{i}.pt"))
             except OSError as exc:  # a full disk costs a second pass, not the run
                 logger.warning("size plan: the input moments could not be kept in %s (%s); the rounding of the "
                                "chosen plan measures them again", spill, exc)
                 kept = None
-        del moments, folds
-        units.update(target.price_all(these, recipe.output.rounding, kept=rounded))
-        priced += target.priced(these)
-        del these  # the statistics go with the sites, before the next group's moments are measured
+        del moments
         timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
     timings["statistics_s"] += passes.seconds
     if key is not None:
@@ -326,6 +333,36 @@ class MomentPasses:
                                                          tokens=self.tokens, parallel=self.parallel)
             self.seconds += time.perf_counter() - t0
             yield group, folds, moments
+
+
+class FactorFiles:
+    """Writes each GPTQ factor :class:`~compressor.fitting.gridround.SharedFactors` keeps to its own file in
+    ``folder`` and maps it back (:func:`~compressor.fitting.gridround.spill_factor`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self._count, self._lock = folder, 0, threading.Lock()
+
+    def __call__(self, f: Factor) -> Factor:
+        with self._lock:
+            self._count += 1
+            path = self.folder / f"factor-{self._count}.npy"
+        return spill_factor(f, path)
+
+
+def _for_rounding(moments: dict[str, torch.Tensor], factors: SharedFactors, path: Path) -> dict:
+    """What the plan's rounding reads of each module in ``moments``: the GPTQ factor pricing kept of its Ĥ (taken
+    over from ``factors``; modules that share Ĥ share it), else its Ĥ written to ``path`` and mapped back."""
+    out: dict = {}
+    made: dict[int, object] = {}
+    for name, h in moments.items():
+        if id(h) not in made:
+            made[id(h)] = factors.take(h)
+        if made[id(h)] is not None:
+            out[name] = made[id(h)]
+    rest = {name: h for name, h in moments.items() if name not in out}
+    if rest:
+        out.update(_spilled(rest, path))
+    return out
 
 
 def _spilled(moments: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:

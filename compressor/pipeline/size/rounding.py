@@ -23,7 +23,7 @@ from compressor.core.params import tied_head
 from compressor.core.progress import progress
 from compressor.core.threads import side_by_side
 from compressor.engine.tensorstats import input_moments
-from compressor.fitting.gridround import SharedFactors
+from compressor.fitting.gridround import Factor, SharedFactors
 from compressor.pipeline.size.prices import StatisticsPrecision, moment_groups
 from compressor.sizing.plan import Priced, SizePlan
 from compressor.sizing.sites import priced_rows
@@ -110,9 +110,10 @@ class Compensator:
         with self.precision.context(model):
             return input_moments(model, self.windows, group, batch_size=self.batch_size)
 
-    def _round_layer(self, module: str, h: torch.Tensor, tensors: list[tuple[str, str]],
+    def _round_layer(self, module: str, h: "torch.Tensor | Factor", tensors: list[tuple[str, str]],
                      factors: SharedFactors) -> int:
-        """Every ``(tensor, type)`` of layer ``module`` rounded through its input moment ``h``; how many."""
+        """Every ``(tensor, type)`` of layer ``module`` rounded through its input moment ``h`` (or the GPTQ factor
+        pricing kept of it); how many."""
         # one solve per input, shared by every option rounded here (the plan's and the anchor's) and the layers
         # that read the same input; the targets' GPTQ checks it was made with their settings (act-order, default
         # damping)
@@ -136,7 +137,9 @@ class Compensator:
             moments = (self.moments if self.moments is not None and all(m in self.moments for m in group) else
                        self._measure(model, group))
 
-            layers = [(m, moments[m].float(), by_module[m]) for m in group]
+            # each layer's Ĥ, or the GPTQ factor pricing kept of it in its place (:func:`.prices._for_rounding`)
+            layers = [(m, moments[m] if isinstance(moments[m], Factor) else moments[m].float(), by_module[m])
+                      for m in group]
             del moments
             factors = getattr(self._rounded, "factors", None) or SharedFactors()  # pricing's, where it kept them
             factors.expect(h for _, h, _ in layers)

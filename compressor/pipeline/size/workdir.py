@@ -108,7 +108,8 @@ class DiskNeed:
     """Planned files at once: one for a size; for ``smallest``, one that passed kept while the next is tried."""
     moments: int = 0
     """Input moments spilled to the work folder for the plan's rounding (an onloaded model, or one whose moments
-    are measured in groups of layers): one float32 ``d_in²`` per input read."""
+    are measured in groups of layers), or the GPTQ factors pricing made of them in their place: one float32
+    ``d_in²`` per input read."""
 
     rounded: int = 0
     """The rounded tensors' bytes, spilled to the work folder as the plan's rounding makes them (at most the
@@ -139,7 +140,8 @@ class DiskNeed:
         if self.other:
             parts.append(f"the other formats (about {human_bytes(self.other)})")
         if self.moments:
-            parts.append(f"the input moments kept for the rounding (about {human_bytes(self.moments)})")
+            parts.append(f"the input moments (or their GPTQ factors) kept for the rounding "
+                         f"(about {human_bytes(self.moments)})")
         if self.rounded:
             parts.append(f"the rounded tensors kept for the file (about {human_bytes(self.rounded)})")
         return ", ".join(parts)
