@@ -177,8 +177,9 @@ def llama_tools(args, folder: Path, work: Path) -> dict:
         print(f"  {name}: {rows[name]['wall_s']:.0f} s, peak anon {rows[name]['peak_anon_bytes'] / 2**30:.2f} GiB",
               file=sys.stderr)
     rows["llama-quantize"]["file_bytes"] = quant.stat().st_size
-    for p in (f16, imatrix, quant):
-        p.unlink()
+    if not args.keep_files:
+        for p in (f16, imatrix, quant):
+            p.unlink()
     return rows
 
 
@@ -244,6 +245,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     ap.add_argument("--work", type=Path, default=None, help="folder for the checkpoint and outputs (kept)")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--keep-files", action="store_true",
+                    help="keep llama.cpp's F16, importance matrix and quantized file in --work (to score them on "
+                         "other text, e.g. with tools/llamacpp_perplexity.py)")
     ap.add_argument("--recipe", type=Path, default=None,
                     help="a recipe to run instead of the built-in GGUF one (model.offload, output.path set per mode)")
     ap.add_argument("--alone", action="store_true", help="say in the JSON that nothing else ran (times comparable)")
