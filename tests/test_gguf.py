@@ -574,7 +574,8 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
 def test_the_pricing_passs_moments_round_the_plan_without_a_second_pass(tmp_path, tokenizer, ids, monkeypatch,
                                                                         isolated_cache):
     """The input moments measured for pricing round the chosen plan: kept in memory when one pass holds every
-    layer's, written to the work folder and mapped back when memory splits the layers into groups. Neither
+    layer's, written to the work folder (or pricing's GPTQ factors of them) and mapped back when memory splits the
+    layers into groups. Neither
     reads the calibration windows a second time, and both write the same file, byte for byte, as a run
     whose prices come from the cache, or whose disk has no room for them, and whose rounding measures the
     moments again."""
@@ -586,9 +587,11 @@ def test_the_pricing_passs_moments_round_the_plan_without_a_second_pass(tmp_path
 
     src = _size_source(tmp_path, tokenizer, ids, "q8_0")
     passes, spilled = [], []
-    real, real_spill = rounding.input_moments, prices._spilled
+    real, real_spill, real_factor = rounding.input_moments, prices._spilled, prices.spill_factor
     monkeypatch.setattr(rounding, "input_moments", lambda *a, **k: passes.append(a[2]) or real(*a, **k))
     monkeypatch.setattr(prices, "_spilled", lambda m, path: spilled.append(path) or real_spill(m, path))
+    # a GGUF's pricing factors the same Ĥ its rounding does: the factor goes to the work folder in the moment's place
+    monkeypatch.setattr(prices, "spill_factor", lambda f, path: spilled.append(path) or real_factor(f, path))
 
     def run(out: str, cache: bool = False):
         r = _size_recipe(tmp_path, src, out, "Q4_0", {"ppl_budget": 50.0})
@@ -613,6 +616,7 @@ def test_the_pricing_passs_moments_round_the_plan_without_a_second_pass(tmp_path
     with monkeypatch.context() as m:
         m.setattr(prices, "moments_budget", lambda: 1)
         m.setattr(prices, "_spilled", full_disk)
+        m.setattr(prices, "spill_factor", full_disk)
         m.setattr(prices, "ROUNDED_BYTES", 0)  # and pricing keeps no rounding of its own
         no_room = run("no_room")  # nothing kept: measured again, the same file
     assert len(passes) > measured
