@@ -235,8 +235,9 @@ def size_work(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_t
     * ``pricing``: the GPTQ factor of every layer's four distinct Ĥ (counted as ``n³`` a factor here, as when the
       throughputs were measured: then a float64 Cholesky and a triangular inverse; now a float32 Cholesky alone,
       ``n³/3``, so the projected time overstates); the types' roundings of the sampled rows are far smaller;
-    * ``rounding``: the chosen plan's GPTQ over every row (``2 · rows · n²`` a tensor), with the factors made again
-      (the ones pricing kept are a small model's only).
+    * ``rounding``: the chosen plan's GPTQ over every row (``2 · rows · n²`` a tensor), counted with the factors
+      made again, as when the throughputs were measured; a GGUF run now reads pricing's factors (kept in memory, or
+      on disk where the moments are spilled), so the projected rounding overstates by its ``factors``.
 
     Attention's own products (``seq_len`` long windows) and the layer's norms are left out."""
     heads = heads or max(1, d // 128)

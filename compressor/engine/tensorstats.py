@@ -136,23 +136,31 @@ def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     return squares.fisher(windows.numel(), windows if counted is None else counted)
 
 
+#: Width from which :func:`gram` copies a bfloat16 ``xᵀ`` contiguous (``tools/bench_gram.py``, 4,096 tokens, an AMX
+#: CPU): with the copy at every width it was 1.08 × the transposed form at 3,072 and 1.42 × at 8,960, but 0.78–0.91 ×
+#: at 1,536–2,048, where the copy costs more than the plain GEMM saves; ``tools/results/gram_bfloat16.json`` is the
+#: form as it ships.
+UNTRANSPOSED_FROM = 3072
+
+
 def gram(x: torch.Tensor) -> torch.Tensor:
     """``xᵀx`` (float32) of ``x`` [tokens, d], whatever autocast is on. A product rounded to bfloat16 puts errors
     of up to 4 % of Ĥ's mean diagonal on its larger entries (an attention output's moments, off-grid SmolLM2-135M)
     and Ĥ's damped Cholesky fails; so a bfloat16 ``x`` is multiplied twice, the second product accumulating onto
     minus the first inside the GEMM (:func:`_two_pass`, where it does that: float32 to about 5e-6 of the largest
     entry), and a float32 one in float32. The upper blocks of column groups about 256 wide, the lower mirrored: the
-    same dot products for about 70 % of the time at d = 1,536. A bfloat16 ``xᵀ`` is copied contiguous once, so that
-    each product is a plain (untransposed) GEMM: oneDNN's bfloat16 ``xᵀx`` with a transposed operand took 1.6 × as
-    long (8,960 wide, 2,048 tokens, AMX), and the two passes now add into the output in place: a down projection's
-    8,960-wide Ĥ 0.89 → 0.60 s a batch of 4,096 tokens."""
+    same dot products for about 70 % of the time at d = 1,536. A wide bfloat16 ``xᵀ`` (:data:`UNTRANSPOSED_FROM`)
+    is copied contiguous once, so that each product is a plain (untransposed) GEMM: oneDNN's bfloat16 ``xᵀx`` with
+    a transposed operand took 1.6 × as long (8,960 wide, 2,048 tokens, AMX). The two passes add into the output in
+    place. A down projection's 8,960-wide Ĥ: 0.89 → 0.61 s a batch of 4,096 tokens (``tools/bench_gram.py``)."""
     d = x.shape[1]
     k = min(8, max(1, d // 256))
     two = x.dtype == torch.bfloat16 and _two_pass_exact(x.device.type)
     if not two:
         x = x.float()
     with torch.autocast(x.device.type, enabled=False):
-        xt = x.T.contiguous() if two else x.T  # float32's GEMM is as fast transposed (a copy costs it 10 %)
+        # the copy pays from about 3,072 wide (bfloat16; float32's GEMM is as fast transposed): tools/bench_gram.py
+        xt = x.T.contiguous() if two and d >= UNTRANSPOSED_FROM else x.T
         if k == 1:
             return _two_pass(xt, x) if two else xt @ x
         edges = [round(i * d / k) for i in range(k + 1)]

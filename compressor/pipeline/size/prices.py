@@ -205,9 +205,8 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
     # pricing's GPTQ factors are the plan's rounding's where both factor the same Ĥ (not with held-out prices,
     # which factor each half's): kept in memory with the moments of one group, else written to the work folder
     # in place of the moments (Qwen2.5-1.5B: its 28 down projections' 8,960-wide factors, ~55 s, not solved twice)
-    writes = FactorFiles(spill / "factors") if spill is not None and not crossfit else None
-    rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if passes.count == 1 else 0,
-                                                   spill=writes if passes.count > 1 else None))
+    writes = FactorFiles(spill / "factors") if spill is not None and not crossfit and passes.count > 1 else None
+    rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if passes.count == 1 else 0, spill=writes))
     for i, (group, folds, moments) in enumerate(passes):
         t0 = time.perf_counter()
         these = sites(model, fisher, moments, namer, modules=set(group), folds=folds, tokens=passes.tokens)
