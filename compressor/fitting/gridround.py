@@ -103,7 +103,9 @@ def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool 
             break
     if M is None:
         raise ValueError(f"the damped h is not positive definite at damp={damp} (not a second moment, which damping "
-                         f"makes positive definite): pass a larger damp (e.g. {max(damp * 10, 0.01):g})")
+                         f"makes positive definite): a caller of factor() can pass a larger damp (e.g. "
+                         f"{max(damp * 10, 0.01):g}); a recipe has no such setting, so from a size run this is a bug "
+                         "in the measured moments: please report it with the model and recipe")
     M /= torch.diagonal(M).clone()  # each column by its diagonal: R̂ = J·M·J column by column over R_kk
     R = M.float()
     del M
