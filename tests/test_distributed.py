@@ -115,7 +115,8 @@ def _size_run(folder: Path, out: str, run: str) -> dict:
     size, offload = SIZE_RUNS[run]
     res = compressor.run(_recipe(folder, folder / "src", out, offload, size=size))
     plan = res.report.get("size_plan", {})
-    return {"exit_code": res.exit_code, "message": res.report.get("message"),
+    return {"exit_code": res.exit_code, "message": res.report.get("message"), "ranks": plan.get("ranks"),
+            "compensated": plan.get("compensated_tensors"),
             "types": {r.get("tensor", r.get("module")): r.get("type", r.get("scheme")) for r in plan.get("tensors", [])}}
 
 
@@ -289,19 +290,112 @@ def one_process(ranks) -> dict:
 @pytest.mark.parametrize("run", sorted(SIZE_RUNS))
 def test_two_ranks_plan_the_same_size_file_as_one_process(ranks, one_process, run):
     """A size run under two gloo ranks (each measuring half the statistics' batches: in memory, onloaded layer by
-    layer, cross-fitted halves) writes the files one process writes, byte for byte; rank 0 alone wrote them."""
+    layer, cross-fitted halves; then each pricing its share of the tensors and rounding its share of the plan)
+    writes the files one process writes, byte for byte; rank 0 alone wrote them."""
     folder, results = ranks
     size = folder / "size"
-    one = one_process[run]
+    one = dict(one_process[run])
     assert one["exit_code"] == 0 and one["types"], one["message"]
+    assert one.pop("ranks") is None  # one process says nothing of ranks
     for r in results:
-        _assert_same(r["size"][run], one, run)
+        got = dict(r["size"][run])
+        shared = got.pop("ranks")
+        _assert_same(got, one, run)
+        # the work was shared: every rank priced tensors and rounded some of the plan's, and none twice
+        assert shared["world_size"] == WORLD and all(n > 0 for n in shared["tensors_priced"]), shared
+        assert sum(shared["tensors_priced"]) == len(one["types"]), shared
+        assert one["compensated"] and all(n > 0 for n in shared["tensors_rounded"]), shared
     files = sorted(p.relative_to(size / f"one-{run}") for p in (size / f"one-{run}").rglob("*")
                    if p.suffix in (".gguf", ".safetensors"))
     assert files
     for f in files:
         assert (size / f"one-{run}" / f).read_bytes() == (size / f"ranks-{run}" / f).read_bytes(), f
     assert not list(size.glob(".*.size-*")) and not list(size.glob(".*staging*"))
+
+
+def test_shares_deal_each_moment_to_one_rank_by_work():
+    """Pricing and rounding are split by input moment: the layers that read one Ĥ (q/k/v, gate/up) go to one rank
+    (one GPTQ factor, one fused unit); the costliest moment first, onto the least loaded rank, the load carried
+    across groups; a stack of experts stays on rank 0; one process owns everything; every rank deals alike."""
+    from compressor.engine.layerwise import layer_moments
+    from compressor.pipeline.size.share import Shares
+
+    model = tiny_model("llama")
+    groups = list(layer_moments(model, random_windows(4, SEQ, seed=0), batch_size=2))
+    deals = []
+    for _ in range(2):  # two ranks deal from the same shapes: the same shares
+        shares = Shares(world=2)
+        for group, moments in groups:
+            shares.deal(model, group, moments)
+        deals.append(shares.owner)
+    assert deals[0] == deals[1]
+    owner = deals[0]
+    for i in range(len(model.model.layers)):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        assert owner[f"{attn}.q_proj"] == owner[f"{attn}.k_proj"] == owner[f"{attn}.v_proj"]
+        assert owner[f"{mlp}.gate_proj"] == owner[f"{mlp}.up_proj"]
+    assert set(owner.values()) == {0, 1}
+    # longest processing time first: the loads end within the largest unit's work
+    assert abs(shares.load[0] - shares.load[1]) <= max(shares.load)
+    one = Shares(world=1)
+    for group, moments in groups:
+        one.deal(model, group, moments)
+    assert set(one.owner.values()) == {0} and one.mine(groups[0][0], rank=0) == groups[0][0]
+    stays = Shares(world=2)
+    layer0, moments0 = groups[0]
+    stays.deal(model, layer0, moments0, stays=set(layer0))
+    assert set(stays.owner.values()) == {0}
+
+
+def _exchange_main(rank: int, port: int, folder: str) -> None:
+    """Every shape of :func:`~compressor.pipeline.size.share.exchange`, under two gloo ranks: results in rank
+    order (on every rank, or on rank 0 only), and a failure on rank 1 raised on rank 0, which then says so to
+    rank 1 as the runner does on leaving a run."""
+    import torch.distributed as tdist
+
+    from compressor.core import distributed as cdist
+    from compressor.pipeline.size.share import exchange
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    out: dict = {}
+    try:
+        out["all"] = exchange(lambda: {"rank": rank})
+        out["main"] = exchange(lambda: [rank] * (rank + 1), to_main=True)
+
+        def fails():
+            if rank == 1:
+                raise ValueError("no such tensor")
+            return rank
+
+        for mode in ("all", "main"):
+            try:
+                out[f"{mode}-failed"] = exchange(fails, to_main=mode == "main")
+                if rank == 1 and mode == "main":  # rank 1 hears it where it waits next (the rounding's loop)
+                    out["main-failed"] = ("verdict", cdist.broadcast_object())
+            except cdist.RankFailed as exc:
+                out[f"{mode}-failed"] = ("RankFailed", exc.exit_code, str(exc))
+            except RuntimeError as exc:
+                out[f"{mode}-failed"] = ("RuntimeError", str(exc))
+                cdist.broadcast_object(((4, str(exc)), None))  # the runner's last word after a failure
+        torch.save(out, Path(folder) / f"exchange{rank}.pt")
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_exchange_gathers_in_rank_order_and_carries_a_failure(tmp_path):
+    mp.spawn(_exchange_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"exchange{r}.pt", weights_only=False) for r in range(WORLD))
+    assert r0["all"] == r1["all"] == [{"rank": 0}, {"rank": 1}]
+    assert r0["main"] == [[0], [1, 1]] and r1["main"] is None
+    for mode in ("all", "main"):
+        kind, message = r0[f"{mode}-failed"]
+        assert kind == "RuntimeError" and "rank 1 failed" in message and "ValueError: no such tensor" in message
+    # rank 1 leaves the all-gather with rank 0's verdict (its exit code), and hears it where it waits next after
+    # handing its failure to rank 0
+    assert r1["all-failed"][:2] == ("RankFailed", 4) and "rank 1 failed" in r1["all-failed"][2]
+    verdict = r1["main-failed"]
+    assert verdict[0] == "verdict" and verdict[1][0][0] == 4 and "rank 1 failed" in verdict[1][0][1]
 
 
 if __name__ == "__main__":

@@ -287,11 +287,12 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
         stages.adopt(loaded.model, stages.compression_section(loaded, result, report))
         logger.info("%s", result.gate_message)
         return OneshotResult(loaded.model, loaded.tokenizer, report, None, result)
-    if not dist.is_main():  # a size run's statistics are measured by every rank, the rest by rank 0 alone
+    if not dist.is_main():  # a size run's statistics, prices and rounding are shared by every rank; rank 0 writes
         import torch
 
-        size.sizing(recipe).follow(loaded.model, torch.cat([calibrated.cal.fit, calibrated.cal.heldout]))
-        return _wait_for_main(loaded, result)
+        request = stages.write_request(recipe, loaded, checked, result, report)
+        last = size.sizing(recipe).follow(request, torch.cat([calibrated.cal.fit, calibrated.cal.heldout]))
+        return _wait_for_main(loaded, result, last)
     try:
         request = stages.write_request(recipe, loaded, checked, result, report)
         tmp = _ship(recipe, request, calibrated, checked, report, result, use_cache)
@@ -340,9 +341,10 @@ def _end_state(checked: stages.Checked) -> None:
                     state.folder, nbytes / 1e9, checked.out)
 
 
-def _wait_for_main(loaded: stages.Loaded, result: CompressionResult) -> OneshotResult:
-    """A rank other than 0: wait for rank 0's write and return its report (or its failure)."""
-    failed, report = dist.broadcast_object()
+def _wait_for_main(loaded: stages.Loaded, result: CompressionResult, last=None) -> OneshotResult:
+    """A rank other than 0: wait for rank 0's write and return its report (or its failure); ``last``: rank 0's
+    last word where a size run's rounding already took it."""
+    failed, report = last if last is not None else dist.broadcast_object()
     if failed is not None:
         raise dist.RankFailed(*failed)
     return OneshotResult(loaded.model, loaded.tokenizer, report, Path(report["output"]), result)

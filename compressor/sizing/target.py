@@ -76,6 +76,11 @@ class SizeTarget:
         keeps it)."""
         raise NotImplementedError
 
+    def apart(self, name: str) -> bool:
+        """Whether planned tensor ``name`` can be priced apart from the other tensors of its group, on another
+        rank (:mod:`compressor.pipeline.size.share`); False: priced on rank 0 with all of them (default True)."""
+        return True
+
     def price_all(self, sites: list, rounding: str, kept=None) -> dict[str, list[Option]]:
         """Every site's options: exact bytes and predicted loss increase, priced with the rounding each gets.
         ``kept``: a :class:`~compressor.sizing.plan.Rounded` offered the bytes of roundings made over every

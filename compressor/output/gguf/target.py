@@ -8,6 +8,7 @@ size made from that F16 by llama.cpp's own quantizer, measured in llama.cpp on t
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Callable
@@ -91,6 +92,11 @@ class GGUFTarget(SizeTarget):
         out = [Priced.of(s) for s in sites if not self._stacked(s.name)]
         return out + (self._stacks.priced(sites) if self._stacks is not None else [])
 
+    def apart(self, name: str) -> bool:
+        """A stack of experts is priced once all its experts' sites are in (:class:`~.experts.ExpertStacks`, on
+        rank 0); every other tensor alone."""
+        return not self._stacked(name)
+
     def _stacked(self, name: str) -> bool:
         """Whether GGUF tensor ``name`` stacks several weights (a layer's experts)."""
         return self._stacks is not None and self._stacks.stacked(name)
@@ -135,7 +141,8 @@ class GGUFTarget(SizeTarget):
         self._converted, self._base = budget.converted, budget.base
         if budget.converted is not None:
             model_type = str(request.model.config.model_type)
-            self._stacks = ExpertStacks(budget.converted.parts, lambda hf: checkpoint_name(model_type, hf))
+            # a partial, not a lambda: the target crosses to the other ranks under torchrun (pickled)
+            self._stacks = ExpertStacks(budget.converted.parts, functools.partial(checkpoint_name, model_type))
         if budget.converted is not None and (kept := budget.converted.unplanned()):
             logger.info("output.size: %d tensors are not one Hugging Face weight each and stay as llama.cpp's "
                         "converter wrote them: %s", len(kept), ", ".join(kept[:6]) + (" …" if len(kept) > 6 else ""))

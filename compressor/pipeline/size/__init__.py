@@ -71,8 +71,9 @@ class Structural:
         """None: the pipeline writes and verifies every format itself."""
         return None
 
-    def follow(self, model, windows: torch.Tensor) -> None:
-        """A rank other than 0 under torchrun, while rank 0 ships: nothing (rank 0 writes alone)."""
+    def follow(self, request: WriteRequest, windows: torch.Tensor):
+        """A rank other than 0 under torchrun, while rank 0 ships: nothing (rank 0 writes alone); returns what
+        it took of rank 0's last word, None here."""
         return None
 
     def estimate(self, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float] | None:
@@ -126,14 +127,16 @@ class Sized(Structural):
 
         return ship(self.recipe, request, windows, checked, report, result, write=write, use_cache=use_cache)
 
-    def follow(self, model, windows: torch.Tensor) -> None:
-        """A rank other than 0 under torchrun: its share of the size plan's statistics, with rank 0
-        (:func:`~compressor.pipeline.size.prices.follow`); rank 0 prices, rounds and writes."""
+    def follow(self, request: WriteRequest, windows: torch.Tensor):
+        """A rank other than 0 under torchrun: its share of the size plan's statistics, pricing and rounding, with
+        rank 0 (:func:`~compressor.pipeline.size.prices.follow`); rank 0 plans and writes. Returns rank 0's last
+        word when it took it (None: still to come)."""
         from compressor.core.moe import unfused_experts
         from compressor.pipeline.size.prices import follow
 
-        with unfused_experts(model):  # the same modules as rank 0 measures (compressor.core.moe)
-            follow(model, windows, self.recipe.calibration.batch_size)
+        with unfused_experts(request.model):  # the same modules as rank 0 measures (compressor.core.moe)
+            rounding = follow(request, windows, self.recipe.calibration.batch_size)
+        return None if rounding is None else rounding.follow()  # as rank 0 rounds: after the statistics
 
     def estimate(self, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float]:
         from compressor.pipeline.size.runtime import estimate

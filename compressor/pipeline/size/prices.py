@@ -14,9 +14,11 @@ statistics (``measure.cache``): a second size of the same model and calibration 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from compressor.core.archs import arch_for, find_blocks
 from compressor.engine.layerwise import layer_moments, output_fisher_sequential
 from compressor.engine.tensorstats import input_moments, linear_names, output_fisher
 from compressor.fitting.gridround import Factor, SharedFactors, spill_factor
+from compressor.pipeline.size.share import Shares, exchange, ordered
 from compressor.sizing.plan import ROUNDED_BYTES, Rounded, from_tensors, to_tensors
 from compressor.sizing.sites import sites
 from compressor.recipe.schema import Recipe
@@ -166,6 +169,8 @@ class Measured:
     precision: StatisticsPrecision | None = None
     """How the statistics were (or, with cached prices, would have been) measured: the plan's rounding measures
     any moments again the same way."""
+    shares: "Shares | None" = None
+    """Which rank priced each layer, and keeps its moments for the rounding (None: cached prices, rank 0 alone)."""
 
 
 def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dict, target,
@@ -192,55 +197,31 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
             logger.info("size plan: prices of every tensor type from the cache (%s)", key)
             units, priced = from_tensors(hit[0], json.loads(hit[1]["prices"]), target.payload)
             return Measured(units, priced, True, precision=precision)
-    bs = recipe.calibration.batch_size
     crossfit = target.heldout_prices and recipe.output.rounding == "gptq" and windows.shape[0] >= 2
-    go = Statistics(precision.name, crossfit, MomentPasses.plan(model, crossfit))
-    dist.broadcast_object(go)  # under torchrun: the other ranks measure their share with rank 0 (:func:`follow`)
-    t0 = time.perf_counter()
-    fisher = go.fisher(model, windows, bs)
-    timings["statistics_s"] = time.perf_counter() - t0
-    units, priced, namer = {}, [], target.namer(model)
-    passes = go.passes(model, windows, bs)
-    kept: dict | None = {} if passes.count == 1 or spill is not None else None
-    # pricing's GPTQ factors are the plan's rounding's where both factor the same Ĥ (not with held-out prices,
-    # which factor each half's): kept in memory with the moments of one group, else written to the work folder
-    # in place of the moments (Qwen2.5-1.5B: its 28 down projections' 8,960-wide factors, ~55 s, not solved twice)
-    writes = FactorFiles(spill / "factors") if spill is not None and not crossfit and passes.count > 1 else None
-    rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if passes.count == 1 else 0, spill=writes))
-    for i, (group, folds, moments) in enumerate(passes):
-        t0 = time.perf_counter()
-        these = sites(model, fisher, moments, namer, modules=set(group), folds=folds, tokens=passes.tokens)
-        del folds
-        units.update(target.price_all(these, recipe.output.rounding, kept=rounded))
-        priced += target.priced(these)
-        del these  # the statistics go with the sites, before the next group's moments are measured
-        if kept is not None:
-            try:
-                kept.update(moments if passes.count == 1 else
-                            _for_rounding(moments, rounded.factors, spill / f"moments-{i}.pt"))
-            except OSError as exc:  # a full disk costs a second pass, not the run
-                logger.warning("size plan: the input moments could not be kept in %s (%s); the rounding of the "
-                               "chosen plan measures them again", spill, exc)
-                kept = None
-        del moments
-        timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
-    timings["statistics_s"] += passes.seconds
+    go = Statistics(precision.name, crossfit, MomentPasses.plan(model, crossfit), target, recipe.output.rounding, spill)
+    dist.broadcast_object(go)  # under torchrun: every rank measures its share and prices its tensors (:func:`follow`)
+    measured = go.price(model, windows, recipe.calibration.batch_size, timings)
     if key is not None:
-        tensors, meta = to_tensors(units, priced)
+        tensors, meta = to_tensors(measured.units, measured.priced)
         cache.put(key, tensors, {"prices": json.dumps(meta)})
-    return Measured(units, priced, False, kept, rounded, precision)
+    return measured
 
 
 @dataclass(frozen=True)
 class Statistics:
-    """How a size plan's statistics are measured, decided on rank 0 and handed to every rank (under torchrun each
-    measures its share of the batches, the sums merged in one order: :class:`~compressor.core.distributed.
-    TreeReduce`, the same bits as one process): the precision, cross-fitted halves or not, the groups of layers
-    whose moments one pass holds (from rank 0's free memory; None: layer by layer)."""
+    """How a size plan's statistics are measured and priced, decided on rank 0 and handed to every rank (under
+    torchrun each measures its share of the batches, the sums merged in one order: :class:`~compressor.core.
+    distributed.TreeReduce`, the same bits as one process; then each prices its share of the tensors,
+    :mod:`.share`): the precision, cross-fitted halves or not, the groups of layers whose moments one pass holds
+    (from rank 0's free memory; None: layer by layer), the target (with what its budget learnt: the converter's
+    names), the rounding, and rank 0's work folder."""
 
     precision: str
     crossfit: bool
     groups: list[list[str]] | None
+    target: object = None
+    rounding: str = "gptq"
+    workdir: Path | None = None
 
     def fisher(self, model, windows: torch.Tensor, batch_size: int):
         """F from a spread subset of ``windows`` (:func:`fisher_windows`), token counts from all of them; an onloaded
@@ -254,18 +235,88 @@ class Statistics:
         return MomentPasses(model, windows, batch_size, StatisticsPrecision(self.precision), self.crossfit,
                             groups=self.groups, parallel=dist.world_size() > 1)
 
+    def _price_share(self, model, fisher, moments: dict, namer, mine: list[str], folds, tokens: dict,
+                     rounded: Rounded) -> tuple[dict, list]:
+        """This rank's share ``mine`` of a group's tensors priced: their options, what planning keeps of each."""
+        these = sites(model, fisher, moments, namer, modules=set(mine), folds=folds, tokens=tokens)
+        return self.target.price_all(these, self.rounding, kept=rounded), self.target.priced(these)
 
-def follow(model, windows: torch.Tensor, batch_size: int) -> None:
-    """A rank other than 0 in a size run: measure this rank's share of the statistics rank 0 asks for (nothing
-    when its prices came from the cache), then return; rank 0 prices, rounds and writes."""
+    def spill(self) -> Path | None:
+        """Where this rank keeps its moments, factors and rounded bytes: the work folder (rank 0), a folder of
+        its own in it (another rank)."""
+        if self.workdir is None or dist.rank() == 0:
+            return self.workdir
+        return Path(self.workdir) / f"rank-{dist.rank()}"
+
+    def price(self, model, windows: torch.Tensor, batch_size: int, timings: dict) -> "Measured":
+        """F, then each group's moments, each group's tensors priced by the rank they are dealt to
+        (:class:`~.share.Shares`; one process: all of them) and every rank's options gathered in the order
+        one process makes them; this rank's moments (or GPTQ factors) kept for the plan's rounding."""
+        target, spill, crossfit = self.target, self.spill(), self.crossfit
+        t0 = time.perf_counter()
+        fisher = self.fisher(model, windows, batch_size)
+        timings["statistics_s"] = time.perf_counter() - t0
+        units, priced, namer, shares = {}, [], target.namer(model), Shares()
+        index = {n: i for i, (n, _) in enumerate(model.named_modules())}
+        passes = self.passes(model, windows, batch_size)
+        kept: dict | None = {} if passes.count == 1 or spill is not None else None
+        # pricing's GPTQ factors are the plan's rounding's where both factor the same Ĥ (not with held-out prices,
+        # which factor each half's): kept in memory with the moments of one group, else written to the work folder
+        # in place of the moments (Qwen2.5-1.5B: its 28 down projections' 8,960-wide factors, ~55 s, not solved twice)
+        writes = FactorFiles(spill / "factors") if spill is not None and not crossfit and passes.count > 1 else None
+        rounded = Rounded(ROUNDED_BYTES, SharedFactors(keep_bytes=FACTOR_BYTES if passes.count == 1 else 0,
+                                                       spill=writes))
+        for i, (group, folds, moments) in enumerate(passes):
+            t0 = time.perf_counter()
+            together = {m for m in group if (n := namer(f"{m}.weight")) is not None and not target.apart(n)}
+            shares.deal(model, group, moments, stays=together)
+            mine = shares.mine(group)
+            parts = exchange(functools.partial(self._price_share, model, fisher, moments, namer, mine, folds,
+                                               passes.tokens, rounded))
+            del folds
+            for r, (_, part) in enumerate(parts):
+                shares.priced[r] += len(part)
+            # in the order one process prices them: module order, then the stacks of experts (rank 0's, in order)
+            these = sorted((p for _, part in parts for p in part),
+                           key=lambda p: (0, index[p.module]) if target.apart(p.name) else (1, 0))
+            units.update(ordered([u for u, _ in parts], [p.name for p in these]))
+            priced += these
+            if kept is not None:
+                own = {m: moments[m] for m in mine if m in moments}
+                try:
+                    kept.update(own if passes.count == 1 else
+                                _for_rounding(own, rounded.factors, spill / f"moments-{i}.pt") if own else {})
+                except OSError as exc:  # a full disk costs a second pass, not the run
+                    logger.warning("size plan: the input moments could not be kept in %s (%s); the rounding of the "
+                                   "chosen plan measures them again", spill, exc)
+                    kept = None
+            del moments
+            timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
+        timings["statistics_s"] += passes.seconds
+        return Measured(units, priced, False, kept, rounded, StatisticsPrecision(self.precision), shares)
+
+
+def follow(request, windows: torch.Tensor, batch_size: int):
+    """A rank other than 0 in a size run: measure this rank's share of the statistics rank 0 asks for and price
+    its share of the tensors; returns the :class:`~.rounding.Compensator` that rounds its share of each plan rank 0
+    chooses (:meth:`~.rounding.Compensator.follow`), or None when rank 0's prices came from the cache (it rounds
+    alone)."""
+    from compressor.pipeline.size.rounding import Compensator
+
     go = dist.broadcast_object()
     if isinstance(go, tuple):  # rank 0 failed before measuring: what the runner broadcasts then
         raise dist.RankFailed(*go[0])
     if go is None:
-        return
-    go.fisher(model, windows, batch_size)
-    for _ in go.passes(model, windows, batch_size):
-        pass
+        return None
+    try:
+        measured = go.price(request.model, windows, batch_size, {})
+    except BaseException:
+        if go.spill() is not None:
+            shutil.rmtree(go.spill(), ignore_errors=True)
+        raise
+    return Compensator(request, measured.priced, windows, batch_size, {}, go.target, moments=measured.moments,
+                       rounded=measured.rounded, units=measured.units, precision=measured.precision, spill=go.spill(),
+                       shares=measured.shares)
 
 
 class MomentPasses:

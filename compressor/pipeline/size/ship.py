@@ -84,11 +84,11 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
         compensator = Compensator(request, measured.priced, windows, recipe.calibration.batch_size, timings, target,
                                   moments=measured.moments, rounded=measured.rounded, units=measured.units,
-                                  precision=measured.precision, spill=workdir)
+                                  precision=measured.precision, spill=workdir, shares=measured.shares)
         run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator, target,
                       head={"prices_from_cache": measured.cached, "timings": timings,
                             "rounding": recipe.output.rounding, "statistics_precision": measured.precision.name,
-                            **target.report()})
+                            **target.report(), **_ranks(measured.shares)})
         return run.search()
     except (OSError, RuntimeError) as exc:  # a full disk says which file, what is free and what the run needs
         full = work.disk_full_error(exc, workdir, checked.out, need, since)
@@ -97,3 +97,9 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         raise full from exc
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _ranks(shares) -> dict:
+    """``ranks``: how the prices and the rounding were shared under torchrun (its lists are filled as the run goes
+    and read when the report is written); nothing from one process."""
+    return {"ranks": shares.to_json()} if shares is not None and shares.split else {}
