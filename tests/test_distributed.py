@@ -80,6 +80,10 @@ def _size_statistics(model, parallel: bool) -> dict[str, torch.Tensor]:
     out["H.tokens"] = torch.tensor([tokens[n] for n in names])
     for _, moments in layer_moments(model, w, batch_size=2, parallel=parallel):
         out.update({f"Hseq.{k}": v for k, v in moments.items()})
+    # one batch: rank 1 runs none, yet knows which modules share a sum (k/v read q's input) as rank 0 does
+    out.update({f"H1.{k}": v for k, v in input_moments(model, w[:2], names, batch_size=2, parallel=parallel).items()})
+    for _, moments in layer_moments(model, w[:2], batch_size=2, parallel=parallel):
+        out.update({f"H1seq.{k}": v for k, v in moments.items()})
     return out
 
 

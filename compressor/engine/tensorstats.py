@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compressor.core.distributed import TreeReduce
+from compressor.core.distributed import TreeReduce, all_gather_objects, world_size
 from compressor.core.onload import input_device
 from compressor.core.progress import progress
 from compressor.engine.sensitivity import backward_rows, frozen, summed_loss_backward
@@ -222,6 +222,7 @@ class MomentTaps:
                  parallel: bool = False) -> None:
         self.model, self.wanted, self.stop = model, set(names), stop
         self.tree = TreeReduce(n_batches, _merge_taps, portable=_cpu_taps, levels=1, ranks=parallel)
+        self.parallel = parallel and world_size() > 1
         self.items = self.tree.items
         """The batches this process runs, in order (all of them in one process)."""
         self.rows: dict[str, int] = {}
@@ -275,6 +276,12 @@ class MomentTaps:
         routed expert (its Ĥ is the mean over the tokens sent to it; its F, a mean over all tokens, carries how
         often it is chosen). Shared matrices kept shared. With ``parallel``, a collective."""
         sums, rows = self.tree.result() or ({}, {})
+        if self.parallel:  # which modules share a sum, as every rank saw it (a rank may have run no batch)
+            merged: dict[str, str] = {}
+            for alias in all_gather_objects(self.alias):
+                for name, src in alias.items():
+                    merged.setdefault(name, src)
+            self.alias = merged
         self.rows = dict(rows)
         out = {k: v.div_(min(rows.get(k, n_tokens), n_tokens) or 1) for k, v in sums.items()}
         for name, src in self.alias.items():
