@@ -13,7 +13,9 @@ another, each alone on the machine:
 Records each run's wall time, the size plan's part timings (statistics, pricing, rounding on rank 0), the work
 each rank did, and the sha256 of the planned file.
 
-    python tools/bench_size_ranks.py            # → tools/results/size_ranks_smollm2.json (≈ 10 min, 2-core CPU)
+    python tools/offgrid.py <SmolLM2 Q4_1 GGUF> /tmp/offgrid-smollm2
+    python tools/bench_size_ranks.py --source /tmp/offgrid-smollm2 --cal-tokens 8192 \
+        --output tools/results/size_ranks_offgrid_smollm2.json     # ≈ 8 min, 2-core CPU
 
 Worker mode (``--worker``) is what the driver launches; it is not meant to be run by hand.
 """
@@ -40,10 +42,10 @@ RUNS = {"1x1": (1, 1), "2x1": (2, 1), "1x2": (1, 2)}
 """Run name → (processes, intra-op threads each)."""
 
 
-def recipe(out: Path, cal_tokens: int, eval_tokens: int, size: str) -> dict:
+def recipe(out: Path, cal_tokens: int, eval_tokens: int, size: str, source: str = MODEL) -> dict:
     valid = str(wikitext("valid.txt"))
     return {
-        "model": {"source": MODEL},
+        "model": {"source": source},
         "calibration": {"dataset": valid, "seq_len": 512, "max_tokens": cal_tokens, "batch_size": 4},
         "evaluation": {"dataset": valid, "seq_len": 512, "stride": 512, "max_tokens": eval_tokens,
                        "min_tokens": min(1024, eval_tokens)},
@@ -51,6 +53,12 @@ def recipe(out: Path, cal_tokens: int, eval_tokens: int, size: str) -> dict:
         "measure": {"cache": False},
         "output": {"path": str(out), "size": size},
     }
+
+
+def _offgrid(source: str) -> dict | None:
+    """What ``tools/offgrid.py`` recorded of an off-grid source folder (None: another source)."""
+    record = Path(source) / "offgrid.json"
+    return json.loads(record.read_text()) if record.is_file() else None
 
 
 def worker(args) -> int:
@@ -97,6 +105,8 @@ def main() -> int:
     ap.add_argument("--cal-tokens", type=int, default=4096)
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--size", default="Q4_K_M")
+    ap.add_argument("--source", default=MODEL, help="the model planned (default: SmolLM2-135M's GGUF; an off-grid "
+                    "folder from tools/offgrid.py makes the plan choose GPTQ, whose rounding is then shared too)")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--output", default=str(OUTPUT))
     args = ap.parse_args()
@@ -110,7 +120,8 @@ def main() -> int:
             processes, threads = RUNS[name]
             d = work / name
             d.mkdir()
-            wall, load = launch(processes, threads, recipe(d / "out", args.cal_tokens, args.eval_tokens, args.size), d)
+            wall, load = launch(processes, threads, recipe(d / "out", args.cal_tokens, args.eval_tokens, args.size,
+                                                               args.source), d)
             ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(processes)]
             files = sorted((d / "out").glob("*.gguf"))
             runs[name] = {"processes": processes, "threads_per_process": threads, "wall_s": wall,
@@ -125,8 +136,9 @@ def main() -> int:
             "date": utc_now(),
             "environment": environment(),
             "ran_alone": True,
-            "model": MODEL,
-            "recipe": recipe(Path("<out>"), args.cal_tokens, args.eval_tokens, args.size),
+            "model": args.source,
+            "offgrid": _offgrid(args.source),
+            "recipe": recipe(Path("<out>"), args.cal_tokens, args.eval_tokens, args.size, args.source),
             "backend": "gloo",
             "runs": runs,
         }
