@@ -223,8 +223,8 @@ def _assert_same(a, b, where: str = "") -> None:
     """Equal bit for bit (tensors), or exactly equal (everything else)."""
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
-                           b.view(torch.uint8) if b.is_floating_point() else b), where
+        bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8) if t.is_floating_point() else t  # noqa: E731
+        assert torch.equal(bits(a), bits(b)), where
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), (where, sorted(set(a) ^ set(b)))
         for k in a:
@@ -364,6 +364,19 @@ def _exchange_main(rank: int, port: int, folder: str) -> None:
     tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
     out: dict = {}
     try:
+        # tensors travel apart from the pickle, as raw bytes: every dtype, shape and layout back to the bit, the same
+        # object met twice back as one object; a Parameter or a tensor that needs its gradient pickled as it was
+        gen = torch.Generator().manual_seed(rank)
+        h = torch.randn(6, 6, generator=gen)
+        obj = {"q": h, "k": h, "ids": torch.arange(5) + rank, "scalar": torch.tensor(3.5, dtype=torch.float64),
+               "empty": torch.ones(0, 3), "mask": torch.tensor([True, False]),
+               "bf16": torch.randn(3, 3, generator=gen).bfloat16(), "transposed": torch.randn(4, 2, generator=gen).t(),
+               "param": torch.nn.Parameter(torch.ones(2)), "grad": torch.ones(2, requires_grad=True),
+               "text": f"rank {rank}", "rows": {"q": 7 + rank}}
+        got = cdist.all_gather_objects(obj)
+        ref = [None] * WORLD
+        tdist.all_gather_object(ref, obj)
+        out["objects"] = got, ref, [g["q"] is g["k"] for g in got], [type(g["param"]).__name__ for g in got]
         out["all"] = exchange(lambda: {"rank": rank})
         out["main"] = exchange(lambda: [rank] * (rank + 1), to_main=True)
 
@@ -388,8 +401,15 @@ def _exchange_main(rank: int, port: int, folder: str) -> None:
 
 
 def test_exchange_gathers_in_rank_order_and_carries_a_failure(tmp_path):
+    """``all_gather_objects`` sends tensors as raw bytes beside the pickle, the same objects as torch's own
+    gather; ``exchange`` gathers in rank order and carries a failure to rank 0."""
     mp.spawn(_exchange_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     r0, r1 = (torch.load(tmp_path / f"exchange{r}.pt", weights_only=False) for r in range(WORLD))
+    for r in (r0, r1):
+        got, ref, aliased, kinds = r["objects"]
+        _assert_same(got, ref, "objects")
+        assert all(aliased) and kinds == ["Parameter"] * WORLD and got[1]["ids"].tolist() == [1, 2, 3, 4, 5]
+        assert got[0]["transposed"].shape == (2, 4) and got[1]["grad"].requires_grad
     assert r0["all"] == r1["all"] == [{"rank": 0}, {"rank": 1}]
     assert r0["main"] == [[0], [1, 1]] and r1["main"] is None
     for mode in ("all", "main"):

@@ -106,14 +106,98 @@ def init_from_env(device: str = "cpu") -> str:
 
 
 def all_gather_objects(obj) -> list:
-    """``obj`` of every rank, in rank order (pickled: tensors arrive with their exact bits).
+    """``obj`` of every rank, in rank order (tensors arrive with their exact bits).
 
-    Tensors should be on the CPU: a CUDA tensor would unpickle on the sender's device index."""
+    The CPU tensors in ``obj`` travel as raw bytes in one tensor collective, the rest pickled beside them
+    (:class:`_TensorsApart`): a layer's input moments (Qwen2.5-1.5B: 350 MB) gathered through pickling alone took
+    3–7 × as long on gloo. The same tensor object met twice arrives as one object; distinct views of one storage
+    arrive as distinct tensors. Tensors should be on the CPU: a CUDA tensor would unpickle on the sender's
+    device index."""
     if world_size() == 1:
         return [obj]
-    out = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    local = _TensorsApart.pack(obj)
+    heads = [None] * world_size()
+    dist.all_gather_object(heads, local.head)
+    longest = max(h[2] for h in heads)
+    if longest == 0:
+        return [_TensorsApart.unpack(h, None) for h in heads]
+    mine = local.fill(torch.zeros(longest, dtype=torch.uint8))
+    del local
+    if dist.get_backend() == "nccl":
+        mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+    bufs = [torch.empty_like(mine) for _ in heads]
+    dist.all_gather(bufs, mine)
+    del mine
+    out = []
+    for r, h in enumerate(heads):  # each sender's buffer freed once its tensors are copied out
+        out.append(_TensorsApart.unpack(h, bufs[r].cpu()))
+        bufs[r] = None
     return out
+
+
+class _TensorsApart:
+    """An object pickled with its CPU tensors set apart (``persistent_id``), to travel as one flat byte buffer:
+    ``head`` is ``(pickled bytes, [(dtype, shape, offset)], buffer bytes)``, :meth:`fill` writes the buffer;
+    :meth:`unpack` rebuilds the object from a head and the sender's buffer, each tensor copied out of it (offsets
+    aligned to :data:`ALIGN` bytes)."""
+
+    ALIGN = 64
+
+    def __init__(self, head: tuple, tensors: list[torch.Tensor]) -> None:
+        self.head, self.tensors = head, tensors
+
+    @classmethod
+    def pack(cls, obj) -> "_TensorsApart":
+        import io
+        import pickle
+
+        tensors: list[torch.Tensor] = []
+        index: dict[int, int] = {}
+
+        class Out(pickle.Pickler):
+            def persistent_id(self, o):
+                if type(o) is not torch.Tensor or o.device.type != "cpu" or o.requires_grad or o.is_sparse:
+                    return None
+                if id(o) not in index:
+                    index[id(o)] = len(tensors)
+                    tensors.append(o)
+                return index[id(o)]
+
+        data = io.BytesIO()
+        Out(data, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        specs, offset = [], 0
+        for t in tensors:
+            specs.append((t.dtype, tuple(t.shape), offset))
+            offset += -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
+        return cls((data.getvalue(), specs, offset), tensors)
+
+    def fill(self, buf: torch.Tensor) -> torch.Tensor:
+        """The tensors' bytes written into ``buf`` (uint8, at least ``head[2]`` long) at their offsets."""
+        for t, (_, _, at) in zip(self.tensors, self.head[1]):
+            n = t.numel() * t.element_size()
+            if n:
+                buf[at:at + n] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        return buf
+
+    @staticmethod
+    def unpack(head: tuple, buf: torch.Tensor | None):
+        import io
+        import pickle
+
+        data, specs, _ = head
+        made: dict[int, torch.Tensor] = {}
+
+        class In(pickle.Unpickler):
+            def persistent_load(self, pid):
+                if pid not in made:
+                    dtype, shape, at = specs[pid]
+                    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                    # a tensor of its own (a view of the buffer would keep all of it alive, and torch.save
+                    # refuses views of one storage as several dtypes)
+                    made[pid] = buf[at:at + n].view(dtype).reshape(shape).clone()
+                return made[pid]
+
+        return In(io.BytesIO(data)).load()
 
 
 def broadcast_object(obj=None):
