@@ -133,10 +133,17 @@ class Sized(Structural):
         word when it took it (None: still to come)."""
         from compressor.core.moe import unfused_experts
         from compressor.pipeline.size.prices import follow
+        from compressor.pipeline.size.rounding import Compensator
 
+        bs = self.recipe.calibration.batch_size
         with unfused_experts(request.model):  # the same modules as rank 0 measures (compressor.core.moe)
-            rounding = follow(request, windows, self.recipe.calibration.batch_size)
-        return None if rounding is None else rounding.follow()  # as rank 0 rounds: after the statistics
+            priced = follow(request, windows, bs)
+        if priced is None:
+            return None
+        go, m = priced
+        rounding = Compensator(request, m.priced, windows, bs, {}, go.target, moments=m.moments, rounded=m.rounded,
+                               units=m.units, precision=m.precision, spill=go.spill(), shares=m.shares)
+        return rounding.follow()  # as rank 0 rounds: outside the unfused experts
 
     def estimate(self, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float]:
         from compressor.pipeline.size.runtime import estimate

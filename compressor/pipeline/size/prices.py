@@ -296,27 +296,22 @@ class Statistics:
         return Measured(units, priced, False, kept, rounded, StatisticsPrecision(self.precision), shares)
 
 
-def follow(request, windows: torch.Tensor, batch_size: int):
+def follow(request, windows: torch.Tensor, batch_size: int) -> tuple[Statistics, Measured] | None:
     """A rank other than 0 in a size run: measure this rank's share of the statistics rank 0 asks for and price
-    its share of the tensors; returns the :class:`~.rounding.Compensator` that rounds its share of each plan rank 0
-    chooses (:meth:`~.rounding.Compensator.follow`), or None when rank 0's prices came from the cache (it rounds
+    its share of the tensors; returns rank 0's settings and what this rank measured and kept (its rounding
+    follows: :meth:`~.rounding.Compensator.follow`), or None when rank 0's prices came from the cache (it rounds
     alone)."""
-    from compressor.pipeline.size.rounding import Compensator
-
     go = dist.broadcast_object()
     if isinstance(go, tuple):  # rank 0 failed before measuring: what the runner broadcasts then
         raise dist.RankFailed(*go[0])
     if go is None:
         return None
     try:
-        measured = go.price(request.model, windows, batch_size, {})
+        return go, go.price(request.model, windows, batch_size, {})
     except BaseException:
         if go.spill() is not None:
             shutil.rmtree(go.spill(), ignore_errors=True)
         raise
-    return Compensator(request, measured.priced, windows, batch_size, {}, go.target, moments=measured.moments,
-                       rounded=measured.rounded, units=measured.units, precision=measured.precision, spill=go.spill(),
-                       shares=measured.shares)
 
 
 class MomentPasses:
