@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, environment, load_average, quiet_offline_env, utc_now, wikitext, write_json
+from benchlib import MODEL, RESULTS_DIR, environment, quiet_offline_env, utc_now, wikitext, write_json
+from benchlib.runs import launch_ranks
 
 quiet_offline_env()
 
@@ -90,16 +89,8 @@ def worker(args) -> int:
 
 
 def launch(world: int, rec: dict, stats_dir: Path) -> tuple[float, float]:
-    # this checkout's compressor, whatever is installed
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
     script = [str(Path(__file__).resolve()), "--worker", "--recipe", json.dumps(rec), "--stats-dir", str(stats_dir)]
-    if world == 1:
-        cmd = [sys.executable, *script]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *script]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, cwd=REPO_ROOT)
-    return time.perf_counter() - t0, load_average()[1]  # 5-minute load: how many cores were free
+    return launch_ranks(script, world, 1)
 
 
 def max_relative_diff(a: dict, b: dict) -> float:

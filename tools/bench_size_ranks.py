@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchlib import MODEL, REPO_ROOT, RESULTS_DIR, environment, load_average, quiet_offline_env, utc_now, wikitext, write_json
+from benchlib import MODEL, RESULTS_DIR, environment, quiet_offline_env, utc_now, wikitext, write_json
+from benchlib.runs import launch_ranks
 
 quiet_offline_env()
 
@@ -83,17 +82,9 @@ def worker(args) -> int:
 
 
 def launch(processes: int, threads: int, rec: dict, stats_dir: Path) -> tuple[float, float]:
-    # this checkout's compressor, whatever is installed
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONPATH=str(REPO_ROOT))
     script = [str(Path(__file__).resolve()), "--worker", "--recipe", json.dumps(rec), "--stats-dir", str(stats_dir),
               "--threads", str(threads)]
-    if processes == 1:
-        cmd = [sys.executable, *script]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *script]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, cwd=REPO_ROOT)
-    return time.perf_counter() - t0, load_average()[1]
+    return launch_ranks(script, processes, threads)
 
 
 def main() -> int:

@@ -32,6 +32,22 @@ def run_logged(cmd: list, log: Path) -> float:
     return time.perf_counter() - t0
 
 
+def launch_ranks(script: list[str], processes: int, threads: int) -> tuple[float, float]:
+    """``script`` (a tool and its worker arguments) as one process, or under ``torchrun --standalone`` with
+    ``processes`` ranks, each on ``threads`` intra-op threads, with this checkout's compressor on the path
+    (whatever is installed); its wall seconds and the 5-minute load average after it (how many cores were free)."""
+    from .machine import load_average
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONPATH=str(REPO_ROOT))
+    if processes == 1:
+        cmd = [sys.executable, *script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *script]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, cwd=REPO_ROOT)
+    return time.perf_counter() - t0, load_average()[1]
+
+
 def logged_commands(log: Path) -> list[str]:
     """The commands :func:`run_logged` wrote to ``log``, in order, as run."""
     return [line[2:] for line in Path(log).read_text().splitlines() if line.startswith("$ ")]
