@@ -293,6 +293,9 @@ class Statistics:
             del moments
             timings["pricing_s"] = timings.get("pricing_s", 0.0) + time.perf_counter() - t0
         timings["statistics_s"] += passes.seconds
+        if shares.split and dist.is_main():
+            logger.info("size plan: pricing shared by %d ranks (tensors priced per rank: %s); each rounds the plan's "
+                        "tensors of the layers it priced", shares.world, ", ".join(map(str, shares.priced)))
         return Measured(units, priced, False, kept, rounded, StatisticsPrecision(self.precision), shares)
 
 
