@@ -92,7 +92,7 @@ class Compensator:
             t0 = time.perf_counter()
             ask = RoundRequest(need, self._groups(need))
             if self.shares is not None:
-                dist.broadcast_object(ask)  # the other ranks wait for it in :func:`.prices.follow`
+                dist.broadcast_object(ask)  # the other ranks wait for it in :meth:`follow`
             self.serve(ask)
             self.timings["compensated_rounding_s"] = self.timings.get("compensated_rounding_s", 0.0) + (
                 time.perf_counter() - t0)
