@@ -191,7 +191,7 @@ class _TensorsApart:
             def persistent_load(self, pid):
                 if pid not in made:
                     dtype, shape, at = specs[pid]
-                    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                    n = math.prod(shape) * dtype.itemsize
                     # a tensor of its own (a view of the buffer would keep all of it alive, and torch.save
                     # refuses views of one storage as several dtypes)
                     made[pid] = buf[at:at + n].view(dtype).reshape(shape).clone()

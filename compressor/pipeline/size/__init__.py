@@ -140,10 +140,9 @@ class Sized(Structural):
             priced = follow(request, windows, bs)
         if priced is None:
             return None
-        go, m = priced
-        rounding = Compensator(request, m.priced, windows, bs, {}, go.target, moments=m.moments, rounded=m.rounded,
-                               units=m.units, precision=m.precision, spill=go.spill(), shares=m.shares)
-        return rounding.follow()  # as rank 0 rounds: outside the unfused experts
+        go, measured = priced
+        # as rank 0 rounds: outside the unfused experts
+        return Compensator.of(request, measured, windows, bs, {}, go.target, spill=go.spill()).follow()
 
     def estimate(self, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float]:
         from compressor.pipeline.size.runtime import estimate

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import send_to_device
 
 from compressor.core import distributed as dist
 from compressor.core import onload
@@ -27,7 +28,7 @@ from compressor.core.threads import side_by_side
 from compressor.engine.tensorstats import input_moments
 from compressor.fitting.gridround import Factor, SharedFactors
 from compressor.pipeline.size.prices import StatisticsPrecision, moment_groups
-from compressor.pipeline.size.share import RoundRequest, Shares, cpu, exchange
+from compressor.pipeline.size.share import RoundRequest, Shares, exchange
 from compressor.sizing.plan import Priced, SizePlan
 from compressor.sizing.sites import priced_rows
 
@@ -65,6 +66,15 @@ class Compensator:
         self.spill = spill
         self.shares = shares if shares is not None and shares.split else None
 
+    @classmethod
+    def of(cls, request, measured, windows: torch.Tensor, batch_size: int, timings: dict, target,
+           spill: Path | None) -> "Compensator":
+        """The rounding of what :func:`~.prices.measure_and_price` (or, on another rank, :func:`~.prices.follow`)
+        measured and kept."""
+        return cls(request, measured.priced, windows, batch_size, timings, target, moments=measured.moments,
+                   rounded=measured.rounded, units=measured.units, precision=measured.precision, spill=spill,
+                   shares=measured.shares)
+
     def _kept(self, name: str, option: str, raw):
         """``raw`` written to the spill folder and mapped back (:meth:`~compressor.sizing.target.SizeTarget.spill`:
         a GGUF tensor's bytes, an integer scheme's codes and scales) when it holds at least :data:`SPILL_BYTES`,
@@ -84,18 +94,15 @@ class Compensator:
         one pass over the calibration windows (a plan and the anchor beside it share Ĥ and its factor); under
         torchrun each rank rounds its share (:meth:`serve`), rank 0 keeps every tensor's bytes."""
         need = sorted({(n, p.types[n]) for p in plans for n in p.compensated} - set(self._done))
-        if self.shares is None:  # what pricing kept is here (with several ranks, on the rank that priced it)
-            for key in [k for k in need if k in self._rounded]:
-                self._done[key] = self._kept(*key, self.target.store(*key, self._rounded[key], self.request))
-            need = [k for k in need if k not in self._done]
-        if need:
+        if need:  # what pricing rounded over all rows is stored as it is, by the rank that priced it (_round_group)
             t0 = time.perf_counter()
             ask = RoundRequest(need, self._groups(need))
             if self.shares is not None:
                 dist.broadcast_object(ask)  # the other ranks wait for it in :meth:`follow`
             self.serve(ask)
-            self.timings["compensated_rounding_s"] = self.timings.get("compensated_rounding_s", 0.0) + (
-                time.perf_counter() - t0)
+            if self.shares is not None or any(k not in self._rounded for k in need):  # not only pricing's bytes
+                self.timings["compensated_rounding_s"] = self.timings.get("compensated_rounding_s", 0.0) + (
+                    time.perf_counter() - t0)
         for p in plans:
             p.stored = {n: (p.types[n], self._done[n, p.types[n]]) for n in p.compensated}
 
@@ -129,14 +136,14 @@ class Compensator:
         main = dist.is_main()
         bar = progress(total=len(ask.need), desc="size plan: compensated rounding", unit="tensor") if main else None
         for group in ask.groups:
-            mine = [m for m in group if self.shares is None or self.shares.owner.get(m, 0) == dist.rank()]
+            mine = group if self.shares is None else self.shares.mine(group)
             out: dict = {}
 
             def keep(key, raw):  # from the rounding's threads
                 if main:
                     self._done[key] = self._kept(*key, raw)
                 else:
-                    out[key] = cpu(raw)
+                    out[key] = send_to_device(raw, "cpu")  # what crosses to rank 0
 
             def mine_rounded() -> dict:
                 self._round_group(mine, by_module, keep)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from compressor.core import distributed as dist
@@ -68,17 +67,11 @@ class Shares:
 
 def _cost(model: nn.Module, names: list[str]) -> float:
     """A unit's work, in multiply-adds: GPTQ's factor of its d × d input moment once, then each layer's rows
-    through it (about ten options priced, each a column loop of rows × d²)."""
-    shapes = [_shape(model.get_submodule(m)) for m in names]
-    d = max(s[1] for s in shapes)
-    return d ** 3 / 3 + 10 * sum(rows for rows, _ in shapes) * d ** 2
-
-
-def _shape(module: nn.Module) -> tuple[int, int]:
-    if isinstance(module, nn.Linear):
-        return module.out_features, module.in_features
-    w = getattr(module, "weight", None)
-    return (int(w.shape[0]), int(w.shape[-1])) if w is not None and w.dim() >= 2 else (1, 1)
+    through it (about ten options priced, each a column loop of rows × d²). ``names``: linear layers (the groups
+    of :class:`~.prices.MomentPasses` are)."""
+    layers = [model.get_submodule(m) for m in names]
+    d = max(m.in_features for m in layers)
+    return d ** 3 / 3 + 10 * sum(m.out_features for m in layers) * d ** 2
 
 
 @dataclass(frozen=True)
@@ -145,16 +138,3 @@ def ordered(parts: list[dict], order: list[str]) -> dict:
     out = {n: merged.pop(n) for n in order if n in merged}
     out.update(merged)
     return out
-
-
-def cpu(obj):
-    """``obj`` with every tensor in it on the CPU (what crosses to another rank)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: cpu(v) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple (a compressed-tensors Rounded)
-        return type(obj)(*(cpu(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu(v) for v in obj)
-    return obj

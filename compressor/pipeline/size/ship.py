@@ -82,9 +82,8 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         planner = Planner(measured.units, measured.priced, budget)
         check_floor(planner, budget)
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
-        compensator = Compensator(request, measured.priced, windows, recipe.calibration.batch_size, timings, target,
-                                  moments=measured.moments, rounded=measured.rounded, units=measured.units,
-                                  precision=measured.precision, spill=workdir, shares=measured.shares)
+        compensator = Compensator.of(request, measured, windows, recipe.calibration.batch_size, timings, target,
+                                     spill=workdir)
         run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator, target,
                       head={"prices_from_cache": measured.cached, "timings": timings,
                             "rounding": recipe.output.rounding, "statistics_precision": measured.precision.name,
