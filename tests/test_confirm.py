@@ -13,7 +13,8 @@ from tiny import tiny_model
 
 import compressor
 from compressor.evaluation import gate as gate_mod
-from compressor.evaluation.evaluate import Evaluator, confirmation_windows, evaluate
+from compressor.evaluation.gate import Evaluator, confirmation_windows
+from compressor.evaluation.teacher import evaluate
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -41,6 +41,7 @@ from compressor.output.ctensors.grids import (  # noqa: E402
 from compressor.output.ctensors import grids  # noqa: E402
 from compressor.output import VerificationError, WriteRequest, get_writer  # noqa: E402
 from compressor.output import ctensors  # noqa: E402
+from compressor.output.ctensors import schemes as ctschemes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -244,7 +245,7 @@ def test_gptq_takes_a_shared_factor_and_refuses_a_mismatched_one():
 def mixed_map(model) -> dict:
     """Layer 0: attention W8A16, MLP W4A16_G32 but the down projection unquantized; the others W4A16."""
     out = {}
-    for name in ctensors.linear_names(model, head=False):
+    for name in ctschemes.linear_names(model, head=False):
         if ".layers.0.self_attn." in name:
             out[name] = "W8A16"
         elif name.endswith("layers.0.mlp.down_proj"):
@@ -289,15 +290,15 @@ def test_save_reload_logits_bytes_and_the_model_left_alone(tmp_path, model_type,
     model = model_of(model_type)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     options = ({"ct_schemes": mixed_map(model)} if how == "mixed" else
-               {"ct_schemes": dict.fromkeys(ctensors.linear_names(model), "W4A16") | {"lm_head": "W8A16_CH"}}
+               {"ct_schemes": dict.fromkeys(ctschemes.linear_names(model), "W4A16") | {"lm_head": "W8A16_CH"}}
                if how == "head" else {"ct_scheme": how})
     request = request_for(model, dtype=dtype, **options)
     check = write_and_verify(request, tmp_path / "out")
     folder = tmp_path / "out"
-    schemes = ctensors.layer_schemes(model, options)
+    schemes = ctschemes.layer_schemes(model, options)
 
     assert check["passed"] and check["max_abs_logit_diff"] <= 1e-5 and math.isfinite(check["perplexity"])
-    assert check["schemes"] == ctensors.scheme_counts(schemes)
+    assert check["schemes"] == ctschemes.scheme_counts(schemes)
     # the model in memory: same tensors, no quantization attributes, same class
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -308,8 +309,8 @@ def test_save_reload_logits_bytes_and_the_model_left_alone(tmp_path, model_type,
     assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized"
     assert q["quantization_status"] == "compressed" and "auto_map" not in cfg
     assert ("lm_head" in q["ignore"]) == (how != "head")
-    assert ("lm_head" in schemes) == (ctensors.head_name(model) is not None)
-    assert cfg["compression"]["format"] == ctensors.CTENSORS_FORMAT
+    assert ("lm_head" in schemes) == (ctschemes.head_name(model) is not None)
+    assert cfg["compression"]["format"] == ctschemes.CTENSORS_FORMAT
     assert cfg["compression"]["quantization"]["output_head"] == ("W8A16_CH" if how == "head" else "unquantized")
 
     # bytes: every layer's stored tensors are what the scheme's rule says
@@ -323,9 +324,9 @@ def test_save_reload_logits_bytes_and_the_model_left_alone(tmp_path, model_type,
             assert set(mine) == {f"{name}.weight_{p}" for p in ("packed", "scale", "shape")}
             assert mine[name + ".weight_scale"].dtype == dtype
         assert sum(t.nbytes for t in mine.values()) == weight_bytes(s, out_f, in_f, dtype)
-    assert check["tensor_bytes"] == ctensors.tensor_bytes(model, schemes, dtype) == sum(
+    assert check["tensor_bytes"] == ctschemes.tensor_bytes(model, schemes, dtype) == sum(
         t.nbytes for t in tensors.values())
-    assert ctensors.linear_bytes(model, schemes, dtype) == sum(
+    assert ctschemes.linear_bytes(model, schemes, dtype) == sum(
         t.nbytes for k, t in tensors.items() if k.rpartition(".")[0] in schemes and not k.endswith(".bias"))
     assert check["file_bytes"] == sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     assert 0 < check["file_bytes"] - check["tensor_bytes"] < 20_000  # the JSON header
@@ -347,7 +348,7 @@ def test_save_reload_logits_bytes_and_the_model_left_alone(tmp_path, model_type,
 
 def test_gptq_codes_are_the_stored_codes_and_a_bad_file_is_caught(tmp_path):
     model = model_of("llama", seed=1)
-    names = ctensors.linear_names(model, head=False)
+    names = ctschemes.linear_names(model, head=False)
     hessians = {n: correlated(model.get_submodule(n).in_features, seed=i) for i, n in enumerate(names[:4])}
     request = request_for(model, dtype=torch.bfloat16, ct_scheme="W4A16_G32", ct_hessians=hessians)
     check = write_and_verify(request, tmp_path / "out")
@@ -355,7 +356,7 @@ def test_gptq_codes_are_the_stored_codes_and_a_bad_file_is_caught(tmp_path):
     tensors = stored(tmp_path / "out")
     for name in names[:4] + names[-1:]:
         w = model.get_submodule(name).weight
-        r = (gptq(w, hessians[name], "W4A16_G32", scale_dtype=torch.bfloat16, **ctensors.GPTQ_ORDER) if name in hessians
+        r = (gptq(w, hessians[name], "W4A16_G32", scale_dtype=torch.bfloat16, **ctschemes.GPTQ_ORDER) if name in hessians
              else rtn(w, "W4A16_G32", scale_dtype=torch.bfloat16))
         codes = unpack_from_int32(tensors[name + ".weight_packed"], 4, torch.Size(w.shape))
         assert torch.equal(codes, r.ints) and torch.equal(tensors[name + ".weight_scale"], r.scales)
@@ -379,9 +380,9 @@ def test_the_reference_copy_shares_the_weights_it_replaces():
 
     model = model_of("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    kept = [model.get_submodule(n).weight for n in ctensors.linear_names(model)]
+    kept = [model.get_submodule(n).weight for n in ctschemes.linear_names(model)]
     ref = rounded_copy(model, torch.bfloat16, kept)
-    for n in ctensors.linear_names(model):
+    for n in ctschemes.linear_names(model):
         assert ref.get_submodule(n).weight is model.get_submodule(n).weight
     emb = ref.get_input_embeddings().weight
     assert emb is not model.get_input_embeddings().weight and emb.dtype == torch.float32
@@ -397,11 +398,11 @@ def test_a_tied_output_head_stays_with_the_embedding(tmp_path):
     cfg.tie_word_embeddings = True
     torch.manual_seed(0)
     model = cls(cfg).float().eval()
-    assert ctensors.head_name(model) is None and "lm_head" not in ctensors.linear_names(model)
+    assert ctschemes.head_name(model) is None and "lm_head" not in ctschemes.linear_names(model)
     with pytest.raises(ValueError, match=r"not quantizable.*\(lm_head\)"):
-        ctensors.layer_schemes(model, {"ct_schemes": {"lm_head": "W8A16"}})
+        ctschemes.layer_schemes(model, {"ct_schemes": {"lm_head": "W8A16"}})
     check = write_and_verify(request_for(model, dtype=torch.bfloat16, ct_scheme="W8A16"), tmp_path / "out")
-    assert check["passed"] and check["schemes"] == {"W8A16": len(ctensors.linear_names(model))}
+    assert check["passed"] and check["schemes"] == {"W8A16": len(ctschemes.linear_names(model))}
     q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert q["ignore"] == ["lm_head"] and not any(k.startswith("lm_head.") for k in stored(tmp_path / "out"))
     quant = json.loads((tmp_path / "out" / "config.json").read_text())["compression"]["quantization"]
@@ -434,20 +435,20 @@ def test_what_cannot_be_written_is_refused_by_name(monkeypatch):
 
     model = model_of("llama", intermediate=192)  # down_proj rows of 192: no group of 128
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*192.*W4A16\).*W4A16_G64, W4A16_G32, W4A16_CH, W8A16_CH"):
-        ctensors.layer_schemes(model, {"ct_scheme": "W4A16"})
-    assert ctensors.layer_schemes(model, {"ct_scheme": "W4A16_G32"})
-    split = {n: "W4A16_G32" for n in ctensors.linear_names(model, head=False)}
+        ctschemes.layer_schemes(model, {"ct_scheme": "W4A16"})
+    assert ctschemes.layer_schemes(model, {"ct_scheme": "W4A16_G32"})
+    split = {n: "W4A16_G32" for n in ctschemes.linear_names(model, head=False)}
     split["model.layers.1.self_attn.k_proj"] = None
     with pytest.raises(ValueError, match="q_proj \\+ k_proj \\+ v_proj"):
-        ctensors.layer_schemes(model, {"ct_scheme": "W4A16_G32", "ct_schemes": split})
+        ctschemes.layer_schemes(model, {"ct_scheme": "W4A16_G32", "ct_schemes": split})
     with pytest.raises(ValueError, match="model.embed_tokens.*model.layers.0.self_attn.q_proj"):
-        ctensors.layer_schemes(model, {"ct_schemes": {"model.embed_tokens": "W8A16"}})
+        ctschemes.layer_schemes(model, {"ct_schemes": {"model.embed_tokens": "W8A16"}})
     with pytest.raises(ValueError, match="nothing to quantize"):
-        ctensors.layer_schemes(model, {"ct_schemes": {}})
+        ctschemes.layer_schemes(model, {"ct_schemes": {}})
 
     monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # as if not installed
     why = writer.unsupported("llama", "none")
-    assert ctensors.INSTALL in why
+    assert ctschemes.INSTALL in why
     with pytest.raises(ValueError, match="compressor\\[compressed-tensors\\]"):
         writer.write(request_for(model), None)
 

@@ -119,8 +119,8 @@ def test_the_plan_and_the_uniform_anchor_are_rounded_in_one_pass_over_the_calibr
     from compressor.output.ctensors.target import CompressedTensorsTarget
 
     passes, rounded = [], []
-    real_moments, real_round = rounding.input_moments, CompressedTensorsTarget.round_full
-    monkeypatch.setattr(rounding, "input_moments", lambda *a, **k: passes.append(a[2]) or real_moments(*a, **k))
+    real_moments, real_round = rounding.whole_moments, CompressedTensorsTarget.round_full
+    monkeypatch.setattr(rounding, "whole_moments", lambda *a, **k: passes.append(a[2]) or real_moments(*a, **k))
     monkeypatch.setattr(CompressedTensorsTarget, "round_full",
                         lambda self, name, option, *a, **k: rounded.append((name, option)) or real_round(
                             self, name, option, *a, **k))

@@ -24,7 +24,8 @@ from tiny import random_windows, tiny_model
 import compressor
 from compressor.core.distributed import TREE_DEPTH, TreeReduce, _Stack, tree_nodes
 from compressor.engine.walker import LayerWalker
-from compressor.evaluation.evaluate import Evaluator, perplexity
+from compressor.evaluation.gate import Evaluator
+from compressor.evaluation.perplexity import perplexity
 from compressor.engine.sensitivity import output_grad_moments
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -427,3 +428,32 @@ def test_exchange_gathers_in_rank_order_and_carries_a_failure(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# -- exit codes under a launcher (issue 71) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["bad-input", "gate"])
+def test_two_ranks_exit_with_the_runs_code_and_say_it_once(tmp_path, case):
+    """``compressor launch --nproc-per-node 2 run …`` (torchrun's launch, gloo) exits with the run's own code —
+    2 for a size that is not one, 3 for a file over the gate — where torchrun exits 1; the error is printed
+    once (rank 0's), with no traceback."""
+    import subprocess
+
+    pytest.importorskip("llama_cpp")
+    from test_size_stream import _folder, _recipe
+
+    src = _folder(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(_recipe(tmp_path, src, "out", "none").to_yaml())
+    extra = (["--set", "output.size=Q9_K"] if case == "bad-input" else
+             ["--set", "policy.ppl_budget=0.00001", "--set", "output.size=Q2_K", "--set", "output.formats=[gguf]"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "COMPRESSOR_CACHE_DIR": str(tmp_path / "c")}
+    done = subprocess.run([sys.executable, "-m", "compressor", "launch", "--nproc-per-node", str(WORLD), "run",
+                           str(recipe), "-q", *extra], capture_output=True, text=True, env=env, timeout=900)
+    said = done.stderr + done.stdout
+    assert done.returncode == (2 if case == "bad-input" else 3), said[-3000:]
+    assert "Traceback" not in said and "ChildFailedError" not in said, said[-3000:]
+    first = "'Q9_K' is not a size" if case == "bad-input" else "status: rejected"  # the gate's verdict on stdout
+    assert said.count(first) == 1, said[-3000:]
+    assert not (tmp_path / "out").exists()

@@ -92,6 +92,18 @@ def test_readme_is_a_page():
     assert n <= 200, f"README.md has {n} lines; keep it ≤ 200 and move reference material to docs/"
 
 
+def test_readme_reads_in_five_minutes():
+    """At most ~1,200 words above the documentation links, and no table cell a screen would wrap."""
+    text = README.read_text(encoding="utf-8")
+    above = text.split("## Documentation")[0]
+    words = len(above.split())
+    assert words <= 1200, f"README.md has {words} words above its documentation links; move numbers to docs/"
+    prose, _ = _blocks(text)
+    long = [len(c.strip()) for line in prose if line.startswith("|") for c in line.split("|")[1:-1]
+            if len(c.strip()) > 300]
+    assert not long, f"README.md has table cells of {long} characters; keep each ≤ 300 and move the rest to docs/"
+
+
 def test_readme_keeps_its_two_commands():
     _, blocks = _blocks(README.read_text(encoding="utf-8"))
     lines = {line.split(" #")[0].strip() for info, body in blocks if info in ("bash", "sh", "") for line in body.splitlines()}

@@ -12,9 +12,11 @@ import torch.nn.functional as F
 
 from tiny import VOCAB, tiny_model
 
-from compressor.evaluation.evaluate import (
-    Evaluator, TeacherCache, _windows, evaluate, gate_check, perplexity, ratio_mean_se,
-)
+from compressor.evaluation.gate import Evaluator, gate_check
+
+from compressor.evaluation.perplexity import _windows, perplexity, ratio_mean_se
+
+from compressor.evaluation.teacher import TeacherCache, evaluate
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -114,7 +116,7 @@ def test_gate_holds_on_every_domain_and_names_the_one_over_budget():
 
 
 def _ev(ppl: float, *, windows: int = 32, delta_se: float | None = None, kl: float = 0.0, kl_se: float = 0.0):
-    from compressor.evaluation.evaluate import Evaluation
+    from compressor.evaluation.perplexity import Evaluation
 
     nll = math.log(ppl)
     return Evaluation(ppl=ppl, nll=nll, tokens=windows * 256, seq_len=256, stride=256, windows=windows,
@@ -123,7 +125,7 @@ def _ev(ppl: float, *, windows: int = 32, delta_se: float | None = None, kl: flo
 
 
 def test_gate_decides_on_the_upper_confidence_bound_of_the_change():
-    from compressor.evaluation.evaluate import upper_quantile
+    from compressor.evaluation.gate import upper_quantile
 
     # Student t with windows − 1 degrees of freedom (exact: 1.3095 at 31, 1.3406 at 15); 0 at 0.5
     assert upper_quantile(0.9, 32) == pytest.approx(1.3095, abs=2e-3)
@@ -153,7 +155,7 @@ def test_gate_decides_on_the_upper_confidence_bound_of_the_change():
 def test_gate_holds_the_bound_to_the_budget_less_the_headroom():
     """policy.headroom: the bound must be within (1 − headroom) × the budget, for ppl (relative and
     absolute) and kl; the recipe default is 0.2 (a +5 % budget is held at +4 %)."""
-    from compressor.evaluation.evaluate import gate_budget, gate_ppl_limit, upper_quantile
+    from compressor.evaluation.gate import gate_budget, gate_ppl_limit, upper_quantile
     from compressor.recipe.schema import PolicyConfig
 
     assert PolicyConfig().headroom == 0.2 and gate_budget(PolicyConfig()) == pytest.approx(0.04)
@@ -179,7 +181,7 @@ def test_gate_holds_the_bound_to_the_budget_less_the_headroom():
 
 
 def test_gate_without_paired_errors_uses_both_errors_conservatively():
-    from compressor.evaluation.evaluate import Perplexity
+    from compressor.evaluation.perplexity import Perplexity
 
     b = Perplexity(ppl=10.0, nll=math.log(10.0), tokens=4096, seq_len=256, stride=256, windows=16, nll_se=0.01, ppl_se=0.1)
     c = Perplexity(ppl=10.4, nll=math.log(10.4), tokens=4096, seq_len=256, stride=256, windows=16, nll_se=0.01, ppl_se=0.1)

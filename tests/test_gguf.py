@@ -28,10 +28,14 @@ from compressor.output.gated import NotRepresentableError, as_gated
 
 gguf = pytest.importorskip("gguf")
 from compressor.output import gguf as gw  # noqa: E402
+from compressor.output.gguf import metadata as gmetadata  # noqa: E402
+from compressor.output.gguf import naming as gnaming  # noqa: E402
+from compressor.output.gguf import plan as gplan  # noqa: E402
+from compressor.output.gguf import read as gread  # noqa: E402
 
 
 def _worse(scores, nats: float):
-    """``scores`` (:class:`~compressor.evaluation.evaluate.WindowScores`) with every token's NLL ``nats`` higher."""
+    """``scores`` (:class:`~compressor.evaluation.external.WindowScores`) with every token's NLL ``nats`` higher."""
     import dataclasses
 
     return dataclasses.replace(scores, nll=[s + nats * n for s, n in zip(scores.nll, scores.tokens)])
@@ -135,7 +139,7 @@ def test_plain_mlps_are_refused():
 
 
 def _request(model, tokenizer, ids, *, quant="source", dtype=torch.float32, source=None, expected=None, **options):
-    from compressor.evaluation.evaluate import perplexity
+    from compressor.evaluation.perplexity import perplexity
 
     if expected is None:
         expected = perplexity(model, ids, seq_len=SEQ, stride=SEQ, shard=False).ppl
@@ -244,7 +248,7 @@ def test_a_gguf_source_keeps_its_tensors_and_tokenizer(tmp_path, tokenizer, ids)
     # Like with like: at the source's quantization the output is compared with the source file itself,
     # in llama.cpp on the same windows, by the gate's rule: the upper confidence bound of the change
     # (paired by window) within the budget.
-    src_ppl, _ = gw.llama_cpp_perplexity(src_dir / "tiny.gguf", ids, SEQ, SEQ)
+    src_ppl, _ = gread.llama_cpp_perplexity(src_dir / "tiny.gguf", ids, SEQ, SEQ)
     from compressor.recipe.schema import PolicyConfig
 
     # the policy as the recipe gives it (a fraction, headroom off here) is the rule the check applies
@@ -270,7 +274,7 @@ def test_quantized_types_and_unquantizable_widths(tmp_path, tokenizer, ids):
     needs_llama_cpp()
     model = _replace(tiny("llama"), {0: "prune", 1: "low_rank"})  # widths 40, 8, 128
     with pytest.raises(gw.GGUFWidthError, match=r"layer 0 width 40 \(needs a multiple of 32\), layer 1 width 8"):
-        gw.plan_for(_request(model, tokenizer, ids, expected=1.0), {"quant": "q8_0"})
+        gplan.plan_for(_request(model, tokenizer, ids, expected=1.0), {"quant": "q8_0"})
     request = _request(model, tokenizer, ids, quant="q8_0", unquantizable="f16")
     writer = gw.GGUFWriter()
     writer.write(request, tmp_path)
@@ -303,13 +307,13 @@ def test_a_non_bpe_tokenizer_is_refused(tokenizer):
 
     wp = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     wp.pre_tokenizer = pre_tokenizers.Whitespace()
-    message = gw.tokenizer_problem(transformers.PreTrainedTokenizerFast(tokenizer_object=wp))
+    message = gmetadata.tokenizer_problem(transformers.PreTrainedTokenizerFast(tokenizer_object=wp))
     assert "not BPE" in message and "GGUF of the model" in message
-    assert gw.tokenizer_problem(tokenizer) is None
+    assert gmetadata.tokenizer_problem(tokenizer) is None
 
 
 def test_rope_permutation_interleaves_the_halves_of_each_head():
-    assert gw.rope_permutation(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert gnaming.rope_permutation(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -388,7 +392,7 @@ def test_export_refuses_before_loading(tmp_path, tokenizer, ids, monkeypatch, ca
 def test_formats_default_to_hf_and_gguf_for_a_gguf_source(tmp_path, tokenizer, ids, monkeypatch):
     """Not set in the recipe: [hf, gguf] for a GGUF source the writer takes, [hf] otherwise; a missing
     llama.cpp is then an exit-2 message that names the default and the opt-out, before loading."""
-    from compressor.pipeline import stages
+    from compressor.pipeline import preflight, stages
     from compressor.recipe import recipe_from_dict
 
     src = tmp_path / "src"
@@ -409,7 +413,7 @@ def test_formats_default_to_hf_and_gguf_for_a_gguf_source(tmp_path, tokenizer, i
     stages.default_formats(r)
     monkeypatch.setattr("compressor.output.gguf.writer.runtime_missing", lambda: "llama-cpp-python is not importable")
     with pytest.raises(stages.InputError, match=r"gguf is in output.formats by default.*output.formats: \[hf\]"):
-        stages._check_writers(r, tokenizer, "llama", stages.resolve_source(r.model.source, r.model.gguf_file))
+        preflight.check_writers(r, tokenizer, "llama", stages.resolve_source(r.model.source, r.model.gguf_file))
     sized = recipe(str(src / "tiny.gguf"), size="Q4_K_M")
     assert stages.default_formats(sized) == ["gguf"]  # a size is the GGUF's: nothing else is written
 
@@ -469,16 +473,16 @@ def test_a_source_gguf_tensor_table_is_read_once_per_file_version(tmp_path, toke
     reads = []
     real = gguf.GGUFReader
     monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, **k: reads.append(p) or real(p, *a, **k))
-    gw._source_types.cache_clear()
-    first = gw.source_tensor_types(path)
-    assert gw.source_tensor_types(path) == first and gw.source_down_block(path) == 32 and len(reads) == 1
+    gread._source_types.cache_clear()
+    first = gread.source_tensor_types(path)
+    assert gread.source_tensor_types(path) == first and gread.source_down_block(path) == 32 and len(reads) == 1
     first["blk.0.ffn_down.weight"] = None  # callers get a copy: the cached table cannot be changed
-    assert gw.source_tensor_types(path)["blk.0.ffn_down.weight"] is not None
+    assert gread.source_tensor_types(path)["blk.0.ffn_down.weight"] is not None
     path.touch()
     import os
 
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a new version of the file
-    gw.source_tensor_types(path)
+    gread.source_tensor_types(path)
     assert len(reads) == 2
 
 
@@ -525,10 +529,11 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     res = compressor.run(r)
     assert res.exit_code == 0, res.report.get("message")
     assert r.output.formats == ["gguf"]
-    assert sorted(p.name for p in res.output.iterdir()) == ["README.md", "model.gguf", "recipe.yaml", "report.json"]
+    assert sorted(p.name for p in res.output.iterdir()) == ["README.md", "model.gguf", "model.imatrix", "recipe.yaml",
+                                                            "report.json"]
     card = (res.output / "README.md").read_text()  # the card says what the file is: its types, bytes, the preset
     assert "Tensor types:" in card and "llama.cpp's Q4_0" in card and f"{res.report['verification']['gguf']['file_bytes']:,} bytes" in card
-    from compressor.reports.render import model_card
+    from compressor.reports.card import model_card
 
     both = json.loads(json.dumps(res.report))  # written as [hf, gguf]: the card still describes the planned GGUF
     both["recipe"]["output"]["formats"] = ["hf", "gguf"]
@@ -555,7 +560,7 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     met = compressor.run(exact)
     assert met.exit_code == 0 and met.report["verification"]["gguf"]["file_bytes"] == floor
     shutil.rmtree(tmp_path / "out_floor")
-    real = gw.read_scores
+    real = gread.read_scores
 
     def tripled(path, *args):  # the planned file made 3× worse in perplexity, the preset left alone
         return _worse(real(path, *args), math.log(3) if path.name == "model.gguf" else 0.0)
@@ -564,7 +569,7 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     failed = compressor.run(recipe("out3", 0.5))
     assert failed.exit_code == 3 and "larger output.size" in failed.report["message"]
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
-    from compressor.engine.resume import state_dir
+    from compressor.engine.runstate import state_dir
 
     # refused by the size gate (exit 3) or by a size that cannot be met (exit 2): no run state left behind
     assert not state_dir(tmp_path / "out2").exists() and not state_dir(tmp_path / "out3").exists()
@@ -587,8 +592,8 @@ def test_the_pricing_passs_moments_round_the_plan_without_a_second_pass(tmp_path
 
     src = _size_source(tmp_path, tokenizer, ids, "q8_0")
     passes, spilled = [], []
-    real, real_spill, real_factor = rounding.input_moments, prices._spilled, prices.spill_factor
-    monkeypatch.setattr(rounding, "input_moments", lambda *a, **k: passes.append(a[2]) or real(*a, **k))
+    real, real_spill, real_factor = rounding.whole_moments, prices._spilled, prices.spill_factor
+    monkeypatch.setattr(rounding, "whole_moments", lambda *a, **k: passes.append(a[2]) or real(*a, **k))
     monkeypatch.setattr(prices, "_spilled", lambda m, path: spilled.append(path) or real_spill(m, path))
     # a GGUF's pricing factors the same Ĥ its rounding does: the factor goes to the work folder in the moment's place
     monkeypatch.setattr(prices, "spill_factor", lambda f, path: spilled.append(path) or real_factor(f, path))
@@ -636,7 +641,7 @@ def test_the_smallest_size_within_the_budget_steps_back_when_the_gate_fails(tmp_
     def recipe(out: str, **policy):
         return _size_recipe(tmp_path, src, out, "smallest", {"ppl_budget": 0.05, **policy})
 
-    real, calls = gw.read_scores, []
+    real, calls = gread.read_scores, []
 
     def worse_first(path, *args):  # the first planned file measured 2× worse; the later ones as they are
         calls.append(path.name)
@@ -720,18 +725,26 @@ def test_the_layout_is_read_from_the_header_as_gguf_py_reads_the_file(tmp_path, 
 
 
 def test_a_size_above_the_f16_file_is_said(tmp_path, tokenizer, ids, caplog):
-    """A size the F16 file already fits quantizes nothing: said in the log, not silent; the budget's layout is
-    the F16 file's, to the byte."""
+    """A size above the F16 file cannot be meant: refused (exit 2) with the F16's bytes (issue 71, minor 7:
+    ``1e20`` was taken and printed as "100000000.0 TB"). The F16's own size quantizes nothing: said in the log,
+    not silent; the budget's layout is the F16 file's, to the byte."""
     needs_llama_cpp()
     import logging
 
+    from compressor.core.errors import InputError
     from compressor.output.gguf.budget import measure_budget
     from compressor.recipe.schema import Size
 
     request = _request(tiny("llama"), tokenizer, ids, quant="f16", expected=1.0)
+    with pytest.raises(InputError, match="more than this model's F16 file") as refused:
+        measure_budget(Size.of("1GB"), request, tmp_path)
+    f16_bytes = (tmp_path / "f16.gguf").stat().st_size
+    from compressor.core.errors import EXIT_INVALID, exit_code_for
+
+    assert f"{f16_bytes:,} bytes" in str(refused.value) and exit_code_for(refused.value) == EXIT_INVALID
     with caplog.at_level(logging.WARNING):
-        budget = measure_budget(Size.of("1GB"), request, tmp_path)
-    assert budget.limit == 10**9 and "nothing is quantized" in caplog.text
+        budget = measure_budget(Size.of(str(f16_bytes)), request, tmp_path)
+    assert budget.limit == f16_bytes and "nothing is quantized" in caplog.text
     assert budget.layout.file_bytes == (tmp_path / "f16.gguf").stat().st_size
     assert budget.layout.file_bytes_of({}) == budget.layout.file_bytes  # every planned tensor F16: the F16 file
 
@@ -766,7 +779,7 @@ def test_a_size_plan_rounds_with_error_compensation_and_stores_it_in_the_files_r
         values = dequantize(np.asarray(t.data).reshape(t.shape[1], -1), GGMLType[rows[q]["type"]],
                             (int(t.shape[1]), int(t.shape[0])))
         w = model.model.layers[0].self_attn.q_proj.weight.detach().float().numpy()
-        perm = gw.rope_permutation(w.shape[0], model.config.num_attention_heads)
+        perm = gnaming.rope_permutation(w.shape[0], model.config.num_attention_heads)
         assert np.abs(values - w[perm]).mean() < 0.5 * np.abs(values - w).mean()
     # every tensor of the tiny model is priced on all its rows: the plan's rounding is pricing's bytes
     assert "compensated_rounding_s" not in res.report["size_plan"]["timings"]

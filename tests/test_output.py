@@ -242,7 +242,7 @@ def _synthetic_profile():
 def test_profile_plot_marks_clipped_values_threshold_and_share_panel(tmp_path):
     import matplotlib.pyplot as plt
 
-    from compressor.reports.render import profile_figure, profile_plot
+    from compressor.reports.plot import profile_figure, profile_plot
 
     fig = profile_figure(_synthetic_profile(), threshold=0.9)
     try:

@@ -284,7 +284,7 @@ def test_rollback_restores_original_blocks(tmp_path, trained_llama):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from compressor.inputs.data import TextSource, evaluation_tokens
-    from compressor.evaluation.evaluate import perplexity
+    from compressor.evaluation.perplexity import perplexity
 
     out = tmp_path / "out"
     recipe = make_recipe(trained_llama, out, policy={"ppl_budget": 0.0, "budget_mode": "absolute", "min_blocks": 0,

@@ -127,7 +127,7 @@ def test_exponent_without_dot_is_a_number(tmp_path, capsys, ckpt):
 
 
 def test_second_run_on_the_same_output_is_refused_and_keeps_the_first_runs_state(tmp_path, capsys, ckpt):
-    from compressor.engine.resume import state_dir
+    from compressor.engine.runstate import state_dir
     from compressor.inputs.safety import lock_path
 
     out = tmp_path / "out"
@@ -315,7 +315,7 @@ def test_single_line_text_file_is_read_lazily(tmp_path):
 
 def test_interrupt_says_the_state_is_kept_and_how_to_resume(tmp_path, capsys, ckpt, monkeypatch):
     import compressor.pipeline.runner as runner
-    from compressor.engine.resume import state_dir
+    from compressor.engine.runstate import state_dir
 
     out = tmp_path / "out"
 

@@ -1,4 +1,4 @@
-"""Resume an interrupted run (compressor.engine.resume): a run that failed at layer k or at a gate
+"""Resume an interrupted run (compressor.engine.runstate): a run that failed at layer k or at a gate
 evaluation, resumed, gives byte-identical weights and the same decisions as an uninterrupted
 run, measures no finished layer and repeats no recorded evaluation; a state of another
 model, data or recipe is refused (exit 2), as is --resume with nothing to resume."""
@@ -20,9 +20,10 @@ from test_cli import isolated  # noqa: F401  (autouse: undoes main()'s logging c
 import compressor
 from compressor.cli import main
 from compressor.engine.walker import LayerWalker
-from compressor.evaluation.evaluate import Evaluator
+from compressor.evaluation.gate import Evaluator
 from compressor.fitting.kinds.hidden import HiddenUnitKind
-from compressor.engine.resume import ResumeError, RunState, decode, encode, state_dir
+from compressor.engine.records import ResumeError, decode, encode
+from compressor.engine.runstate import RunState, state_dir
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

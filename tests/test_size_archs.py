@@ -111,7 +111,7 @@ def _agreement(ref: np.ndarray, path: Path, ids: list[int]) -> tuple[float, floa
 
 
 def _f16_and_preset(src: Path, tmp_path: Path) -> tuple[Path, Path]:
-    from compressor.output.gguf import PRESETS, quantize_file
+    from compressor.output.gguf.encode import PRESETS, quantize_file
     from compressor.output.gguf.converter import convert
 
     f16, q8 = tmp_path / "f16.gguf", tmp_path / "q8_0.gguf"

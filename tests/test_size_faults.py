@@ -252,7 +252,7 @@ def test_overwrite_keeps_the_files_a_user_added_to_an_earlier_output(tmp_path, r
     assert not (out / "model-00001-of-00002.safetensors").exists()
     assert (out / "model.gguf").read_bytes()[:4] == b"GGUF"
     report = json.loads((out / "report.json").read_text())
-    assert report["files"] == ["README.md", "model.gguf", "recipe.yaml", "report.json"]
+    assert report["files"] == ["README.md", "model.gguf", "model.imatrix", "recipe.yaml", "report.json"]
     assert sorted(p.name for p in out.iterdir()) == sorted(report["files"] + ["NOTES.txt", "mydata"])
     assert _leftovers(tmp_path) == []
 

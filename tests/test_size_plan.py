@@ -282,7 +282,7 @@ def test_size_with_another_quant_is_refused():
 
 def test_presets_the_schema_names_are_the_writer_s():
     pytest.importorskip("gguf")
-    from compressor.output.gguf import PRESETS
+    from compressor.output.gguf.encode import PRESETS
     from compressor.recipe.schema import SIZE_PRESETS
 
     assert set(SIZE_PRESETS) == set(PRESETS)

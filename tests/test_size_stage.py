@@ -105,7 +105,7 @@ def test_validate_refuses_what_run_refuses_with_a_size(tmp_path, model_type, out
 
 def test_the_run_state_is_removed_when_the_gate_refuses(tmp_path):
     """docs/resume.md: the state goes when the gate refuses (exit 3) as when the model is published."""
-    from compressor.engine.resume import state_dir
+    from compressor.engine.runstate import state_dir
 
     m, tok = tiny_causal_lm("llama"), tiny_tokenizer()
     out = tmp_path / "out"

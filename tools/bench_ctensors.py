@@ -588,7 +588,7 @@ def cmd_compressor_uniform(args) -> None:
     from compressor.output.ctensors.grids import SCHEMES
     from compressor.inputs.load import ResolvedSource
     from compressor.output import WriteRequest, get_writer
-    from compressor.output.ctensors import fused_units, linear_names
+    from compressor.output.ctensors.schemes import fused_units, linear_names
     from compressor.output.ctensors.target import CompressedTensorsTarget, in_family
     from compressor.pipeline.size.rounding import Compensator
     from compressor.sizing.plan import Priced, SizePlan

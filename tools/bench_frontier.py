@@ -43,7 +43,7 @@ from compressor.core.params import count_params  # noqa: E402
 from compressor.engine.profiling import block_profile  # noqa: E402
 from compressor.engine.sensitivity import output_grad_moments  # noqa: E402
 from compressor.engine.walker import LayerWalker  # noqa: E402
-from compressor.evaluation.evaluate import perplexity  # noqa: E402
+from compressor.evaluation.perplexity import perplexity  # noqa: E402
 from compressor.fitting.kinds import BlockData, get_kind  # noqa: E402
 from compressor.fitting.replace import ffn_path  # noqa: E402
 from compressor.inputs.data import tokenize_stream  # noqa: E402

@@ -48,7 +48,7 @@ def main() -> None:
     import torch
 
     from compressor.engine.tensorstats import input_moments, linear_names
-    from compressor.output.gguf import write_requantized
+    from compressor.output.gguf.write import write_requantized
     from compressor.output.gguf.target import gguf_namer
     from compressor.pipeline.size.prices import moment_groups
     from compressor.sizing.sites import _imatrix
@@ -116,7 +116,7 @@ def compensated(model, moments: dict, namer, types: dict, imatrix: dict) -> dict
     from compressor.core.ggml import GGMLType
     from compressor.fitting.gridround import gptq_quantize
     from compressor.core.archs import ARCHITECTURES
-    from compressor.output.gguf import to_file_rows
+    from compressor.output.gguf.naming import to_file_rows
 
     arch = ARCHITECTURES[model.config.model_type].gguf_native  # the F16 from a Hugging Face folder: its native arch
     out = {}

@@ -110,7 +110,7 @@ def chosen_blocks(ap: argparse.ArgumentParser, wanted: list[int] | None, n_block
 
 def teacher(model, cal, test_ids, args, cal_batch_size: int, timings: dict):
     """The evaluator on both texts, its teacher caches taken on the original model (nothing swapped yet)."""
-    from compressor.evaluation.evaluate import Evaluator
+    from compressor.evaluation.gate import Evaluator
 
     domains = {"cal-heldout": cal.heldout.flatten(), "wiki-test": test_ids}
     seq = {"cal-heldout": cal.seq_len, "wiki-test": args.test_seq_len}

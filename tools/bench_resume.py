@@ -84,13 +84,13 @@ def killed_at(cmd: list[str], record: Path, timeout: float = 3600.0) -> float:
     return time.perf_counter() - t0
 
 
-from compressor.engine.resume import sha256_file as sha256  # noqa: E402
+from compressor.engine.runkey import sha256_file as sha256  # noqa: E402
 
 
 def main() -> None:
     import yaml
 
-    from compressor.engine.resume import state_dir
+    from compressor.engine.runstate import state_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0, help="draws the layer the run is killed at")

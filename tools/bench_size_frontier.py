@@ -6,8 +6,9 @@ For one model:
 1. the F16 GGUF (the file a deployer would quantize): a Hugging Face folder converted by llama.cpp's own
    ``convert_hf_to_gguf.py`` (as the size planner makes its F16), a GGUF source dequantized tensor by tensor and
    written at F16 by compressor's writer;
-2. llama.cpp's presets from it: ``llama-quantize F16 OUT PRESET`` (plain), and ``llama-imatrix`` over the
-   calibration text (``--chunks 32 -c 512``) then ``llama-quantize --imatrix`` (with importance matrix);
+2. llama.cpp's presets from it: ``llama-imatrix`` over the calibration text (``--chunks 32 -c 512``) then
+   ``llama-quantize --imatrix`` (with importance matrix, every preset), and ``llama-quantize F16 OUT PRESET``
+   (plain, the K-quant and legacy presets: llama.cpp refuses the IQ1/IQ2 ones without an importance matrix);
 3. compressor at each preset's size: ``compressor run`` with ``output.size: PRESET``, calibrated on the
    same text (16,384 tokens in windows of 512), quantization only;
 4. with ``--autoround PYTHON``: AutoRound's GGUF export of each preset's type (``tools/autoround_gguf.py``
@@ -49,7 +50,7 @@ if not src.gguf_file:  # a Hugging Face folder: llama.cpp's own converter, as th
         convert(Path(src.path), Path(sys.argv[2]), Path(tmp))
     sys.exit(0)
 from compressor.output.base import WriteRequest
-from compressor.output.gguf import write_gguf
+from compressor.output.gguf.write import write_gguf
 model, tok, src = load_model(sys.argv[1], dtype="float32")
 opts = {"quant": "f16", "from_source": True}  # a GGUF source dequantized in its own architecture and layout
 req = WriteRequest(model=model, tokenizer=tok, compression={}, source=src, dtype=torch.float16, options=opts)
@@ -73,7 +74,11 @@ def parse_args():
     ap.add_argument("--name", required=True)
     ap.add_argument("--tools", required=True, help="folder holding llama-quantize and llama-imatrix")
     ap.add_argument("--work", required=True, help="work folder for the GGUF files (outside the repository)")
-    ap.add_argument("--presets", nargs="+", default=["Q4_K_M", "Q3_K_M", "Q2_K"])
+    ap.add_argument("--presets", nargs="+", default=["Q4_K_M", "Q3_K_M", "Q2_K"],
+                    help="llama.cpp presets; compressor plans a file at each one's size (unless --rivals-only)")
+    ap.add_argument("--rivals", nargs="*", default=[],
+                    help="more presets made and scored as rivals only (no compressor file at their size), e.g. the "
+                         "i-quants between the sizes planned")
     ap.add_argument("--cal-text", default=str(wikitext("valid.txt")))
     ap.add_argument("--cal-chars", type=int, default=120_000, help="calibration text: the first N characters")
     ap.add_argument("--cal-tokens", type=int, default=16384)
@@ -107,13 +112,21 @@ def f16_and_imatrix(args, work: WorkFolder, cal: Path) -> tuple[Path, Path]:
     return f16, imatrix
 
 
+def has_plain(preset: str) -> bool:
+    """Whether a plain (no importance matrix) file of ``preset`` is made: the K-quant and legacy presets; the
+    i-quants are shipped with one (and llama.cpp refuses IQ1_*/IQ2_XXS/IQ2_XS/IQ2_S without)."""
+    return not preset.startswith("IQ")
+
+
 def preset_files(args, work: WorkFolder, f16: Path, imatrix: Path, preset: str) -> dict[str, Path]:
-    """llama.cpp's ``preset`` from the F16, plain and with the importance matrix."""
+    """llama.cpp's ``preset`` from the F16 with the importance matrix, and plain where :func:`has_plain`."""
     quantize, threads = Path(args.tools) / "llama-quantize", str(args.threads)
     plain, with_imatrix = work.path / f"{preset}.gguf", work.path / f"{preset}-imatrix.gguf"
-    return {preset: work.make(preset, plain, [quantize, f16, plain, preset, threads]),
-            f"{preset}-imatrix": work.make(f"{preset}-imatrix", with_imatrix,
-                                           [quantize, "--imatrix", imatrix, f16, with_imatrix, preset, threads])}
+    files = {f"{preset}-imatrix": work.make(f"{preset}-imatrix", with_imatrix,
+                                            [quantize, "--imatrix", imatrix, f16, with_imatrix, preset, threads])}
+    if has_plain(preset):
+        files[preset] = work.make(preset, plain, [quantize, f16, plain, preset, threads])
+    return files
 
 
 def compressor_file(args, work: WorkFolder, cal: Path, preset: str, rounding: str = "gptq") -> Path:
@@ -229,12 +242,42 @@ def planner_time(rows: list[dict], work: WorkFolder, presets: list[str]) -> dict
     return out
 
 
+def _kld(row: dict, domain: str) -> float | None:
+    """The mean KL divergence of ``row`` on ``domain`` ("text": the evaluation text, "code": --code-text)."""
+    src = row if domain == "text" else row.get("code") or {}
+    return (src.get("kld") or {}).get("mean")
+
+
+def kld_ratios(rows: list[dict], presets: list[str]) -> dict:
+    """Per planned size and domain: compressor's KLD over the imatrix preset's of that size, and over the best
+    (lowest-KLD) imatrix preset of no more bytes than compressor's file, naming it: the rival a user would pick."""
+    out = {}
+    imatrix_rows = [r for r in rows if r["file"].endswith("-imatrix")]
+    for preset in presets:
+        ours = next((r for r in rows if r["file"] == f"compressor-{preset}"), None)
+        same = next((r for r in rows if r["file"] == f"{preset}-imatrix"), None)
+        if ours is None or same is None:
+            continue
+        entry = {"bytes": ours["bytes"], "preset_bytes": same["bytes"], "no_larger": ours["bytes"] <= same["bytes"]}
+        for domain in ("text", "code"):
+            k = _kld(ours, domain)
+            if k is None or _kld(same, domain) is None:
+                continue
+            fits = [r for r in imatrix_rows if r["bytes"] <= same["bytes"] and _kld(r, domain) is not None]
+            best = min(fits, key=lambda r: _kld(r, domain))
+            entry[domain] = {"kld": k, "preset_kld": _kld(same, domain), "ratio_to_preset": k / _kld(same, domain),
+                             "best_preset": best["file"].removesuffix("-imatrix"), "best_preset_kld": _kld(best, domain),
+                             "ratio_to_best": k / _kld(best, domain)}
+        out[preset] = entry
+    return out
+
+
 def compare_with_presets(rows: list[dict], presets: list[str]) -> None:
     """Mark each of our files with how it fares against the plain and the importance-matrix preset."""
     for preset in presets:
         ours = next((r for r in rows if r["file"] == f"compressor-{preset}"), None)
-        plain = next(r for r in rows if r["file"] == preset)
         imat = next(r for r in rows if r["file"] == f"{preset}-imatrix")
+        plain = next((r for r in rows if r["file"] == preset), imat)  # an i-quant: its imatrix file is the preset
         autoround = next((r for r in rows if r["file"] == f"autoround-{preset}"), None)
         if ours and autoround:
             ours["vs_autoround"] = {"no_larger": ours["bytes"] <= autoround["bytes"],
@@ -260,6 +303,8 @@ def main() -> None:
     cal.write_text(Path(args.cal_text).read_text(encoding="utf-8")[: args.cal_chars], encoding="utf-8")
     f16, imatrix = f16_and_imatrix(args, work, cal)
     files = {"F16": f16}
+    for preset in args.rivals:
+        files.update(preset_files(args, work, f16, imatrix, preset))
     for preset in args.presets:
         files.update(preset_files(args, work, f16, imatrix, preset))
         if args.autoround:
@@ -276,11 +321,18 @@ def main() -> None:
               **({"autoround": {p: {"format": AUTOROUND_FORMATS[p], "iters": autoround_iters(args, p)}
                                 for p in args.presets}} if args.autoround else {}), "seconds": work.seconds,
               "planner_time": planner_time(rows, work, args.presets),
+              "kld_ratios": kld_ratios(rows, args.presets),
               # the commands as run, from the log (`python -c` is F16_SNIPPET above)
               "commands": work.commands()}
     write_json(args.output, result)
     for r in rows:
         print(f"{r['file']:>22}  {r['bytes'] / 1e6:8.1f} MB  ppl {r['ppl']:8.3f}  {100 * r['change_vs_f16']:+6.2f} %")
+    for preset, k in result["kld_ratios"].items():
+        for domain in ("text", "code"):
+            if domain in k:
+                d = k[domain]
+                print(f"KLD at {preset}'s size [{domain}]: {d['ratio_to_preset']:.2f}x the imatrix preset's, "
+                      f"{d['ratio_to_best']:.2f}x the best preset of no more bytes ({d['best_preset']})")
     for preset, t in result["planner_time"].items():
         print(f"planner at {preset}: {t['planner_s']:.1f} s, {t['planner_over_llama']:.2f}x llama-imatrix + "
               f"llama-quantize ({t['llama_imatrix_s'] + t['llama_quantize_s']:.1f} s)")

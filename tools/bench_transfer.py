@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
 
-    from compressor.evaluation.evaluate import Evaluator
+    from compressor.evaluation.gate import Evaluator
     from compressor.inputs.calibration import build_calibration
     from compressor.inputs.data import TextSource, evaluation_tokens
     from compressor.policy.compress import compress_model

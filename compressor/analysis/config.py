@@ -101,7 +101,9 @@ class AnalysisConfig:
                           "leave the part out with --parts instead")
         elif not (isinstance(cf, tuple) and len(set(cf)) >= 2
                   and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in cf)):
-            raise bad("crossfeed_blocks", cf, "a count ≥ 2 or ≥ 2 distinct non-negative block indices", "e.g. 6 or 0,5,10")
+            raise bad(
+                "crossfeed_blocks", cf, "a count ≥ 2 or ≥ 2 distinct non-negative block indices", "e.g. 6 or 0,5,10"
+            )
         if not self.domains:
             raise bad("domains", "", f"a comma-separated list of {', '.join(DOMAIN_NAMES)} or text files")
         for d in self.domains:

@@ -17,7 +17,8 @@ from compressor.analysis.correlation import spearman
 
 
 def random_model(config, device: torch.device | str = "cpu", seed: int = 0) -> nn.Module:
-    """A freshly initialised model of ``config``'s architecture (float32, eval mode); the global RNG is left as it was."""
+    """A freshly initialised model of ``config``'s architecture (float32, eval mode); the global RNG is left as it
+    was."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     from compressor.core.archs import ARCHITECTURES
@@ -54,18 +55,28 @@ def reading(s: dict) -> str:
     if s["random_range"][1] < s["trained_range"][0]:
         text += "Every trained block is more linear than every random-weight block: the linearity was learned. "
     elif s["random_mean"] < s["trained_mean"] - 0.1:
-        text += f"On average training made the blocks more linear (by {s['trained_mean'] - s['random_mean']:.2f} in R²). "
+        text += (
+            f"On average training made the blocks more linear (by {s['trained_mean'] - s['random_mean']:.2f} in R²). "
+        )
     elif s["random_mean"] > s["trained_mean"] + 0.1:
-        text += (f"Random-weight blocks are more linear than trained ones (by {s['random_mean'] - s['trained_mean']:.2f} "
-                 "in R²): training made the FFNs less linear. ")
+        text += (
+            f"Random-weight blocks are more linear than trained ones (by {s['random_mean'] - s['trained_mean']:.2f} "
+            "in R²): training made the FFNs less linear. "
+        )
     else:
         text += "The average level is about the same with random and trained weights. "
     if rho is None:
         return text
     if abs(rho) < 0.5:
-        text += (f"The random profile does not predict which trained blocks are linear (Spearman {rho:+.2f}"
-                 + (f"; it is mostly a trend in depth, Spearman with block index {rd:+.2f}" if rd is not None and abs(rd) >= 0.7 else "")
-                 + "): the shape of the trained profile is learned, not set by the architecture.")
+        text += (
+            f"The random profile does not predict which trained blocks are linear (Spearman {rho:+.2f}"
+            + (
+                f"; it is mostly a trend in depth, Spearman with block index {rd:+.2f}"
+                if rd is not None and abs(rd) >= 0.7
+                else ""
+            )
+            + "): the shape of the trained profile is learned, not set by the architecture."
+        )
     else:
         text += (f"The random profile already ranks the blocks like the trained one (Spearman {rho:+.2f}): part of the "
                  "shape comes from the architecture and depth, not from learning.")

@@ -148,9 +148,11 @@ def reading(domains: dict[str, dict], summary: dict, blocks: list[int], d_in: in
         return "Only one domain was profiled; no comparison."
     k = summary["max_spread_block"]
     values = ", ".join(f"{n} {domains[n]['r2_lin'][k]:.3f}" for n in names if domains[n]['r2_lin'][k] is not None)
-    lead = (f"Across {len(names)} domains ({', '.join(names)}), the profiles rank the blocks alike at Spearman "
-            f"{min(rhos):+.2f} to {max(rhos):+.2f}. A block's R²_lin moves by a median of {summary['median_spread']:.3f} "
-            f"between domains (largest at block {blocks[k]}: {values}). ")
+    lead = (
+        f"Across {len(names)} domains ({', '.join(names)}), the profiles rank the blocks alike at Spearman "
+        f"{min(rhos):+.2f} to {max(rhos):+.2f}. A block's R²_lin moves by a median of {summary['median_spread']:.3f} "
+        f"between domains (largest at block {blocks[k]}: {values}). "
+    )
     if min(rhos) >= 0.8 and summary["median_spread"] <= 0.1:
         verdict = "The profile is a property of the model: its shape holds on every domain."
     elif min(rhos) >= 0.6:
@@ -199,7 +201,9 @@ def run_domains(model: nn.Module, tokenizer, domains: tuple[str, ...], *, data_n
         else:
             cal = file_windows(tokenizer, d, n_fit, n_held, seq_len, seed)
             source = f"text file {d}"
-        logger.info("analyze: corpus domain %s (%d fit + %d held-out windows)", d, cal.fit.shape[0], cal.heldout.shape[0])
+        logger.info(
+            "analyze: corpus domain %s (%d fit + %d held-out windows)", d, cal.fit.shape[0], cal.heldout.shape[0]
+        )
         profs = profile_windows(model, cal, batch_size=batch_size, compute_dtype=compute_dtype, desc=f"domain {d}")
         out[d if d in ("self", "stdlib") else Path(d).name] = {
             "source": source, "fit_rows": int(cal.fit.numel()), "heldout_rows": int(cal.heldout.numel()),

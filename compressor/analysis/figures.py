@@ -58,7 +58,8 @@ def probe(a: dict, path: Path) -> Path:
     idx = [r["index"] for r in rows]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.6))
     ax.plot(idx, [_v(r["r2_lin"]) for r in rows], "o-", ms=3, label="R²_lin (affine)")
-    ax.plot(idx, [_v(r["r2_poly"]) for r in rows], "s-", ms=3, label=f"R²_poly (+{rows[0]['extra_features']} products)")
+    label = f"R²_poly (+{rows[0]['extra_features']} products)"
+    ax.plot(idx, [_v(r["r2_poly"]) for r in rows], "s-", ms=3, label=label)
     ax.set_xlabel("block")
     ax.set_ylabel("held-out R²")
     ax.legend(fontsize=7)

@@ -137,8 +137,10 @@ def reading(res: dict) -> str:
     related = excludes_zero(c, "pearson")
     r = c["pearson"]["r"]
     if med < 0.05 and not related:
-        verdict = ("This confirms the paper: the residual of the affine map is not low-order multiplicative in the "
-                   "dominant input directions, and what a bilinear term recovers does not track how nonlinear a block is.")
+        verdict = (
+            "This confirms the paper: the residual of the affine map is not low-order multiplicative in the "
+            "dominant input directions, and what a bilinear term recovers does not track how nonlinear a block is."
+        )
     elif med < 0.05:
         verdict = (f"The gain is small, as the paper says, but not unrelated to nonlinearity: it "
                    f"{'grows' if (r or 0) > 0 else 'shrinks'} with 1 − R²_lin, where the paper reports r ≈ 0.")

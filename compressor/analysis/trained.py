@@ -48,7 +48,8 @@ def second_moments(m: Moments) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_linear(fit: Moments, optimizer: str, steps: int, *, adam_lr: float = 1e-3,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Train ``nn.Linear(d_in, d_out)`` from zero on the fit rows' MSE; returns ``(W [d_in, d_out], b, info)`` in float64.
+    """Train ``nn.Linear(d_in, d_out)`` from zero on the fit rows' MSE; returns ``(W [d_in, d_out], b, info)`` in
+    float64.
 
     >>> W, b, info = train_linear(stats.fit, "adam", 300)     # doctest: +SKIP
     """
@@ -115,9 +116,11 @@ def reading(res: dict) -> str:
     for name, label in (("adam", "Adam"), ("gd", "gradient descent")):
         gaps = [r[name]["gap"] for r in rows]
         worst = max(rows, key=lambda r: r[name]["gap"])
-        parts.append(f"{label} stays a median {statistics.median(gaps):.3f} below the closed-form R² (worst "
-                     f"{worst[name]['gap']:.3f} at block {worst['index']}; {sum(g > 0.05 for g in gaps)} of {len(rows)} "
-                     "blocks understated by more than 0.05)")
+        parts.append(
+            f"{label} stays a median {statistics.median(gaps):.3f} below the closed-form R² (worst "
+            f"{worst[name]['gap']:.3f} at block {worst['index']}; {sum(g > 0.05 for g in gaps)} of {len(rows)} "
+            "blocks understated by more than 0.05)"
+        )
     c = res["correlation"]
     cond, ceil = c["gap_vs_condition"], c["gap_vs_ceiling"]
     text = (f"After {res['steps']} full-batch steps from zero, " + "; ".join(parts) + ". Across blocks the gap ranks "

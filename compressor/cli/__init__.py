@@ -21,7 +21,7 @@ from compressor.cli.common import launched_rank, logger, setup_logging
 
 #: Modules that add sub-commands, in the order ``--help`` lists them.
 COMMANDS = ("compressor.cli.profile", "compressor.cli.run", "compressor.cli.export", "compressor.cli.cache",
-            "compressor.cli.analyze")
+            "compressor.cli.analyze", "compressor.cli.launch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,24 +55,33 @@ def main(argv: list[str] | None = None) -> int:
         with stop_signals_raise():  # SIGTERM (timeout, docker, Slurm) cleans up as Ctrl-C does
             return args.handler(args)
     except RankFailed as e:  # rank 0 failed while writing and printed why; exit as it does
-        return e.exit_code
-    except INVALID_INPUT_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_INVALID
+        return _said(e.exit_code, str(e), shared=True)
+    except INVALID_INPUT_ERRORS as e:  # every rank reads the same recipe and inputs: rank 0 says it
+        return _said(EXIT_INVALID, f"error: {e}", shared=True)
     except NonFiniteActivationError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    except GateFailed as e:
-        print(f"gate failed: {e}", file=sys.stderr)
-        return EXIT_GATE
+        return _said(EXIT_ERROR, f"error: {e}")
+    except GateFailed as e:  # every rank reaches the same verdict
+        return _said(EXIT_GATE, f"gate failed: {e}", shared=True)
     except KeyboardInterrupt as stop:
         print(stop_name(stop), file=sys.stderr)
         return exit_code_for(stop)
     except Exception as e:  # noqa: BLE001 - the CLI turns every failure into an exit code
         if args.verbose:
             logger.exception("failed")
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        return _said(EXIT_ERROR, f"error: {type(e).__name__}: {e}")
+
+
+def _said(code: int, message: str, *, shared: bool = False) -> int:
+    """``message`` on stderr, and ``code`` to exit with. Under a launcher a failure every rank shares (bad input,
+    the gate's verdict, rank 0's failure relayed) is said by rank 0 alone, one of a rank's own by that rank,
+    named; each rank records it for torchrun's report (:func:`~compressor.core.distributed.record_failure`)."""
+    from compressor.core.distributed import record_failure
+
+    rank = launched_rank()
+    if rank == 0 or not shared:
+        print(message if rank == 0 else f"rank {rank}: {message}", file=sys.stderr)
+    record_failure(code, message)
+    return code
 
 
 

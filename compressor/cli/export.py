@@ -17,16 +17,27 @@ import os
 import shutil
 from pathlib import Path
 
-from compressor.cli.common import EXIT_CODES_EPILOG, add_common, recipe_option
+from compressor.cli.common import add_common, recipe_option
 
 logger = logging.getLogger(__name__)
+
+#: export's own exit codes (``run``'s speak of --resume and report.json, which export has neither of).
+EXPORT_EXIT_CODES = """exit codes:
+  0  success: the .gguf file is written and checked in llama.cpp
+  1  runtime error (message on stderr; --verbose for the traceback), or llama.cpp's
+     check of the written file failed: nothing is left at --output
+  2  invalid input (not a compressor output folder, a compressed-tensors folder, a
+     format or tokenizer the file cannot carry, an existing --output without
+     --overwrite, a missing --text…): detected before the model loads
+  130  interrupted (Ctrl-C); 143  terminated (SIGTERM): the staging file is removed
+"""
 
 
 def add_parsers(sub) -> None:
     from compressor.recipe.schema import OutputConfig
 
     p = sub.add_parser("export", help="write an existing compressor output folder in another format (gguf)",
-                       epilog=EXIT_CODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=EXPORT_EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Convert a compressor output folder (hf format) to a GGUF file that an unmodified "
                        "llama.cpp runs, and check it in llama.cpp: its perplexity on the run's evaluation text (or "
                        "--text) is compared with the folder's in transformers. See docs/gguf.md.")
@@ -72,6 +83,8 @@ def preflight(args) -> dict:
     compression = cfg.get("compression")
     if not isinstance(compression, dict):
         _fail(f"{cfg_path} has no compression section: export converts folders written by `compressor run`")
+    if (why := _packed_refusal(args.folder, cfg, compression)) is not None:
+        _fail(why)
     model_type = str(cfg.get("model_type", "")).removeprefix("compressed_")
     try:
         writer = get_writer(args.format)
@@ -124,6 +137,24 @@ def _planned_gguf(folder: Path) -> Path | None:
     checks = report.get("verification")
     check = checks.get("gguf") if isinstance(checks, dict) else None
     return folder / FILE_NAME if isinstance(check, dict) and check.get("quant") == "plan" else None
+
+
+def _packed_refusal(given: str, cfg: dict, compression: dict) -> str | None:
+    """Why a compressed-tensors folder is not exported (None for a float folder): its linears are packed integer
+    codes with a ``weight_scale`` each, which the gguf writer (it reads float weights) cannot take, and decoding
+    them into a GGUF would round the weights twice."""
+    from compressor.output.ctensors.schemes import CTENSORS_FORMAT
+
+    qcfg = cfg.get("quantization_config")
+    packed = isinstance(qcfg, dict) and qcfg.get("quant_method") == "compressed-tensors"
+    if not packed and compression.get("format") != CTENSORS_FORMAT:
+        return None
+    original = str(compression.get("source_model") or "the original model")
+    return (f"{given!r} is a compressed-tensors folder (output.formats: [compressed-tensors]: integer weights "
+            "packed with a weight_scale each), and export converts a float Hugging Face folder only: a GGUF made "
+            "from it would round the weights a second time. Plan the GGUF from the original instead: run the same "
+            f"recipe (model.source: {original}) with --set 'output.formats=[gguf]' --set output.size=Q4_K_M (or "
+            "another size) -o ANOTHER_FOLDER; or export a folder written with output.formats: [hf]")
 
 
 def _ask(writer, check: str, *args) -> str | None:
@@ -192,7 +223,7 @@ def _probe(args, folder: Path, tokenizer):
 def handle(args) -> int:
     import torch
 
-    from compressor.evaluation.evaluate import perplexity
+    from compressor.evaluation.perplexity import perplexity
     from compressor.output import WriteRequest
     from compressor.output.hf import OUTPUT_DTYPES, load_compressed
 

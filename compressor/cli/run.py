@@ -29,9 +29,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--kind", choices=list(REPLACEMENT_CONFIGS), default=None,
                    help="replacement kind: affine, low_rank, prune, hybrid (default: affine)")
     recipe_option(p, "--rank", LowRankReplacement, "rank", type=int, default=None)
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier compressor output in the output folder (other non-empty folders are refused)")
-    p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier compressor output in the output folder (other non-empty folders are refused)",
+    )
+    p.add_argument("--no-cache", action="store_true",
+                   help="measure again without reading the statistics cache (profile statistics, a size run's prices)")
     p.add_argument("--report", default=None, help="also write report.json here")
     add_overrides(p)
     add_common(p)
@@ -41,8 +45,11 @@ def add_parsers(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="YAML recipe, e.g. recipes/smollm2-135m.yaml")
     p.add_argument("--output", "-o", default=None, help="output folder (overrides output.path)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier compressor output in the output folder (other non-empty folders are refused)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier compressor output in the output folder (other non-empty folders are refused)",
+    )
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved plan; load nothing")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run of this recipe and output from its saved state (same result as an "
@@ -54,7 +61,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--measurements-from", default=None, metavar="OUTPUT",
                    help="start from the measurements an earlier run of this recipe kept (--keep-state) for output "
                    "folder OUTPUT; only the policy's gate settings (ppl_budget, ffn_keep, …) may differ")
-    p.add_argument("--no-cache", action="store_true", help="recompute profile statistics")
+    p.add_argument("--no-cache", action="store_true",
+                   help="measure again without reading the statistics cache (profile statistics, a size run's prices)")
     p.add_argument("--report", default=None, help="also write report.json here (also written when the gate fails)")
     add_overrides(p)
     add_common(p)
@@ -155,7 +163,7 @@ def _stopped_message(recipe, stop: KeyboardInterrupt, *, cache: bool) -> str:
     statistics are measured again, and its work folder is gone); a structural run with finished steps kept
     resumes from them."""
     from compressor.core.errors import stop_name
-    from compressor.engine.resume import state_dir
+    from compressor.engine.runstate import state_dir
 
     what = stop_name(stop)
     if recipe.output.size is not None:
@@ -173,7 +181,7 @@ def _stopped_message(recipe, stop: KeyboardInterrupt, *, cache: bool) -> str:
 
 def _print_summary(r: dict, output) -> None:
     from compressor.engine.cache import human_bytes
-    from compressor.reports.render import planned_check
+    from compressor.reports.card import planned_check
 
     ppl = r["perplexity"]
     kept = [d["index"] for d in r["blocks"] if d["decision"] == "kept"]
@@ -245,7 +253,7 @@ def _gate_line(d: dict, confidence: float, headroom: float = 0.0) -> str:
             return f"KL {row['kl']:.4f}, {confidence:.0%} bound {row['kl_upper']:.4f}"
         return f"{row['relative_delta']:+.2%}, {confidence:.0%} bound {row['relative_delta_upper']:+.2%}"
 
-    from compressor.evaluation.evaluate import headroom_note
+    from compressor.evaluation.gate import headroom_note
 
     limit = (f"{d['limit']:.4f}" if kl else f"{d['limit'] / d['baseline_ppl'] - 1:+.2%}") + headroom_note(headroom)
     verdict = "within" if d["passed"] else "over"
@@ -278,24 +286,32 @@ def _print_size_plan(r: dict, fmt: str, gguf: dict) -> None:
                           for a in search["attempts"])
         print(f"smallest within the budget: planned for a predicted {100 * search['target_predicted_ppl_change']:+.2f} "
               f"%; files measured: {tried}")
-    preset = gguf.get("preset")
-    anchor = (f"llama.cpp's {preset['name']} from the same F16" if fmt == "gguf" else
-              f"the uniform {preset['name']} checkpoint") if preset else ""
+    preset, best = gguf.get("preset"), gguf.get("best_preset")
+    called = (preset.get("called") or f"llama.cpp's {preset['name']}") if preset else ""
+    anchor = (f"{called} from the same F16" if fmt == "gguf" else f"the uniform {preset['name']} checkpoint"
+              ) if preset else ""
     print(f"predicted: {100 * gguf['predicted_relative_change']:+.2f} % perplexity"
           + (f"; beside it: {anchor}, {human_bytes(preset['file_bytes'])}" if preset else ""))
     for d in gguf.get("domains", []):
         bound = (f" ({d['confidence']:.0%} bound {100 * d['relative_delta_upper']:+.2f} %)"
                  if d.get("relative_delta_upper") is not None else "")
-        kl = (f"; KL {d['kl_mean']:.4f} (p99 {d['kl_p99']:.3f}), same top token {d['same_top_token']:.1%}"
+        tail = f", p99.9 {d['kl_p999']:.3f}" if d.get("kl_p999") is not None else ""
+        kl = (f"; KL {d['kl_mean']:.4f} (p99 {d['kl_p99']:.3f}{tail}), same top token {d['same_top_token']:.1%}"
               if d.get("kl_mean") is not None else "")
         beside = f" | {preset['name']}: {100 * d['preset_relative_change']:+.2f} %" if preset else ""
         if preset and d.get("preset_kl_mean") is not None:
             beside += f", KL {d['preset_kl_mean']:.4f}"
+        if best and d.get("best_preset_relative_change") is not None:  # a smaller preset that is better here
+            beside += f" | {best['name']}: {100 * d['best_preset_relative_change']:+.2f} %"
+            beside += f", KL {d['best_preset_kl_mean']:.4f}" if d.get("best_preset_kl_mean") is not None else ""
         print(f"{where} [{d['name']}]: perplexity {d['perplexity']:.4f}, {100 * d['relative_change']:+.2f} %{bound} "
               f"against the original's {d['reference_perplexity']:.4f}{kl}{beside}")
+    if best:
+        print(f"better of no more bytes: {best['called']}, {human_bytes(best['file_bytes'])}; the gate compares "
+              "with it")
     if gguf.get("gate_rule") == "preset":
-        print(f"gate: over the default budget, written as at least as good as {anchor} on every domain (set "
-              "policy.ppl_budget in the recipe to hold the file to it)")
+        print(f"gate: over the default budget, written as at least as good as {best['called'] if best else anchor} "
+              "on every domain (set policy.ppl_budget in the recipe to hold the file to it)")
 
 
 def _flag_path(value: str, flag: str) -> str:

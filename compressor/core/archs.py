@@ -180,7 +180,9 @@ def _is_moe(config) -> bool:
 
 
 #: A fix that works for a model compressor does not plan: llama.cpp's own tools.
-LLAMA_CPP_TOOLS = "make its GGUF with llama.cpp's own tools (convert_hf_to_gguf.py, then llama-imatrix and llama-quantize)"
+LLAMA_CPP_TOOLS = (
+    "make its GGUF with llama.cpp's own tools (convert_hf_to_gguf.py, then llama-imatrix and llama-quantize)"
+)
 #: What a user can do with a mixture-of-experts model of a family not mapped here.
 MOE_FIX = f"{LLAMA_CPP_TOOLS}; compressor does not plan or compress it yet"
 

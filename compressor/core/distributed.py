@@ -17,13 +17,8 @@ subtrees the same way, and the subtree partials are exchanged with
 The result does not depend on W (given the same batches and the same
 intra-op thread count, which makes each batch's forward bitwise the same).
 
-Per-window (evaluation) and per-batch (residual energy, loss gradients)
-quantities are gathered into full vectors in window / batch order, so every
-rank does the same arithmetic on the same numbers.
-
->>> device = init_from_env("cpu")           # doctest: +SKIP
->>> rank(), world_size(), is_main()          # doctest: +SKIP
-(0, 2, True)
+Per-window and per-batch quantities are gathered into full vectors in window / batch order, so every rank does
+the same arithmetic on the same numbers (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -100,6 +95,45 @@ def init_from_env(device: str = "cpu") -> str:
         dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=TIMEOUT)
         logger.info("rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), dist.get_backend())
     return device
+
+
+def record_failure(exit_code: int, message: str) -> None:
+    """Under ``torchrun``, say this rank's failure where torchrun's own report of it shows it: the error file
+    it names in ``TORCHELASTIC_ERROR_FILE`` (its "traceback" line then carries ``message`` and the exit code,
+    where it would say "To enable traceback see …"). Nothing without a launcher, or when the file cannot be
+    written (the rank still exits with ``exit_code``)."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or not exit_code:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": f"{message} (compressor exit code {exit_code})", "timestamp": int(time.time())}, f)
+    except OSError:
+        pass
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run ``python -m compressor ARGV`` on ``nproc`` ranks of this machine, as ``torchrun --standalone
+    --nproc-per-node NPROC -m compressor ARGV`` does, and return the run's exit code: the first failed rank's
+    (rank 0's where it failed first; 128 + the signal for a rank a signal stopped), 0 when every rank succeeded.
+    torchrun itself exits 1 with its own traceback whatever the ranks' codes; the ranks said why already."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "compressor", *argv])
+    # torch's agent logs every failed rank and the error files it copies: the ranks said it, once
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as failed:
+        codes = {r: f.exitcode for r, f in failed.failures.items()}
+        first = failed.get_first_failure()[0]
+        code = codes[0] if codes.get(0, 0) > 0 else codes[first]  # a sibling stopped after it shows a signal
+        return code if code > 0 else 128 - code
+    return 0
 
 
 # -- exchanging -------------------------------------------------------------------

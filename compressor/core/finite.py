@@ -77,5 +77,6 @@ def check_activations_finite(block_index: int, what: str, t: torch.Tensor, dtype
             "check the checkpoint (compressor checks weights when it loads them) and try another calibration text"
         )
     raise NonFiniteActivationError(
-        f"block {block_index}: {what} has {nan} NaN and {inf} Inf value(s) in {str(dtype).removeprefix('torch.')}; {cause}"
+        f"block {block_index}: {what} has {nan} NaN and {inf} Inf value(s) in {str(dtype).removeprefix('torch.')};"
+        f" {cause}"
     )

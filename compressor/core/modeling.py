@@ -88,14 +88,19 @@ class HiddenUnitFFN(nn.Module):
 
 def _hidden(bypass: bool):
     def build(c: dict) -> nn.Module:
-        return HiddenUnitFFN(c["in_features"], c["out_features"], c["units"], c["act"], c["gated"], c["up_bias"], bypass)
+        return HiddenUnitFFN(
+            c["in_features"], c["out_features"], c["units"], c["act"], c["gated"], c["up_bias"], bypass
+        )
     return build
 
 
 # kind → (entry formats it can read, builder from the entry's config)
 REPLACEMENTS = {
     "affine": (("compressor.kind.affine/v1",), lambda c: AffineFFN(c["in_features"], c["out_features"])),
-    "low_rank": (("compressor.kind.low_rank/v1",), lambda c: LowRankAffineFFN(c["in_features"], c["out_features"], c["rank"])),
+    "low_rank": (
+        ("compressor.kind.low_rank/v1",),
+        lambda c: LowRankAffineFFN(c["in_features"], c["out_features"], c["rank"]),
+    ),
     "prune": (("compressor.kind.prune/v1",), _hidden(False)),
     "hybrid": (("compressor.kind.hybrid/v1",), _hidden(True)),
 }
@@ -117,7 +122,9 @@ def build_replacement(entry: dict) -> nn.Module:
     entry = _normalize_entry(entry)
     kind = entry.get("kind")
     if kind not in REPLACEMENTS:
-        raise ValueError(f"unknown replacement kind {kind!r} in the compression config; expected one of {sorted(REPLACEMENTS)}")
+        raise ValueError(
+            f"unknown replacement kind {kind!r} in the compression config; expected one of {sorted(REPLACEMENTS)}"
+        )
     formats, build = REPLACEMENTS[kind]
     fmt = entry.get("format", formats[-1])
     if fmt not in formats:

@@ -1,29 +1,15 @@
 """Onloading: decoder layers' weights stay off the compute device, one layer at a time is materialised.
 
-``model.offload`` in a recipe:
+``model.offload`` in a recipe: ``none`` loads the whole model on ``model.device``; ``disk`` keeps every decoder layer
+on disk (a safetensors checkpoint read in place, a GGUF written once to an offload folder), each linear layer read
+when it runs and dropped after; ``cpu`` keeps layers in host RAM and moves each to the GPU when it runs.
 
-* ``none`` — the whole model is loaded on ``model.device`` (today's default);
-* ``disk`` — every decoder layer stays on disk. For a safetensors checkpoint
-  the original files are read in place (nothing is copied); other formats
-  (GGUF) are written once to a temporary offload folder. Each linear layer's
-  weights are read when it runs and dropped after, so host memory holds one
-  layer's weights at a time;
-* ``cpu`` — decoder layers live in host RAM and move to the GPU when they run
-  (``model.device: cuda`` with a model larger than GPU memory).
-
-The mechanism is accelerate's (``device_map`` with ``"disk"``/``"cpu"``
-entries and its ``AlignDevicesHook``), not a home-made loader: every full-model
-forward (evaluation, generation, the reload check) works unchanged, and the
-layer-sequential engine (:mod:`compressor.engine.walker`) naturally touches one layer
-at a time. The final norm stays on the compute device. With ``disk``, a token
-embedding and an output head that are two tensors (an untied head) wait on disk
-with the layers and are read, in the compute dtype, only while they run: they
-are the largest tensors of a model with a large vocabulary (an 8B's 128k × 4,096
-are 2.1 GB each in float32), and a run holds neither between its passes. A tied
-pair is one tensor in two roles and stays on the compute device. What this
-module adds are the few places where compressor reads weights itself: the
-execution device of a module (:func:`input_device`), and a weight's value even
-when its parameter is a ``meta`` placeholder.
+The mechanism is accelerate's (``device_map`` with ``"disk"``/``"cpu"`` entries, its ``AlignDevicesHook``), so every
+full-model forward works unchanged and the layer-sequential engine touches one layer at a time. With ``disk`` an
+untied embedding and head wait on disk too (the largest tensors of a large vocabulary); a tied pair stays on the
+device. This module adds the few places where compressor reads weights itself: a module's execution device
+(:func:`input_device`) and a weight's value when its parameter is a ``meta`` placeholder. Measured:
+docs/large-models.md.
 """
 
 from __future__ import annotations

@@ -187,7 +187,9 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def stats_key(model_fp: str, data_fp: str, settings: dict) -> str:
-    blob = json.dumps({"format": CACHE_FORMAT, "model": model_fp, "data": data_fp, "settings": settings}, sort_keys=True)
+    blob = json.dumps(
+        {"format": CACHE_FORMAT, "model": model_fp, "data": data_fp, "settings": settings}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 

@@ -190,10 +190,14 @@ class StatsCollector:
                 ) from e
             stop = self.stop_early and i == last
             if mod_in is mod_out:
-                self._handles.append(mod_out.register_forward_hook(self._make_hook(i, stop, same=True), with_kwargs=True))
+                self._handles.append(
+                    mod_out.register_forward_hook(self._make_hook(i, stop, same=True), with_kwargs=True)
+                )
             else:
                 self._handles.append(mod_in.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True))
-                self._handles.append(mod_out.register_forward_hook(self._make_hook(i, stop, same=False), with_kwargs=True))
+                self._handles.append(
+                    mod_out.register_forward_hook(self._make_hook(i, stop, same=False), with_kwargs=True)
+                )
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,32 +1,13 @@
 """The memory model: what a layer-sequential run holds, per layer, on the device and on the host.
 
-With onloading (``model.offload: disk``, :mod:`compressor.core.onload`) the peak is
-one layer's worth of everything, independent of depth:
-
-* **weights**: the resident modules (embeddings, LM head, final norm) plus the
-  one decoder layer being run, in the compute dtype;
-* **activation caches**: the hidden states of every calibration window at the
-  current layer — one stream for ``target: none``, two (teacher and student)
-  for teacher targets — and, while a layer runs, its outputs beside its inputs
-  (stored in the compute dtype, on the host);
-* **statistics of one layer**: the ``x → y`` moments (a fit and three
-  held-out partitions, each a d×d input covariance and a d×d cross term,
-  float64) and, for hidden-unit kinds (``prune``, ``hybrid``), the ``z = [x, h]``
-  moments of the fit and held-out rows ((d+f)² + (d+f)·d each, float64);
-* **accumulation**: while a split's batches stream by, their per-batch
-  partial statistics are merged in the canonical tree order of
-  :mod:`compressor.core.distributed` (bitwise the same for 1 to 8 ranks), which
-  keeps up to ``TREE_DEPTH + 2`` partials alive, beside the reduced fit split;
-* **solve workspace** of that layer: for hidden-unit kinds the OBS path works
-  on (d+f)² float64 matrices (standardised covariance, its Cholesky factor and
-  inverse, the held-out covariance, the shrinking copies): about five of them
-  at the peak; every layer's affine fit and its held-out scoring (the R²_lin
-  profile) take about 13 d×d float64 matrices (measured).
-
-On a GPU (``model.device: cuda``) the weights being run, one batch of
-activations, the statistics and the workspace are on the device; the
-activation caches and the offloaded weights wait on the host (or on disk).
-Without onloading, the whole model's weights are resident instead of one layer.
+With onloading (``model.offload: disk``) the peak is one layer's worth of everything, independent of depth:
+the resident modules plus the one decoder layer being run; the hidden states of every calibration window at the
+current layer (one stream, or two for teacher targets); one layer's ``x → y`` moments (float64, a fit and three
+held-out partitions) and, for hidden-unit kinds, the ``z = [x, h]`` moments; the partial sums the canonical merge
+tree keeps alive (:mod:`compressor.core.distributed`); and the solve's workspace (about five (d+f)² float64
+matrices for OBS, about 13 d×d for an affine fit and its scoring, measured). On a GPU the weights being run, one
+batch, the statistics and the workspace are on the device, the caches on the host. Each term and how it was
+measured: docs/large-models.md.
 
 >>> from compressor.engine.memory import estimate, LLAMA_SHAPES                  # doctest: +SKIP
 >>> estimate(**LLAMA_SHAPES["llama-2-7b"], tokens=131072, kind="hybrid")  # doctest: +SKIP

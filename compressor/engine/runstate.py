@@ -1,7 +1,8 @@
 """The state folder of one run: :class:`RunState` (open, check, record, read back) and :class:`WalkRecords`.
 
-Where the folder lives and what it holds is told in :mod:`compressor.engine.resume`;
-the key it is checked against is :mod:`compressor.engine.runkey`, the records'
+The folder is ``<parent>/.<name>.compressor-state/`` beside the output ``<parent>/<name>``: on the output's file
+system (``os.replace`` makes each record atomic), outside the output (its safety rules never see it). What it holds
+and why: docs/resume.md. The key it is checked against is :mod:`compressor.engine.runkey`, the records'
 encoding :mod:`compressor.engine.records`.
 """
 
@@ -22,7 +23,7 @@ from compressor.engine.records import ResumeError, decode, encode
 from compressor.engine.runkey import KEY_LABELS, describe_change
 
 # The name the run's log lines have always carried (the CLI prints it).
-logger = logging.getLogger("compressor.engine.resume")
+logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "compressor.run-state/v1"
 STATE_FILE = "state.json"
@@ -32,7 +33,7 @@ GATE_PREFIX = "gate-"
 
 
 def state_dir(output: str | Path) -> Path:
-    """The run-state folder of an output folder (see :mod:`compressor.engine.resume`)."""
+    """The run-state folder of an output folder (see :mod:`compressor.engine.runstate`)."""
     out = Path(output).expanduser().resolve()
     return out.parent / f".{out.name}.compressor-state"
 
@@ -41,7 +42,7 @@ _NAME = re.compile(r"^[a-z0-9-]+$")
 
 
 class RunState:
-    """Checkpoints of one run (see :mod:`compressor.engine.resume`); ``RunState()`` records nothing."""
+    """Checkpoints of one run (see :mod:`compressor.engine.runstate`); ``RunState()`` records nothing."""
 
     def __init__(self, folder: Path | None = None, key: dict | None = None, *, resumed: bool = False) -> None:
         self.folder = folder

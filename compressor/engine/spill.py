@@ -10,7 +10,7 @@ safetensors file in a temporary folder, read back one block at a time. The
 small per-block results (the OBS path, the cached affine solve) stay in RAM.
 
 Statistics a resumable run already recorded (its run state holds each layer's
-record, :mod:`compressor.engine.resume`) are not written a second time: the
+record, :mod:`compressor.engine.runstate`) are not written a second time: the
 store reads them back from the record (:meth:`BlockStore.keep_recorded`) — for
 Qwen2.5-Coder-1.5B 30 GB of disk instead of 60. The temporary folder lies in
 the run-state folder when there is one, so a killed run leaves nothing behind

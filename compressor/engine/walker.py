@@ -16,15 +16,10 @@ different types different ones). Then, for each layer in turn:
 4. the replacement is installed in the model, and the student stream runs
    through the layer as replaced; the layer's statistics are freed.
 
-Only one layer's statistics are alive at a time, so memory does not grow
-with depth. Hidden states live on the CPU; each batch is moved to the
-layer's execution device for its forward. With ``model.offload``
-(:mod:`compressor.core.onload`) a layer's weights are read when it runs and
-dropped after, so one layer's weights are materialised at a time.
-
-Under a process group each rank holds and walks only its own batches; each
-split's per-batch statistics are reduced across ranks in one fixed tree order
-(:class:`compressor.core.distributed.TreeReduce`), the same bits for any number of ranks.
+Only one layer's statistics (and, with ``model.offload``, one layer's weights) are alive at a time; hidden
+states live on the CPU. Under a process group each rank walks its own batches, and each split's statistics are
+reduced in one fixed tree order (:class:`compressor.core.distributed.TreeReduce`): the same bits for any number
+of ranks.
 """
 
 from __future__ import annotations
@@ -184,7 +179,9 @@ class LayerWalker:
                     pass
                 if state["record_all"]:
                     if len(state["args"]) != n:
-                        raise RuntimeError(f"captured arguments of {len(state['args'])} of {n} layers; is the model complete?")
+                        raise RuntimeError(
+                            f"captured arguments of {len(state['args'])} of {n} layers; is the model complete?"
+                        )
                     self._layer_args[shape] = state["args"]
                 h0 = state["h0"]
                 inputs.append(h0.to("cpu", self.store_dtype or h0.dtype))
@@ -235,7 +232,7 @@ class LayerWalker:
         """Walk the layers; ``on_layer(i, stats)`` may return a replacement for layer i's
         FFN, which is installed in the model before the walk moves on.
 
-        Layers in ``done`` were finished by an interrupted run (:mod:`compressor.engine.resume`):
+        Layers in ``done`` were finished by an interrupted run (:mod:`compressor.engine.runstate`):
         they are not measured; ``replay(i)`` gives the replacement that run installed
         (or None), and the streams only run forward through them. Past the last layer
         left to measure, nothing runs at all.

@@ -4,7 +4,7 @@ Two numbers, both on the gate's held-out evaluation windows:
 
 * **next token** — the share of scored tokens where the compressed model's most likely next token is
   the original's; computed by every gate evaluation from the teacher cache
-  (:attr:`compressor.evaluation.evaluate.Evaluation.agreement`), so it costs nothing extra;
+  (:attr:`compressor.evaluation.perplexity.Evaluation.agreement`), so it costs nothing extra;
 * **continuations** — a handful of prompts cut from the first evaluation domain's windows, each
   continued greedily for :data:`CONTINUATION_TOKENS` tokens by the original (before anything is
   replaced) and by the compressed model: the share of continuations that are identical, and the

@@ -15,15 +15,8 @@ the log-sum inequality); with k = 64 the tail carries little teacher mass, so
 the bound is tight in practice. The cache also keeps the teacher's own NLL per
 token, so the baseline perplexity needs no second pass.
 
-**Greedy agreement**, the share of scored tokens where the model's most likely
-next token is the teacher's, comes from the teacher's top-1, already cached:
-no extra pass.
-
->>> teacher = TeacherCache.build(model, tokens, seq_len=256, stride=128)   # doctest: +SKIP
->>> ev = evaluate(model_after_swap, teacher)                                # doctest: +SKIP
->>> ev.ppl, ev.ppl_se, ev.kl                                                # doctest: +SKIP
-
-Under ``torch.distributed`` (see :mod:`compressor.core.distributed`) each rank
+**Greedy agreement** (the model's top token is the teacher's) comes from the cached top-1: no extra pass. Under
+``torch.distributed`` (see :mod:`compressor.core.distributed`) each rank
 scores a contiguous share of the batches; the per-window sums are gathered
 in window order, so every rank computes the same numbers as one process.
 """
@@ -171,7 +164,9 @@ def _tail_logp(logp: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
     return logp.scatter(-1, top_idx, -math.inf).logsumexp(-1)
 
 
-def _kl_terms(student_logp: torch.Tensor, t_logp: torch.Tensor, t_idx: torch.Tensor, t_tail: torch.Tensor) -> torch.Tensor:
+def _kl_terms(
+    student_logp: torch.Tensor, t_logp: torch.Tensor, t_idx: torch.Tensor, t_tail: torch.Tensor
+) -> torch.Tensor:
     """Per-token coarsened KL(teacher ‖ student) over (top-k, tail); see the module docstring."""
     q_k = student_logp.gather(-1, t_idx)
     kl = (t_logp.exp() * (t_logp - q_k)).sum(-1)

@@ -26,7 +26,8 @@ from compressor.core.ggml import BLOCKS, GGMLType
 _PROBES = 4
 
 #: The fewest code bits an element must own. IQ2/IQ3 grids keep only a sign per element; their
-#: magnitudes are indices shared by groups of elements, which are not a per-element grid.
+#: magnitudes are indices shared by groups of elements, which are not a per-element grid (:mod:`.gridround`
+#: compensates them block by block instead).
 _MIN_BITS = 2
 
 

@@ -19,16 +19,10 @@ curve used for allocation.
 Everything runs in float64 on standardized regressors (unit variance), so the
 costs do not depend on the scale of a unit.
 
-With ``ridge`` λ > 0 every solve along the path is shrunk toward ``prior``
-(the block's original coefficients): ``(S + λ I) B = S_y + λ B₀`` on the
-standardized regressors, i.e. ``λ`` times each regressor's own variance. The
-path is then exact OBS on the ridge-augmented normal equations (λ I is a set
-of extra rows ``√λ eⱼ → √λ B₀ⱼ``): removing a unit also gives up its prior
-term ``λ‖B₀ⱼ‖²``, which blends OBS with magnitude × activation pruning, and
-the held-out error is tracked exactly for the shrunk solutions. With λ → ∞ the
-kept units keep their original weights. When the fit rows barely outnumber the
-units, the exact re-solve (λ = 0) fits the fit rows' noise: see
-``tools/bench_resolve_rows.py``.
+With ``ridge`` λ > 0 every solve is shrunk toward ``prior`` (the block's original coefficients),
+``(S + λ I) B = S_y + λ B₀`` on the standardized regressors: exact OBS on the ridge-augmented normal equations,
+so removing a unit also gives up its prior term ``λ‖B₀ⱼ‖²``. Why (the exact re-solve fits the fit rows' noise
+when they barely outnumber the units): docs/benchmarks.md, ``tools/bench_resolve_rows.py``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@
   evaluation set fails before the model loads;
 * :func:`self_evaluation_streams` — the ``self`` domains: text the original
   model writes under its own seed, once the model is loaded;
-* :func:`build_calibration` — the calibration windows (``mix`` and ``self``
-  have the model write text, :mod:`compressor.inputs.selfcal`).
+* :func:`build_calibration` — the calibration windows, each source's share of
+  ``calibration.max_tokens`` (``CalibrationConfig.shares``: a list of sources by
+  weight, ``mix``, or one source); ``self`` is text the model writes,
+  :mod:`compressor.inputs.selfcal`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import time
 import torch
 
 from compressor.core.errors import InputError
-from compressor.inputs.data import (CalibrationSet, TextSource, calibration_set, evaluation_tokens, start_windows,
-                                    window_start)
+from compressor.inputs.data import (CalibrationSet, TextSource, calibration_text_tokens, evaluation_tokens,
+                                    start_windows, window_start, windows_from)
 from compressor.inputs.load import load_tokenizer as _load_tokenizer
 from compressor.inputs.load import resolve_source
-from compressor.recipe.schema import ModelConfig, Recipe
+from compressor.recipe.schema import CalibrationSource, ModelConfig, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,9 @@ class DataInput:
 
 
 def source_text(cfg) -> TextSource:
-    return TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column)
+    """The text a data section reads (its ``dataset``), or one entry of a calibration list (its ``source``)."""
+    name = cfg.source if isinstance(cfg, CalibrationSource) else cfg.dataset
+    return TextSource(name, cfg.config, cfg.split, cfg.text_column)
 
 
 def load_tokenizer(mc: ModelConfig):
@@ -52,17 +56,17 @@ def load_tokenizer(mc: ModelConfig):
                            revision=mc.revision)
 
 
-def calibration_text(recipe: Recipe) -> TextSource:
-    """The text part of the calibration: ``mix`` reads the embedded text, ``self`` none."""
-    c = recipe.calibration
-    return TextSource("embedded") if c.dataset in ("mix", "self") else source_text(c)
+def calibration_texts(recipe: Recipe) -> list[TextSource]:
+    """The text sources the calibration reads, in order (not the model's own writing: ``self`` reads none,
+    ``mix`` the embedded prose, a list each of its other entries)."""
+    return [source_text(s) for _, s in recipe.calibration.read_sources()]
 
 
 def evaluation_streams(recipe: Recipe, tokenizer) -> dict[str, torch.Tensor]:
     """Token ids per evaluation domain read from text (not the ``self`` domains, which the model writes:
     :func:`self_evaluation_streams`), disjoint from calibration text; raises :class:`InputError` when a
     domain is below ``evaluation.min_tokens`` (needs only the tokenizer)."""
-    cal_src = calibration_text(recipe) if recipe.calibration.dataset != "self" else None
+    cal_src = calibration_texts(recipe)
     start = window_start(tokenizer)
     out = {}
     for e in recipe.evaluation_domains():
@@ -117,31 +121,42 @@ def self_evaluation_streams(recipe: Recipe, model, tokenizer, use_cache: bool,
 
 
 def self_settings(recipe: Recipe):
-    """The :class:`~compressor.inputs.selfcal.SelfCalSettings` of a ``self`` / ``mix`` calibration."""
+    """The :class:`~compressor.inputs.selfcal.SelfCalSettings` of the calibration's own writing (``self``, ``mix``
+    or a list naming ``self``): its share of ``max_tokens``."""
     from compressor.inputs.selfcal import SelfCalSettings
 
     c = recipe.calibration
-    n_self = c.max_tokens if c.dataset == "self" else min(c.self_tokens or c.max_tokens // 2, c.max_tokens)
-    return SelfCalSettings(n_tokens=n_self, seq_len=c.seq_len, seed=c.seed)
+    return SelfCalSettings(n_tokens=c.self_written_tokens(), seq_len=c.seq_len, seed=c.seed)
 
 
 def build_calibration(recipe: Recipe, model, tokenizer, use_cache: bool,
                       model_fp: str | None = None) -> tuple[CalibrationSet, dict]:
-    """Calibration windows for ``calibration.dataset`` (``mix`` / ``self`` generate text with the model;
-    ``model_fp``: the model's fingerprint, when the caller has computed it already)."""
+    """Calibration windows for ``calibration.dataset``: each source's share of ``max_tokens``, cut into windows
+    one source at a time, in the recipe's order. Text read from a source an evaluation domain also reads is its
+    even-numbered documents (the embedded texts: their calibration halves), so no gate window is fitted on;
+    ``self`` is written by the model (``model_fp``: its fingerprint, when the caller has computed it already)."""
     from compressor.inputs.selfcal import self_calibration_tokens
 
     c = recipe.calibration
-    info = {"dataset": c.dataset, "self_tokens": 0}
-    extra, text_tokens = None, c.max_tokens
-    if c.dataset in ("mix", "self"):
-        settings = self_settings(recipe)
-        text_tokens = c.max_tokens - settings.n_tokens
-        t0 = time.perf_counter()
-        extra = self_calibration_tokens(model, tokenizer, settings, use_cache=use_cache, model_fp=model_fp)
-        info.update(self_tokens=int(extra.numel()), self_s=time.perf_counter() - t0)
     evaluation = [source_text(e) for e in recipe.evaluation_domains() if not e.self_written()]
-    cal = calibration_set(tokenizer, calibration_text(recipe), seq_len=c.seq_len, max_tokens=text_tokens,
-                          heldout_fraction=c.heldout_fraction, seed=c.seed, evaluation=evaluation, extra=extra)
+    info = {"dataset": c.model_dump(mode="json")["dataset"], "self_tokens": 0, "sources": []}
+    streams, names = [], []
+    for s, n in c.shares():
+        if s.source == "self":
+            t0 = time.perf_counter()
+            ids = self_calibration_tokens(model, tokenizer, self_settings(recipe), use_cache=use_cache,
+                                          model_fp=model_fp)
+            info.update(self_tokens=int(ids.numel()), self_s=time.perf_counter() - t0)
+            names.append(f"{ids.numel()} self-generated tokens")
+        else:
+            ids = calibration_text_tokens(tokenizer, source_text(s), max_tokens=n, evaluation=evaluation)
+            names.append(s.source)
+            if ids.numel() < n:
+                logger.warning("calibration source %r gave %d tokens of its share %d: it holds no more text "
+                               "(the other sources are not topped up)", s.source, ids.numel(), n)
+        streams.append(ids.flatten().to(torch.long))
+        info["sources"].append({"source": s.source, "weight": s.weight, "share": n, "tokens": int(ids.numel())})
+    cal = windows_from(tokenizer, streams, seq_len=c.seq_len, heldout_fraction=c.heldout_fraction, seed=c.seed,
+                       names=names)
     info["text_tokens"] = int(cal.fit.numel() + cal.heldout.numel()) - info["self_tokens"]
     return cal, info

@@ -153,7 +153,9 @@ def _check_jsonl(path: Path, column: str) -> None:
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise DataFileError(f"{path} line {n} is not JSON ({e}); a .jsonl file holds one JSON object per line") from None
+                raise DataFileError(
+                    f"{path} line {n} is not JSON ({e}); a .jsonl file holds one JSON object per line"
+                ) from None
             if not isinstance(row, dict):
                 raise DataFileError(f"{path} line {n} is a JSON {type(row).__name__}, expected an object like "
                                     f'{{"{column}": "..."}}')

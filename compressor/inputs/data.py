@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +101,10 @@ def _embedded_documents(role: str) -> list[str]:
         import inspect
         import json, logging as _l, pathlib, argparse, collections, subprocess, textwrap  # noqa: E401
 
-        topics = {m.__name__: inspect.getdoc(m) or "" for m in (json, _l, pathlib, argparse, collections, subprocess, textwrap)}
+        topics = {
+            m.__name__: inspect.getdoc(m) or ""
+            for m in (json, _l, pathlib, argparse, collections, subprocess, textwrap)
+        }
     keys = sorted(topics)
     parity = 0 if role == "calibration" else 1
     return [topics[k] for i, k in enumerate(keys) if i % 2 == parity]
@@ -315,29 +318,43 @@ def calibration_set(
     ``evaluation``: the evaluation sources; when one is ``source`` itself, the
     calibration takes the even-numbered documents and the evaluation the odd ones.
     """
-    streams = [calibration_text_tokens(tokenizer, source, max_tokens=max_tokens, evaluation=evaluation)] if max_tokens else []
+    streams = (
+        [calibration_text_tokens(tokenizer, source, max_tokens=max_tokens, evaluation=evaluation)] if max_tokens else []
+    )
     if extra is not None:
         streams.append(extra.flatten().to(torch.long))
+    parts = (([source.dataset] if max_tokens else [])
+             + ([f"{extra.numel()} self-generated tokens"] if extra is not None else []))
+    return windows_from(tokenizer, streams, seq_len=seq_len, heldout_fraction=heldout_fraction, seed=seed,
+                        names=parts)
+
+
+def windows_from(tokenizer, streams: list[torch.Tensor], *, seq_len: int, heldout_fraction: float, seed: int,
+                 names: list[str]) -> CalibrationSet:
+    """Calibration windows cut from each id stream in turn (no window straddles two sources), every window
+    starting as the model's input does (:func:`window_start`), a seeded share held out; ``names``: the
+    streams' sources, for the log."""
     start = window_start(tokenizer)
     cal = split_windows([start_windows(s, seq_len, start) for s in streams], seq_len, heldout_fraction, seed)
-    parts = ([source.dataset] if max_tokens else []) + ([f"{extra.numel()} self-generated tokens"] if extra is not None else [])
     logger.info("calibration: %d fit + %d held-out windows of %d tokens from %s",
-                cal.fit.shape[0], cal.heldout.shape[0], seq_len, " + ".join(parts))
+                cal.fit.shape[0], cal.heldout.shape[0], seq_len, " + ".join(names))
     return cal
 
 
 def evaluation_tokens(
-    tokenizer, source: TextSource, calibration: TextSource | None, *, max_tokens: int,
+    tokenizer, source: TextSource, calibration: TextSource | Sequence[TextSource] | None, *, max_tokens: int,
 ) -> torch.Tensor:
-    """Evaluation id stream, disjoint from calibration text.
+    """Evaluation id stream, disjoint from calibration text (``calibration``: the source it reads, or each of
+    them when it reads several).
 
     With the embedded default the halves are disjoint by construction. When the
-    evaluation source *is* the calibration source (:func:`same_source`),
+    evaluation source *is* a calibration source (:func:`same_source`),
     documents are split by parity (even → calibration, odd → evaluation) and a
     warning says so.
     """
     docs = load_documents(source, "evaluation")
-    if calibration is not None and _shares(source, [calibration]):
+    read = [] if calibration is None else [calibration] if isinstance(calibration, TextSource) else list(calibration)
+    if _shares(source, read):
         logger.warning(
             "evaluation data is the calibration data (%s): calibrating on even-numbered and evaluating on "
             "odd-numbered documents; give a separate evaluation source for a clean split", source.dataset,

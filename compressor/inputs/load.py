@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,8 +112,74 @@ def resolve_source(source: str, gguf_file: str | None = None) -> ResolvedSource:
             )
         return ResolvedSource(str(p.resolve()), gguf_file, True)
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise FileNotFoundError(f"model path {source!r} does not exist")
+        raise FileNotFoundError(f"model path {source!r} does not exist{_similar_folders(p)}")
+    if (why := _missing_folder(source, p, gguf_file)) is not None:
+        raise FileNotFoundError(why)
     return ResolvedSource(source, gguf_file, False)
+
+
+def hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` is set (huggingface_hub's own reading of it: 1, ON, YES, TRUE)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def model_fix() -> str:
+    """:data:`~compressor.inputs.hub.LOCAL_MODEL_FIX`, without the advice to set ``HF_HUB_OFFLINE=1`` where it is."""
+    if not hub_offline():
+        return LOCAL_MODEL_FIX
+    return ("point model.source at a local copy: a save_pretrained folder or a .gguf file (on a machine with a "
+            "network: `hf download {name} --local-dir DIR`); HF_HUB_OFFLINE is set, so only the Hugging Face cache "
+            "is read, and {name} is not in it")
+
+
+def _model_folders(folder: Path) -> list[str]:
+    """The folders in ``folder`` that hold a model (a config.json or a .gguf), by name."""
+    try:
+        return sorted(d.name for d in folder.iterdir()
+                      if d.is_dir() and ((d / "config.json").is_file() or any(d.glob("*.gguf"))))
+    except OSError:
+        return []
+
+
+def _similar_folders(p: Path) -> str:
+    """``"; did you mean …"`` naming the model folders beside the missing ``p`` like its name (else the first few)."""
+    import difflib
+
+    if not p.parent.is_dir():
+        return ""
+    there = _model_folders(p.parent)
+    like = difflib.get_close_matches(p.name, there, n=4, cutoff=0.5)
+    if not there:
+        return ""
+    if like:
+        return f"; did you mean {' or '.join(repr(str(p.parent / n)) for n in like)}?"
+    return f"; the model folders in {str(p.parent)!r} are {there[:6]}{' …' if len(there) > 6 else ''}"
+
+
+def _in_hub_cache(repo: str, filename: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo, filename), str)
+    except Exception:  # noqa: BLE001 - a name the hub library refuses is not in its cache either
+        return False
+
+
+def _missing_folder(source: str, p: Path, gguf_file: str | None) -> str | None:
+    """Why ``owner/name`` is a missing local folder rather than a Hub id (None: it may be a Hub id): the folder
+    ``owner`` exists here and holds model folders, and the Hugging Face cache has no such repository — offline,
+    or with a name like one of those folders (``models/llama2`` beside ``models/llama``)."""
+    import difflib
+
+    if "/" not in source or not p.parent.is_dir() or _in_hub_cache(source, gguf_file or "config.json"):
+        return None
+    there = _model_folders(p.parent)
+    if not there or not (hub_offline() or difflib.get_close_matches(p.name, there, n=1, cutoff=0.5)):
+        return None
+    hub = ("" if hub_offline() else f" (to take the Hub repository {source} instead, `hf download {source}` "
+           "puts it in the cache, which is read first)")
+    return (f"model path {source!r} does not exist: there is no folder {p.name!r} in {str(p.parent)!r} (a local "
+            f"folder), and the Hugging Face cache has no repository of that name{_similar_folders(p)}{hub}")
 
 
 _CONFIGS: dict[tuple, object] = {}
@@ -129,7 +196,7 @@ def model_config(src: ResolvedSource, *, trust_remote_code: bool = False, revisi
         kwargs = dict(trust_remote_code=trust_remote_code, revision=revision)
         if src.gguf_file:
             kwargs["gguf_file"] = src.gguf_file
-        with hub_access("model.source", src.path, LOCAL_MODEL_FIX):
+        with hub_access("model.source", src.path, model_fix()):
             _CONFIGS[key] = AutoConfig.from_pretrained(src.path, **kwargs)
     return _CONFIGS[key]
 
@@ -213,7 +280,7 @@ def load_model(
         raise
     except Exception as e:  # noqa: BLE001 - a local checkpoint that does not load is bad input
         if not src.is_local:
-            with hub_access("model.source", src.path, LOCAL_MODEL_FIX):
+            with hub_access("model.source", src.path, model_fix()):
                 raise
         raise InputError(
             f"model {src.describe()} could not be loaded ({type(e).__name__}: {str(e)[:300]}); the files are "
@@ -246,7 +313,7 @@ def load_tokenizer(src: ResolvedSource, *, trust_remote_code: bool = False, revi
         raise
     except Exception as e:  # noqa: BLE001
         if not src.is_local:
-            with hub_access("model.source", src.path, LOCAL_MODEL_FIX):
+            with hub_access("model.source", src.path, model_fix()):
                 raise
         raise InputError(f"the tokenizer of {src.describe()} could not be loaded ({type(e).__name__}: "
                          f"{str(e)[:300]}); save it beside the model with tokenizer.save_pretrained(folder)") from e

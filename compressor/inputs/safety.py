@@ -14,12 +14,14 @@ No torch / transformers import here: the checks run before anything heavy.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import shutil
 from collections.abc import Iterable
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
@@ -198,7 +200,8 @@ def check_report_path(path: str | Path, *, reads: Iterable[tuple[str, str | Path
 
 #: ``tmp``: a staging folder; ``old``: an earlier output moved aside; ``size``: the size stage's work folder (the
 #: F16 and the preset files, many GB on a large model).
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|size)-(?P<pid>\d+)$")
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|size)-(?P<pid>\d+)$")
+_KINDS = {"tmp": "staging folder", "old": "earlier output moved aside", "size": "size run's work folder"}
 
 
 def pid_alive(pid: int) -> bool:
@@ -231,6 +234,215 @@ def clean_stale_temps(out: Path) -> list[Path]:
         logger.warning("removed %s, left by an interrupted run (process %d no longer exists)", p, pid)
         removed.append(p)
     return removed
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A folder a run leaves beside its output (or under ``output.workdir``) while it runs: its work folder
+    (``.<name>.size-<pid>``, ``.<name>@<host>.size-<pid>`` under ``output.workdir``), its staging folder
+    (``.<name>.tmp-<pid>``) or the earlier output it moved aside (``.<name>.old-<pid>``), named for its process."""
+
+    path: Path
+    output: str
+    """The name of the output folder it belongs to."""
+    kind: str
+    pid: int
+    host: str | None
+    """The machine of a work folder under ``output.workdir`` (a scratch folder machines may share)."""
+    state: str
+    """``stale``: its process no longer exists on this machine; ``running``: it does (a live run's folder, never
+    touched); ``elsewhere``: left on another machine, whose processes cannot be seen from here; ``kept``: an
+    earlier output moved aside whose output is missing (a kill between the two renames of publishing), to rename
+    back, not to remove."""
+
+    def describe(self) -> str:
+        whose = f"{_KINDS[self.kind]} of {self.output}"
+        why = {"stale": f"process {self.pid} no longer exists",
+               "running": f"process {self.pid} is running: not touched",
+               "elsewhere": f"left by process {self.pid} on {self.host}: run `compressor clean` there",
+               "kept": f"{self.output} itself is missing: rename this folder back to {self.output} rather than "
+                       "remove it"}[self.state]
+        return f"{whose} ({why})"
+
+
+def leftovers(folder: Path) -> list[Leftover]:
+    """The work, staging and moved-aside folders runs left in ``folder``, by name, each with whether its process
+    still runs (:class:`Leftover`)."""
+    import socket
+
+    found = []
+    here = socket.gethostname()
+    for p in sorted(folder.iterdir()):
+        m = _LEFTOVER.match(p.name)
+        if not m or not p.is_dir() or p.is_symlink():
+            continue
+        name, pid, host = m["name"], int(m["pid"]), None
+        if m["kind"] == "size" and "@" in name:
+            name, host = name.rsplit("@", 1)
+        if host is not None and host != here:
+            state = "elsewhere"
+        elif pid == os.getpid() or pid_alive(pid):
+            state = "running"
+        elif m["kind"] == "old" and not (folder / name).exists():
+            state = "kept"
+        else:
+            state = "stale"
+        found.append(Leftover(p, name, m["kind"], pid, host, state))
+    return found
+
+
+def folder_bytes(path: Path) -> int:
+    """The bytes of the files under ``path`` (links not followed)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += (Path(root) / name).lstat().st_size
+            except OSError:
+                pass
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# A full disk, said as such
+# --------------------------------------------------------------------------------------------------
+
+#: A disk with less free than this (and than a twentieth of its size) after a failed write is taken to be the
+#: reason: llama.cpp's quantizer reports a failed write as its own error, without an errno.
+LOW_FREE_BYTES = 16 << 20
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+#: How writers that give no errno say it: numpy's ``tofile`` (gguf-py writes tensors with it) a short write,
+#: safetensors' Rust ``SafetensorError`` its io error.
+_FULL_TEXT = re.compile(r"\d+ requested and \d+ written|No space left on device|Disk quota exceeded|StorageFull"
+                        r"|QuotaExceeded|File too large|FileTooLarge")
+
+
+class DiskFullError(OSError):
+    """A write failed for want of disk space (exit 1): the message names the file whose write failed, the disk
+    it is on, what is free there and the fix. ``path``: that file (or the folder written into); ``cause``: the
+    writer's own error; ``said``: the message without what the run needs and the fix (:meth:`told`)."""
+
+    def __init__(self, said: str, path: Path | None = None, cause: BaseException | None = None,
+                 needs: str = "", fix: str = "") -> None:
+        super().__init__(f"{said}{needs}. {fix}" if fix else f"{said}{needs}")
+        self.errno = errno.ENOSPC
+        self.said, self.path, self.cause = said, path, cause
+
+    def told(self, needs: str, fix: str) -> "DiskFullError":
+        """The same failure with what the run needs and the fix of a caller that knows more."""
+        told = DiskFullError(self.said, self.path, self.cause, needs, fix)
+        told.__cause__ = self.__cause__
+        return told
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what caused it (``raise … from``, or raised while handling it), nearest first."""
+    seen: list[BaseException] = []
+    while exc is not None and all(exc is not e for e in seen):
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def says_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a write that failed for want of space: a full-disk errno, or the
+    words a writer without one uses."""
+    return any((isinstance(e, OSError) and e.errno in _FULL_ERRNOS) or bool(_FULL_TEXT.search(str(e)))
+               for e in _chain(exc))
+
+
+def failed_file(exc: BaseException) -> Path | None:
+    """The file an ``OSError`` in ``exc``'s chain names (``filename``), if any."""
+    for e in _chain(exc):
+        name = getattr(e, "filename", None) if isinstance(e, OSError) else None
+        if isinstance(name, (str, os.PathLike)) and str(name):
+            return Path(name)
+    return None
+
+
+def newest_file(folders: Iterable[Path], since: float) -> Path | None:
+    """The file modified last under ``folders`` at or after ``since`` (the one being written when a write
+    failed), or None."""
+    newest, when = None, since - 1.0
+    for folder in folders:
+        for root, _dirs, files in os.walk(folder):
+            for name in files:
+                path = Path(root) / name
+                try:
+                    mtime = path.stat().st_mtime
+                except OSError:
+                    continue
+                if mtime >= when:
+                    newest, when = path, mtime
+    return newest
+
+
+def _existing(path: Path) -> Path:
+    path = _resolve(path)
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: Path) -> int | None:
+    """The bytes free on the disk holding ``path`` (or its nearest existing parent); None when unknown."""
+    try:
+        return shutil.disk_usage(_existing(path)).free
+    except OSError:
+        return None
+
+
+def disk_of(path: Path) -> str:
+    """The disk holding ``path``, as a user finds it in ``df``: ``the disk mounted at /mnt (10.0 MB)``."""
+    from compressor.engine.cache import human_bytes
+
+    where = _existing(path)
+    if where.is_file():
+        where = where.parent
+    mount = where
+    while not os.path.ismount(mount) and mount.parent != mount:
+        mount = mount.parent
+    try:
+        size = f" ({human_bytes(shutil.disk_usage(mount).total)})"
+    except OSError:
+        size = ""
+    return f"the disk mounted at {mount}{size}"
+
+
+def nearly_full(path: Path) -> bool:
+    """Whether the disk holding ``path`` has all but no room left (:data:`LOW_FREE_BYTES`)."""
+    try:
+        usage = shutil.disk_usage(_existing(path))
+    except OSError:
+        return False
+    return usage.free < min(LOW_FREE_BYTES, usage.total // 20 or 1)
+
+
+def as_disk_full(exc: BaseException, folders: list[Path], since: float, fix: str,
+                 needs: str = "") -> DiskFullError | None:
+    """``exc`` as a :class:`DiskFullError` when a write into ``folders`` failed for want of space (a full-disk
+    errno or its words, or a writer's bare error that left the disk all but full), else None. The message names
+    the file whose write failed (the error's own ``filename``, else the newest file written into ``folders``
+    since ``since``: call it before they are removed), its disk, what is free there, ``needs`` (what the run
+    writes) and ``fix``. A :class:`DiskFullError` already is one: ``needs`` and ``fix`` replace its own."""
+    if isinstance(exc, DiskFullError):
+        return exc.told(needs, fix)
+    file = failed_file(exc) or newest_file([f for f in folders if f.is_dir()], since)
+    where = file if file is not None else folders[0]
+    bare = type(exc) in (OSError, RuntimeError, Exception) or type(exc).__name__ == "SafetensorError"
+    if not says_disk_full(exc) and not (bare and nearly_full(where)):
+        return None
+    free = free_bytes(where)
+    what = f"writing {file}" if file is not None else f"writing into {folders[0]}"
+    shown = "an unknown amount" if free is None else f"{_human(free)} ({free:,} bytes)"
+    return DiskFullError(f"the disk is full: {what} failed ({type(exc).__name__}: {exc}); {disk_of(where)} holds "
+                         f"it, and {shown} is free there", file or folders[0], exc, needs, fix)
+
+
+def _human(n: int) -> str:
+    from compressor.engine.cache import human_bytes
+
+    return human_bytes(n)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,6 +18,17 @@ from compressor.core.errors import InputError, RecipeError
 from compressor.recipe.schema import Recipe
 
 
+def text_sources(recipe: Recipe) -> list[tuple[str, TextSource]]:
+    """``(field path, source)`` of every text the run reads: each calibration source (not the model's own
+    writing, :meth:`~compressor.recipe.schema.CalibrationConfig.read_sources`), then each evaluation domain."""
+    from compressor.inputs.data import TextSource
+
+    cal = [(field, TextSource(s.source, s.config, s.split, s.text_column))
+           for field, s in recipe.calibration.read_sources()]
+    return cal + [(f"{section}.dataset", TextSource(e.dataset, e.config, e.split, e.text_column))
+                  for section, e in recipe.data_sections()[1:]]
+
+
 def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
     """``(description, path)`` of every local file or folder a run reads: the
     output must never be, contain or replace any of them."""
@@ -27,11 +38,10 @@ def run_reads(recipe: Recipe) -> list[tuple[str, Path]]:
     reads: list[tuple[str, Path]] = []
     if recipe._source_file is not None:
         reads.append(("the recipe", recipe._source_file))
-    sections = recipe.data_sections()
-    for section, cfg in sections:
-        ds = cfg.dataset
+    for field, source in text_sources(recipe):
+        ds = source.dataset
         if ds not in EMBEDDED_SOURCES and Path(ds).expanduser().exists():
-            reads.append((f"{section}.dataset", Path(ds).expanduser()))
+            reads.append((field, Path(ds).expanduser()))
     src = Path(recipe.model.source).expanduser()
     if not recipe.model.source.startswith("pkg:") and src.exists():
         reads.append(("model.source", src))
@@ -71,15 +81,14 @@ def check_inputs(recipe: Recipe, *, need_output: bool = True, check_source: bool
         check_context(recipe, model_config(src, trust_remote_code=recipe.model.trust_remote_code,
                                            revision=recipe.model.revision))
     check_task_inputs(recipe)
-    if recipe.calibration.dataset in ("self", "mix"):
+    if recipe.calibration.writes_self():
         check_writable_dir(cache_dir(), "calibration.dataset: self-written calibration text is cached in the "
                            "statistics cache folder", fix="set COMPRESSOR_CACHE to a writable folder")
-    sections = recipe.data_sections()
-    for section, cfg in sections:
+    for field, source in text_sources(recipe):
         try:
-            check_data_source(TextSource(cfg.dataset, cfg.config, cfg.split, cfg.text_column))
+            check_data_source(source)
         except (FileNotFoundError, DataFileError) as e:
-            raise RecipeError(f"{section}.dataset: {e}") from None
+            raise RecipeError(f"{field}: {e}") from None
     if not need_output:
         return
     if recipe.output.path is None:
@@ -153,7 +162,7 @@ def check_context(recipe: Recipe, config) -> None:
         return
     cal = recipe.calibration
     # self-written rows are the prompt (BOS + one word) plus seq_len sampled tokens
-    need = cal.seq_len + (2 if cal.dataset in ("self", "mix") else 0)
+    need = cal.seq_len + (2 if cal.writes_self() else 0)
     sections = [("calibration.seq_len", need, cal.seq_len)] + [
         (f"{name}.seq_len", e.seq_len, e.seq_len) for name, e in recipe.data_sections()[1:]]
     for field, tokens, value in sections:
@@ -277,7 +286,9 @@ def check_profile_output(out: Path, src, data, *, overwrite: bool, flag: str = "
                           f"or pass {overwrite_flag} to replace those files")
     bad = [f for f in PROFILE_FILES if (out / f).exists() and not (out / f).is_file()]
     if bad:
-        raise RecipeError(f"{flag}: {out / bad[0]} is not a file, so the profile cannot replace it; choose another folder")
+        raise RecipeError(
+            f"{flag}: {out / bad[0]} is not a file, so the profile cannot replace it; choose another folder"
+        )
 
 
 def parse_blocks(blocks: str | list[int] | None, flag: str = "--blocks") -> list[int] | None:

@@ -49,7 +49,7 @@ class WriteRequest:
     gate: Any = None
     """The rule a check holds the written file to: the recipe's policy
     (:class:`compressor.recipe.schema.PolicyConfig` — its budget as the recipe gives it, headroom, confidence),
-    passed as it is to :func:`compressor.evaluation.evaluate.gate_check`. A quantized output may be no worse
+    passed as it is to :func:`compressor.evaluation.gate.gate_check`. A quantized output may be no worse
     than the original at the same quantization by more than that. None: no such check."""
     offload: str = "none"
     device: str = "cpu"

@@ -17,15 +17,9 @@ is exactly such a block:
 * the **hybrid** kind is its kept units followed by such a width-``d`` affine
   bypass (``K + d`` units).
 
-``c`` is chosen so that ``s`` is 1 (to float64 precision), which keeps the
-down projection at the scale of the fitted map it carries.
-
-Only SiLU-gated MLPs have this form: a plain ``act(W_up x)`` MLP (GPT-2,
-GPT-NeoX) or another gate activation (Gemma's GELU) is refused
-(:class:`NotRepresentableError`).
-
->>> g = as_gated(module)                        # doctest: +SKIP
->>> torch.allclose(g(x), module(x), atol=1e-5)   # doctest: +SKIP
+``c`` is chosen so that ``s`` is 1 (to float64 precision), keeping the down projection at the fitted map's
+scale. Only SiLU-gated MLPs have this form: a plain ``act(W_up x)`` MLP (GPT-2) or another gate activation
+(Gemma's GELU) is refused (:class:`NotRepresentableError`).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def _shape(model: nn.Module) -> tuple[int, int, int, int, int]:
 def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool,
                  recorded: dict | None = None, self_eval_tokens: int = 0) -> Estimate:
     """Expected seconds per stage of ``recipe`` on ``model`` (already loaded) on this machine.
-    ``recorded``: what a saved run state already holds (:meth:`~compressor.engine.resume.RunState.recorded`),
+    ``recorded``: what a saved run state already holds (:meth:`~compressor.engine.runstate.RunState.recorded`),
     which a resumed run does not measure again. ``self_eval_tokens``: tokens of ``self`` evaluation text the
     model is still to write (not in the cache)."""
     recorded = recorded or {}
@@ -128,9 +128,8 @@ def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hi
     fit = int(cal * (1 - c.heldout_fraction))
     evals = sum(e.max_tokens for e in recipe.evaluation_domains())
     out: dict[str, float] = {}
-    if c.dataset in ("self", "mix") and not self_text_cached:
-        n_self = c.max_tokens if c.dataset == "self" else (c.self_tokens or c.max_tokens // 2)
-        out["self-calibration"] = n_self * decode_seconds_per_token(model, 32)
+    if c.writes_self() and not self_text_cached:
+        out["self-calibration"] = c.self_written_tokens() * decode_seconds_per_token(model, 32)
     if self_eval_tokens:
         out["self-written evaluation"] = self_eval_tokens * decode_seconds_per_token(model, 32)
     from compressor.pipeline import size

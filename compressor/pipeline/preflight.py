@@ -15,7 +15,9 @@ from torch import nn
 from compressor.core import distributed as dist
 from compressor.core.archs import ArchSpec
 from compressor.core.errors import InputError
-from compressor.engine.resume import ResumeError, RunState, run_key
+from compressor.engine.records import ResumeError
+from compressor.engine.runkey import run_key
+from compressor.engine.runstate import RunState
 from compressor.inputs.calibration import DataInput, evaluation_streams, load_tokenizer
 from compressor.inputs.data import CalibrationSet
 from compressor.inputs.load import ResolvedSource, model_config, resolve_source
@@ -71,14 +73,15 @@ class Calibrated:
 
 
 def default_formats(recipe: Recipe, model_type: str | None = None, src: ResolvedSource | None = None) -> list[str]:
-    """Fill in ``output.formats`` when the recipe does not set it: ``[gguf]`` with ``output.size``; ``[hf, gguf]`` for a GGUF source whose
+    """Fill in ``output.formats`` when the recipe does not set it: ``[gguf]`` with ``output.size``; ``[hf, gguf]`` for a
+    GGUF source whose
     architecture the gguf writer takes (the output then goes where the source went, at its quantization),
     else ``[hf]``. Returns the formats; the recipe (and the ``recipe.yaml`` saved with the output) then
     names them. ``model_type``: the source's, when the caller has read it already."""
     oc = recipe.output
     if "formats" in oc.model_fields_set:
         return oc.formats
-    from compressor.output.gguf import arch_refusal
+    from compressor.output.gguf.plan import arch_refusal
     from compressor.pipeline import size
 
     formats = size.sizing(recipe).default_formats()
@@ -167,7 +170,7 @@ def preflight(recipe: Recipe, *, given: Loaded | None = None, output_required: b
     _check_confirmation(recipe, streams)
     size.sizing(recipe).check_output(writes=write)
     if write:
-        _check_writers(recipe, tokenizer, model_type, src, config)
+        check_writers(recipe, tokenizer, model_type, src, config)
         if given is None:
             _check_offload_dtype(mc, recipe.output)
     return Preflight(write, model_type, src, streams, _check_architecture(recipe, src, given))
@@ -201,7 +204,8 @@ def check(recipe: Recipe, *, resume: bool, measurements_from: str | Path | None 
 def _check_confirmation(recipe: Recipe, streams: dict[str, torch.Tensor]) -> None:
     """``policy.confirm_fraction`` leaves at least two windows (a standard error) on each side of every
     domain's split; said before the model loads."""
-    from compressor.evaluation.evaluate import confirmation_windows, window_count
+    from compressor.evaluation.gate import confirmation_windows
+    from compressor.evaluation.perplexity import window_count
 
     from compressor.pipeline import size
 
@@ -224,13 +228,14 @@ def _check_confirmation(recipe: Recipe, streams: dict[str, torch.Tensor]) -> Non
 def _fetch_hub_calibration(recipe: Recipe) -> None:
     """A Hub calibration dataset is fetched now (``datasets`` caches it for the calibration stage): offline, or a
     wrong name, is said before the model loads, not after."""
-    from compressor.inputs.calibration import calibration_text
+    from compressor.inputs.calibration import source_text
     from compressor.inputs.data import load_documents
 
-    source = calibration_text(recipe)
-    if source.kind() == "hub":
-        with DataInput("calibration.dataset"):
-            load_documents(source, "calibration")
+    for field, part in recipe.calibration.read_sources():
+        source = source_text(part)
+        if source.kind() == "hub":
+            with DataInput(field):
+                load_documents(source, "calibration")
 
 
 def _check_architecture(recipe: Recipe, src: ResolvedSource, given: Loaded | None = None) -> int:
@@ -262,7 +267,7 @@ def output_grid(recipe: Recipe, src: ResolvedSource) -> dict[int, str]:
         return {}
     try:
         from compressor.core.ggml import GGMLType
-        from compressor.output.gguf import source_tensor_types
+        from compressor.output.gguf.read import source_tensor_types
     except ImportError:  # no gguf-py: the gguf writer's own check names the missing package
         return {}
     grid = {}
@@ -281,14 +286,14 @@ def _gguf_source_block(src: ResolvedSource) -> int:
     if not src.gguf_file:
         return 1
     try:
-        from compressor.output.gguf import source_down_block
+        from compressor.output.gguf.read import source_down_block
 
         return source_down_block(Path(src.path) / src.gguf_file)
     except ImportError:  # no gguf-py: the gguf writer's own check names the missing package
         return 1
 
 
-def _check_writers(recipe: Recipe, tokenizer, model_type: str, src: ResolvedSource, config=None) -> None:
+def check_writers(recipe: Recipe, tokenizer, model_type: str, src: ResolvedSource, config=None) -> None:
     """Each requested format can represent this architecture and kind, takes its options and can carry
     the tokenizer: asked before the model loads, with the alternative in the message."""
     from compressor.pipeline import size

@@ -20,7 +20,8 @@ from compressor.inputs.calibration import DataInput
 from compressor.inputs.data import CalibrationSet, TextSource, calibration_set
 from compressor.inputs.load import load_model
 from compressor.recipe.schema import MeasureConfig
-from compressor.reports.render import profile_markdown, profile_plot
+from compressor.reports.markdown import profile_markdown
+from compressor.reports.plot import profile_plot
 
 
 def measure_settings(m: MeasureConfig) -> dict:
@@ -81,7 +82,11 @@ def profile(
     >>> [round(b.r2_lin, 3) for b in prof.blocks][:3]                  # doctest: +SKIP
     """
     measure = measure or MeasureConfig()
-    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", type(model).__name__)
+    name = (
+        model
+        if isinstance(model, str)
+        else getattr(getattr(model, "config", None), "_name_or_path", type(model).__name__)
+    )
     if isinstance(model, str):
         model, tokenizer, _ = load_model(model, dtype=dtype, device=device, offload=offload,
                                          trust_remote_code=trust_remote_code)

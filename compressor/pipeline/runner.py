@@ -63,7 +63,8 @@ def oneshot(model, recipe: Recipe | dict | str | Path, *, tokenizer=None, datase
     ``{"policy.ppl_budget": 0.1}`` (or ``--set``-style ``"key=value"`` strings), applied on top.
     ``dataset``: the calibration text — a path or hub name (as ``calibration.dataset``), a list of
     strings, or a ``datasets.Dataset`` (its ``calibration.text_column``). ``output_dir``: write the
-    Hugging Face folder (and any other ``output.formats``) there; None writes nothing.
+    Hugging Face folder (and any other ``output.formats``) there (``overrides={"output.path": DIR}`` is the
+    same); None writes nothing (a recipe file's own ``output.path`` is not used).
 
     Raises :class:`~compressor.core.errors.InputError` (bad recipe or input, exit 2 on the command
     line; nothing loaded or written), :class:`~compressor.core.errors.GateFailed` (the gate could not
@@ -92,6 +93,8 @@ def oneshot(model, recipe: Recipe | dict | str | Path, *, tokenizer=None, datase
         recipe = load_recipe(recipe, extra)
     else:
         raise InputError(f"recipe: expected a YAML path, a dict or a Recipe, got {type(recipe).__name__}")
+    if output_dir is None and _names_output_path(extra):
+        output_dir = recipe.output.path  # named in this call, as output_dir is: the run writes there
     if output_dir is None and recipe.output.path is not None:
         logger.info("oneshot without output_dir writes nothing (the recipe's output.path %s is not used)",
                     recipe.output.path)
@@ -143,6 +146,11 @@ def _restored_on_failure(model):
         model.train(training)
         logger.info("the model handed in is restored as it was (the run did not finish)")
         raise
+
+
+def _names_output_path(extra: list[str]) -> bool:
+    """Whether ``overrides`` set ``output.path`` (a recipe file's own ``output.path`` is not used by oneshot)."""
+    return any(o.partition("=")[0].strip() == "output.path" for o in extra)
 
 
 def _override_list(overrides) -> list[str]:
@@ -214,7 +222,7 @@ def run(recipe: Recipe, *, use_cache: bool | None = None, resume: bool = False, 
     perplexity gate failed (then nothing is written).
 
     Every finished layer and evaluation is checkpointed beside the output
-    (:mod:`compressor.engine.resume`); ``resume=True`` continues a run that was
+    (:mod:`compressor.engine.runstate`); ``resume=True`` continues a run that was
     interrupted, with the same result as an uninterrupted one. Without it, an
     earlier run's state for this output is discarded. The state is deleted when
     the run ends unless ``keep_state``; a later run whose recipe differs only in

@@ -23,7 +23,7 @@ from compressor.core import distributed as dist
 from compressor.core.archs import arch_for
 from compressor.core.errors import EXIT_GATE, InputError, UnsupportedModelError
 from compressor.core.finite import check_weights_finite
-from compressor.engine.resume import ResumeError
+from compressor.engine.records import ResumeError
 from compressor.inputs.calibration import DataInput, build_calibration, self_evaluation_domains, self_evaluation_streams
 from compressor.inputs.data import CalibrationSet, OverlapError, check_disjoint
 from compressor.inputs.load import ResolvedSource, load_model, object_source, resolve_source  # noqa: F401
@@ -33,7 +33,7 @@ from compressor.policy.compress import CompressionResult, compress_model
 from compressor.recipe.schema import ModelConfig, Recipe
 from compressor.reports.report import build_report, evaluation_report
 from compressor.pipeline.preflight import (  # noqa: F401  (the stages, in one place for the runner and tests)
-    Calibrated, Checked, Loaded, Preflight, _check_writers, check, default_formats, output_grid, preflight, writer_options,
+    Calibrated, Checked, Loaded, Preflight, check, default_formats, output_grid, preflight, writer_options,
 )
 from compressor.pipeline.writing import (  # noqa: F401
     compression_section, gate_domains, like_with_like, output_sizes, publish_output, remove_tree, save_dtype,
@@ -108,12 +108,18 @@ def expect(recipe: Recipe, loaded: Loaded, *, use_cache: bool, checked: Checked 
     from compressor.fitting.kinds import get_kind
     from compressor.pipeline.estimate import say_estimate
 
-    writes = recipe.calibration.dataset in ("self", "mix") or self_evaluation_domains(recipe)
+    writes = recipe.calibration.writes_self() or self_evaluation_domains(recipe)
     fp = model_fingerprint(loaded.model) if writes and use_cache and dist.is_main() else None
     if dist.is_main():
         cached, to_write = _text_to_write(recipe, loaded, fp)
-        say_estimate(recipe, loaded.model, self_text_cached=cached, hidden=get_kind(recipe.replacement.kind).needs_hidden,
-                     recorded=checked.state.recorded() if checked is not None else None, self_eval_tokens=to_write)
+        say_estimate(
+            recipe,
+            loaded.model,
+            self_text_cached=cached,
+            hidden=get_kind(recipe.replacement.kind).needs_hidden,
+            recorded=checked.state.recorded() if checked is not None else None,
+            self_eval_tokens=to_write,
+        )
     return fp
 
 
@@ -127,7 +133,7 @@ def _text_to_write(recipe: Recipe, loaded: Loaded, fp: str | None) -> tuple[bool
     if fp is None:
         return False, sum(e.max_tokens for e in written)
     tok, vocab = loaded.tokenizer, loaded.model.get_input_embeddings().weight.shape[0]
-    cal_cached = recipe.calibration.dataset not in ("self", "mix") or is_cached(fp, tok, self_settings(recipe))
+    cal_cached = not recipe.calibration.writes_self() or is_cached(fp, tok, self_settings(recipe))
     return cal_cached, sum(e.max_tokens for e in written
                            if not is_cached(fp, tok, self_evaluation_settings(recipe, e, tok, vocab)))
 
@@ -165,7 +171,7 @@ def calibrate(recipe: Recipe, loaded: Loaded, checked: Checked, *, use_cache: bo
 def calibration_key(recipe: Recipe, cal: CalibrationSet, streams: dict[str, torch.Tensor]) -> str:
     """What a resumed run must find unchanged once the model has written text: the calibration windows, and
     the ``self`` evaluation domains' ids (the text read from sources is in the key already, :func:`check`)."""
-    from compressor.engine.resume import tokens_fingerprint
+    from compressor.engine.runkey import tokens_fingerprint
 
     written = {e.domain_name(): streams[e.domain_name()] for e in recipe.evaluation_domains() if e.self_written()}
     return cal.fingerprint() if not written else f"{cal.fingerprint()}+{tokens_fingerprint(written)}"

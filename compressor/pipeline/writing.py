@@ -17,7 +17,7 @@ from compressor.output import WriteRequest, get_writer, publish, staging_folder
 from compressor.output.hf import output_dtype
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import OutputConfig, Recipe
-from compressor.reports.render import model_card
+from compressor.reports.card import model_card
 
 from compressor.pipeline.preflight import Checked, Loaded, writer_options
 
@@ -92,14 +92,32 @@ def write(oc: OutputConfig, request: WriteRequest, checked: Checked, timings: di
     tmp = staging_folder(checked.out)
     try:
         for name in oc.writers():
-            t0 = time.perf_counter()
-            get_writer(name).write(request, tmp)
+            t0, since = time.perf_counter(), time.time()
+            try:
+                get_writer(name).write(request, tmp)
+            except Exception as exc:  # noqa: BLE001 - a full disk is named here, while the file is still there
+                full = disk_full(exc, tmp, since, checked.out)
+                if full is None:
+                    raise
+                raise full from exc
             if timings is not None:
                 timings[f"write_{name}_s"] = time.perf_counter() - t0
     except BaseException:
         remove_tree(tmp)
         raise
     return tmp
+
+
+def disk_full(exc: BaseException, tmp: Path, since: float, out: Path):
+    """A writer's failure into the staging folder ``tmp`` as a
+    :class:`~compressor.inputs.safety.DiskFullError` naming the file whose write failed (the writers' errors
+    seldom do: numpy's short write, safetensors' ``SafetensorError``, llama.cpp's quantizer) and its disk, when
+    the disk is full; None otherwise. Called before the folder is removed, which frees the disk again."""
+    from compressor.inputs.safety import as_disk_full
+
+    fix = (f"Free space on that disk, or write the output to a disk with room (--output, output.path; the "
+           f"staging folder {tmp.name} sits beside the output {out}, and is removed)")
+    return as_disk_full(exc, [tmp], since, fix)
 
 
 def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> None:

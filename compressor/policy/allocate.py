@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from compressor.core.errors import InputError
 from compressor.fitting.kinds import Level
-from compressor.engine.resume import register_record
+from compressor.engine.records import register_record
 from compressor.policy import options
 from compressor.policy.options import Option
 from compressor.policy.result import blocks_phrase

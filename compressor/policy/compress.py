@@ -29,11 +29,11 @@ from torch import nn
 
 from compressor.core.archs import find_blocks
 from compressor.core.onload import is_offloaded
-from compressor.engine.resume import RunState
+from compressor.engine.runstate import RunState
 from compressor.engine.sensitivity import output_grad_moments
 from compressor.engine.spill import BlockStore
 from compressor.engine.walker import LayerWalker
-from compressor.evaluation.evaluate import DomainEvaluations, Evaluator, gate_check, gate_ppl_limit, headroom_note
+from compressor.evaluation.gate import DomainEvaluations, Evaluator, gate_check, gate_ppl_limit, headroom_note
 from compressor.fitting.kinds import get_kind
 from compressor.fitting.replace import count_params, ffn_path
 from compressor.inputs.data import CalibrationSet
@@ -80,7 +80,7 @@ def compress_model(
     ``eval_tokens``: one id stream, or ``{domain name: ids}`` for the
     recipe's evaluation domains (the gate must hold on each). ``state``
     checkpoints every finished layer and evaluation, and skips those an
-    interrupted run recorded (:mod:`compressor.engine.resume`).
+    interrupted run recorded (:mod:`compressor.engine.runstate`).
     ``width_multiple``: the multiple the kept FFN widths of the prune/hybrid kinds come in
     (default: :func:`compressor.recipe.schema.width_multiple` of the recipe's output, which needs
     the caller's help only for a GGUF source written at its own quantization). ``grid``: block → the
@@ -123,7 +123,11 @@ def compress_model(
     if strategy == "greedy":
         for d in decisions:
             f = plan.fitted[d.index]
-            d.size, d.replacement_params, d.r2_replacement = f.config.get("units", f.config.get("rank")), f.params, f.heldout_r2
+            d.size, d.replacement_params, d.r2_replacement = (
+                f.config.get("units", f.config.get("rank")),
+                f.params,
+                f.heldout_r2,
+            )
         final, accepted = greedy_gate(model, plan.fitted, plan.profiles, decisions, pol, baseline, evaluate, check,
                                       sweep_all=m.swap_sweep, confirmation=confirmation)
     else:

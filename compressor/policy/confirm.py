@@ -2,7 +2,7 @@
 
 A search that keeps the largest cut passing on its windows keeps the cut whose noise there was most
 favourable (a winner's curse). So each evaluation domain's windows are split
-(``policy.confirm_fraction``, :meth:`~compressor.evaluation.evaluate.Evaluator.split`): the search
+(``policy.confirm_fraction``, :meth:`~compressor.evaluation.gate.Evaluator.split`): the search
 (bisection, greedy) measures only the *search* windows, and its final choice is measured once on
 the *confirmation* windows with the same rule (the upper confidence bound of the change within
 budget on every domain). A choice that fails there is stepped back from (allocate: its cut counts
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from compressor.evaluation.evaluate import DomainEvaluations, gate_check
+from compressor.evaluation.gate import DomainEvaluations, gate_check
 
 logger = logging.getLogger(__name__)
 

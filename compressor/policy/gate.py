@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Callable
 
-from compressor.evaluation.evaluate import DomainEvaluations
+from compressor.evaluation.gate import DomainEvaluations
 from compressor.fitting.kinds import Fitted
 from compressor.policy.allocate import Allocation
 from compressor.policy.apply import Choice, Installer, record_choice, reject_all

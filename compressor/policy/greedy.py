@@ -19,7 +19,7 @@ from compressor.recipe.schema import PolicyConfig
 from compressor.fitting.replace import count_params, swap
 from compressor.policy.confirm import Confirmation
 from compressor.policy.select import candidates
-from compressor.evaluation.evaluate import DomainEvaluations
+from compressor.evaluation.gate import DomainEvaluations
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from compressor.engine.profiling import BlockProfile, block_profile
-from compressor.engine.resume import RunState, register_record
+from compressor.engine.records import register_record
+from compressor.engine.runstate import RunState
 from compressor.engine.spill import BlockStore
 from compressor.engine.walker import LayerStats, LayerWalker
 from compressor.fitting.kinds import BlockData, Fitted
@@ -56,7 +57,7 @@ def scarce_rows_message(rows: int, units: int, max_tokens: int, heldout_fraction
 
 @dataclass
 class LayerResult:
-    """What one layer's step of a walk produced; serialisable (:mod:`compressor.engine.resume`
+    """What one layer's step of a walk produced; serialisable (:mod:`compressor.engine.runstate`
     checkpoints it, and a resumed run takes it instead of measuring the layer again)."""
 
     index: int
@@ -99,7 +100,8 @@ def activation(model: nn.Module, spec) -> str | None:
 
 
 def block_weight(mode: str, st: LayerStats, grad_moment: torch.Tensor | None) -> float:
-    """The block's sensitivity: cost per unit of held-out relative output error (see :mod:`compressor.policy.allocate`)."""
+    """The block's sensitivity: cost per unit of held-out relative output error (see
+    :mod:`compressor.policy.allocate`)."""
     if mode == "fisher":
         if grad_moment is None:
             raise ValueError("fisher allocation needs the loss-gradient statistics")
@@ -177,7 +179,9 @@ def measure(blocks: Blocks, recipe: Recipe, strategy: str, walk: Callable[..., N
             if msg:
                 logger.warning("%s", msg)
         if strategy == "greedy":
-            return LayerResult(i, prof, fitted=blocks.fit_at(data, blocks.kind.default_level(data, rc, **blocks.widths)))
+            return LayerResult(
+                i, prof, fitted=blocks.fit_at(data, blocks.kind.default_level(data, rc, **blocks.widths))
+            )
         levels = blocks.kind.levels(data, rc, **blocks.widths)
         weight = block_weight(pol.allocation, st, blocks.grad_moments.get(i))
         data.zheld = None  # the curve holds what the held-out rows had to say

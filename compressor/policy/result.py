@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from compressor.engine.profiling import BlockProfile
-from compressor.evaluation.evaluate import DomainEvaluations
+from compressor.evaluation.gate import DomainEvaluations
 from compressor.fitting.kinds import Fitted
 
 
@@ -74,7 +74,7 @@ class CompressionResult:
     attempts: list[dict] = field(default_factory=list)
     """allocate: every global target tried, with its perplexity and verdict (confirmations marked)."""
     teachers: dict = field(default_factory=dict, repr=False)
-    """Per domain, the original's :class:`~compressor.evaluation.evaluate.TeacherCache` on the evaluation
+    """Per domain, the original's :class:`~compressor.evaluation.teacher.TeacherCache` on the evaluation
     windows (its NLL per window, its top-k distributions): what a comparison made outside the policy (the size
     planner's file in llama.cpp) pairs with, window by window, for the change and for the KL."""
     splits: GateSplits | None = None
@@ -146,11 +146,15 @@ def no_cut_message(attempts: list[dict], baseline_ppl: float, budget: float, mod
                  "domain the gate measures: calibrate on text of the domain you use the model for (a file or dataset)")
     else:
         first = "This model gives up little of its FFN at this budget: calibrate on more text of the gate's domain"
-    return (f"no cut passed the gate: even the smallest tried ({cost(smallest)}{on}) is over "
-            f"{allowed} at the gate's confidence (the upper bound of the change decides, "
-            f"policy.confidence){tried}.{_left_out(left_out)}{_one_block_fails(attempts, cost, left_out)} {first}, or raise policy.{field} above "
-            f"a cost listed above{' divided by 1 − headroom' if headroom else ''} by its margin (report.json: evaluation) (a run with --keep-state lets later runs "
-            "at other budgets take its measurements: --measurements-from)")
+    return (
+        f"no cut passed the gate: even the smallest tried ({cost(smallest)}{on}) is over {allowed} at the gate's"
+        " confidence (the upper bound of the change decides,"
+        f" policy.confidence){tried}.{_left_out(left_out)}{_one_block_fails(attempts, cost, left_out)} {first}, or"
+        f" raise policy.{field} above a cost listed above{' divided by 1 − headroom' if headroom else ''}"
+        " by its margin"
+        " (report.json: evaluation) (a run with --keep-state lets later runs at other budgets take its measurements:"
+        " --measurements-from)"
+    )
 
 
 def blocks_phrase(indices) -> str:

@@ -43,15 +43,30 @@ def _union_branch(loc: tuple, data: Any) -> tuple | None:
     return (loc[0], *loc[2:]) if loc[1].startswith("list[") == isinstance(given, list) else None
 
 
+def _dataset_branch(loc: tuple, data: Any) -> tuple | None:
+    """The same for ``calibration.dataset: name | list of sources`` (a value that is neither keeps the name's
+    error alone); None = drop this error."""
+    tag = str(loc[2]) if len(loc) > 2 and loc[:2] == ("calibration", "dataset") else ""
+    if tag != "str" and "CalibrationSource" not in tag:
+        return loc
+    cal = data.get("calibration") if isinstance(data, dict) else None
+    given = cal.get("dataset") if isinstance(cal, dict) else None
+    listed = isinstance(given, list) if isinstance(given, (str, list)) else False
+    return (*loc[:2], *loc[3:]) if tag.startswith("list[") == listed else None
+
+
 def _format_errors(err: ValidationError, data: Any) -> str:
     lines = []
     for e in err.errors():
         e = dict(e, loc=_union_branch(tuple(e["loc"]), data))
+        e["loc"] = e["loc"] if e["loc"] is None else _dataset_branch(e["loc"], data)
         if e["loc"] is None:
             continue
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "model_type" and e["loc"] == ("evaluation",):
-            lines.append(f"evaluation: expected a section (mapping) or a list of sections (got {shorten(e.get('input'))})")
+            lines.append(
+                f"evaluation: expected a section (mapping) or a list of sections (got {shorten(e.get('input'))})"
+            )
             continue
         if e["type"] == "extra_forbidden":
             parent = Recipe
@@ -172,7 +187,9 @@ def _read_recipe_text(p: Path, shown: str) -> str:
             f"recipe {shown!r} is a folder; expected a YAML recipe file, e.g. recipes/smollm2-135m.yaml"
         )
     if not p.exists():
-        raise RecipeError(f"recipe file {shown!r} does not exist; expected a YAML recipe file, e.g. recipes/smollm2-135m.yaml")
+        raise RecipeError(
+            f"recipe file {shown!r} does not exist; expected a YAML recipe file, e.g. recipes/smollm2-135m.yaml"
+        )
     if not p.is_file():
         raise RecipeError(f"recipe {shown!r} is not a regular file; expected a YAML recipe file")
     try:

@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from compressor.core.presets import CT_SCHEMES, LLAMA_CPP_PRESETS
+from compressor.core.presets import CT_SCHEMES, LLAMA_CPP_PRESETS, PRESET_ALIASES
 
 from compressor.recipe.sections import _Section
 
@@ -44,34 +44,51 @@ class OutputConfig(_Section):
         "they are), else output.dtype; q8_0/q4_k_m use llama.cpp's quantizer (see docs/gguf.md)"
     )
     size: str | None = Field(
-        None, description="gguf or compressed-tensors format: the file's size, met from below with the least "
-        "predicted loss by choosing every weight's GGML type or integer scheme (docs/size.md, docs/compressed-tensors.md): "
-        "bytes (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), a llama.cpp preset's name (Q4_K_M, Q3_K_M, Q2_K, "
-        "…: that preset's size for this model, made from the same F16 and measured beside the output), a "
-        "compressed-tensors scheme (W4A16, W8A16, W4A16_G32: that uniform checkpoint's size, measured beside it), or "
-        "smallest (the smallest file within policy.ppl_budget); null: the source's own types (gguf_quant)")
+        None,
+        description=(
+            "gguf or compressed-tensors format: the file's size, met from below with the least predicted loss by"
+            " choosing every weight's GGML type or integer scheme (docs/size.md, docs/compressed-tensors.md): bytes"
+            " (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), a llama.cpp preset's name (Q4_K_M, IQ4_XS, Q3_K_M,"
+            " IQ3_XXS, Q2_K, IQ2_M, IQ1_M, …: every preset llama-quantize makes from IQ1_S to Q8_0; that preset's size"
+            " for this model, made from the same F16 and measured beside the output), a compressed-tensors scheme"
+            " (W4A16, W8A16, W4A16_G32: that uniform checkpoint's size, measured beside it), or smallest (the smallest"
+            " file within policy.ppl_budget); null: the source's own types (gguf_quant)"
+        ),
+    )
     rounding: Literal["gptq", "nearest"] = Field(
         "gptq", description="output.size: how each planned tensor's codes are rounded onto the scales ggml's "
         "quantizer finds — gptq: error-compensating rounding through the layer's input second moment (GPTQ, "
         "bit-compatible with llama.cpp) offered beside ggml's own, each priced with what it gets; nearest: "
         "ggml's own rounding only (what llama-quantize does with an importance matrix)")
     size_precision: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="output.size: how the calibration passes that price every weight (the input second "
-        "moments Ĥ and the loss gradients F) multiply a float32 model — bfloat16: under a bfloat16 autocast, each "
-        "XᵀX the float32 product of the bfloat16 activations, every sum in float32 (Ĥ within 0.15 % where checked, the "
-        "statistics in 40 % of the time where the hardware has it, the file's score within noise: docs/size.md); "
-        "float32: in float32; auto: bfloat16 where the device multiplies it natively (a GPU that supports it, a "
-        "CPU with AVX512-BF16 or AMX), else float32")
+        "auto",
+        description=(
+            "output.size: how the calibration passes that price every weight (the input second moments Ĥ and the loss"
+            " gradients F) multiply a float32 model — bfloat16: under a bfloat16 autocast, each XᵀX the float32 product"
+            " of the bfloat16 activations, every sum in float32 (Ĥ within 0.15 % where checked, the statistics in 40 %"
+            " of the time where the hardware has it, the file's score within noise: docs/size.md); float32: in float32;"
+            " auto: bfloat16 where the device multiplies it natively (a GPU that supports it, a CPU with AVX512-BF16 or"
+            " AMX), else float32"
+        ),
+    )
     ct_head: Literal["plan", "keep"] = Field(
-        "plan", description="compressed-tensors format with output.size: plan — an output head with a weight of its "
-        "own (not tied to the input embedding) is a unit of the size plan like any linear layer (transformers loads "
-        "it; vLLM since its PR #37291); keep — it stays in the saved dtype, as llm-compressor leaves it, for a runtime "
-        "that cannot read a quantized lm_head. A tied head always stays with the embedding")
+        "plan",
+        description=(
+            "compressed-tensors format with output.size: plan — an output head with a weight of its own (not tied to"
+            " the input embedding) is a unit of the size plan like any linear layer (transformers loads it; vLLM since"
+            " its PR #37291); keep — it stays in the saved dtype, as llm-compressor leaves it, for a runtime that"
+            " cannot read a quantized lm_head. A tied head always stays with the embedding"
+        ),
+    )
     workdir: str | None = Field(
-        None, description="output.size: the folder a size run's work folder goes in — the model's F16, llama.cpp's "
-        "preset made from it and the plans tried (Llama-3.1-8B at Q4_K_M: about 16 + 4.6 + 4.6 GB), removed when the run "
-        "ends; an existing folder, e.g. a scratch disk with room (the run checks the space before it writes the "
-        "F16, docs/size.md#disk-space-and-interruptions); null: beside the output folder, on its disk")
+        None,
+        description=(
+            "output.size: the folder a size run's work folder goes in — the model's F16, llama.cpp's preset made from"
+            " it and the plans tried (Llama-3.1-8B at Q4_K_M: about 16 + 4.6 + 4.6 GB), removed when the run ends; an"
+            " existing folder, e.g. a scratch disk with room (the run checks the space before it writes the F16,"
+            " docs/size.md#disk-space-and-interruptions); null: beside the output folder, on its disk"
+        ),
+    )
     gguf_unquantizable: Literal["error", "f16", "pad"] = Field(
         "error", description="gguf format: an FFN width the quantization block does not divide is an error, keeps "
         "its down projection in F16, or is padded with dead units"
@@ -166,13 +183,15 @@ class OutputConfig(_Section):
         return list(dict.fromkeys(names))
 
 
-#: llama.cpp presets ``output.size`` may name (their size for the model at hand is the budget).
+#: llama.cpp presets ``output.size`` may name (their size for the model at hand is the budget), largest first;
+#: llama-quantize's aliases (Q4_K for Q4_K_M) are read as the preset they name.
 SIZE_PRESETS = tuple(LLAMA_CPP_PRESETS)
 #: compressed-tensors schemes ``output.size`` may name (that uniform checkpoint's size for the model at hand).
 CT_SIZE_SCHEMES = tuple(CT_SCHEMES)
 #: What ``output.size`` takes, in words (every message that refuses a size names them).
 SIZE_FORMS = (f"bytes (750MB, 1.2GB, 123456789), bits per weight (4.5bpw), a llama.cpp preset "
-              f"({', '.join(SIZE_PRESETS)}), a compressed-tensors scheme ({', '.join(CT_SIZE_SCHEMES)}) or smallest "
+              f"({', '.join(SIZE_PRESETS)}; {', '.join(f'{a} for {p}' for a, p in PRESET_ALIASES.items())}), "
+              f"a compressed-tensors scheme ({', '.join(CT_SIZE_SCHEMES)}) or smallest "
               "(the smallest file within policy.ppl_budget)")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -198,8 +217,8 @@ def parse_size(text: str) -> tuple[str, float | str]:
     """``output.size`` → ("bytes", n) | ("bpw", bits) | ("preset", name) | ("smallest", None); ValueError
     naming the forms. Parsed when the recipe loads; the run reads :attr:`OutputConfig.planned`.
 
-    >>> parse_size("750MB"), parse_size("4.5bpw"), parse_size("q3_k_m"), parse_size("smallest")
-    (('bytes', 750000000), ('bpw', 4.5), ('preset', 'Q3_K_M'), ('smallest', None))
+    >>> parse_size("750MB"), parse_size("4.5bpw"), parse_size("q3_k_m"), parse_size("IQ2_XXS"), parse_size("Q4_K")
+    (('bytes', 750000000), ('bpw', 4.5), ('preset', 'Q3_K_M'), ('preset', 'IQ2_XXS'), ('preset', 'Q4_K_M'))
     """
     import re
 
@@ -208,6 +227,8 @@ def parse_size(text: str) -> tuple[str, float | str]:
         return "smallest", None
     if t.upper() in SIZE_PRESETS or t.upper() in CT_SIZE_SCHEMES:
         return "preset", t.upper()
+    if t.upper() in PRESET_ALIASES:
+        return "preset", PRESET_ALIASES[t.upper()]
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*bpw", t, flags=re.I)
     if m:
         bits = float(m.group(1))

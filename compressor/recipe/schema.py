@@ -22,7 +22,8 @@ from compressor.recipe.output_section import (  # noqa: F401  (the schema's name
 from compressor.recipe.sections import (  # noqa: F401  (the schema's names, in one place)
     AffineReplacement, CalibrationConfig, _Data, DEFAULT_RIDGE, EvaluationConfig, _HiddenUnitReplacement,
     HybridReplacement, LowRankReplacement, MAX_SEED, MAX_TOKENS, MeasureConfig, ModelConfig, PolicyConfig,
-    PruneReplacement, RECIPE_VERSION, REPLACEMENT_CONFIGS, ReplacementConfig, _Section,
+    PruneReplacement, RECIPE_VERSION, REPLACEMENT_CONFIGS, ReplacementConfig, _Section, CalibrationSource,
+    SIZE_CALIBRATION, size_calibration_default, split_by_weight,
 )
 
 #: The default evaluation domains: prose and source code, both shipped with Python, and the model's own
@@ -76,6 +77,12 @@ class Recipe(_Section):
     replacement: ReplacementConfig = Field(default_factory=PruneReplacement)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _size_calibration(cls, data):
+        """A size run's calibration mixes domains unless the recipe names its dataset (:data:`SIZE_CALIBRATION`)."""
+        return size_calibration_default(data)
+
     @model_validator(mode="after")
     def _fields_a_size_reads(self):
         """With ``output.size`` the structural fields are not read (:data:`IGNORED_BY` ``["size"]``): one
@@ -109,9 +116,15 @@ class Recipe(_Section):
         if self.strategy() == "allocate" and not self.policy.gate and self.policy.ffn_keep is None:
             raise ValueError("policy.ffn_keep: required when the allocate strategy runs without the gate "
                              "(policy.gate: false); set a fraction of FFN parameters to keep, or turn the gate on")
-        if self.policy.strategy == "greedy" and self.replacement.kind in ("prune", "hybrid") and self.replacement.keep is None:
-            raise ValueError(f"replacement.keep: required for kind {self.replacement.kind} with policy.strategy: greedy "
-                             "(the fraction of hidden units each replaced block keeps)")
+        if (
+            self.policy.strategy == "greedy"
+            and self.replacement.kind in ("prune", "hybrid")
+            and self.replacement.keep is None
+        ):
+            raise ValueError(
+                f"replacement.keep: required for kind {self.replacement.kind} with policy.strategy: greedy "
+                "(the fraction of hidden units each replaced block keeps)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -139,16 +152,19 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _architecture(self):
-        """What ``output.architecture: standard`` and ``output.width_multiple`` can represent, before any model loads."""
+        """What ``output.architecture: standard`` and ``output.width_multiple`` can represent, before any model
+        loads."""
         kind, out, pol = self.replacement.kind, self.output, self.policy
         if out.architecture == "standard":
             if kind != "prune":
                 why = ("its bypass is an affine map, which the base class's MLP has no place for"
                        if kind == "hybrid" else "it is no subset of the MLP's hidden units")
                 raise ValueError(
-                    f"output.architecture: standard saves the base model's own MLP with fewer hidden units, so only "
-                    f"replacement.kind: prune is representable; kind {kind} is not ({why}). Use kind: prune, or "
-                    "output.architecture: custom (every kind, per-block widths; the gguf format runs those in llama.cpp)")
+                    "output.architecture: standard saves the base model's own MLP with fewer hidden units, so only"
+                    f" replacement.kind: prune is representable; kind {kind} is not ({why}). Use kind: prune, or"
+                    " output.architecture: custom (every kind, per-block widths; the gguf format runs those in"
+                    " llama.cpp)"
+                )
             if pol.exclude:
                 raise ValueError(
                     f"policy.exclude: {pol.exclude} with output.architecture: standard: the base class has one FFN "
@@ -178,7 +194,7 @@ class Recipe(_Section):
             if dup:
                 raise ValueError(f"evaluation: domain names must be distinct, {dup} repeat; set `name` on each")
         cal = self.calibration
-        if cal.dataset in ("self", "mix"):
+        if cal.writes_self():
             for i, e in enumerate(self.evaluation_domains()):
                 if e.self_written() and self.self_seed(e) == cal.seed:
                     field = f"evaluation.{i}.seed" if isinstance(self.evaluation, list) else "evaluation.seed"

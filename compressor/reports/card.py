@@ -81,22 +81,41 @@ def planned_check(r: dict) -> tuple[str | None, dict]:
 _SIZE_CARD = {
     "gguf": {
         "file": "one GGUF file, `model.gguf`, of {bytes:,} bytes",
-        "choice": "every weight matrix's GGML type", "types": "Tensor types", "where": "in llama.cpp",
-        "anchor": "llama.cpp's {name}", "anchor_line": "llama.cpp's own {name} of the same F16 ({bytes:,} bytes, no "
-        "importance matrix)", "unchanged": "the GGUF's tensor types",
-        "load": '```bash\nllama-cli -m model.gguf -p "Once upon a time"\n```\n\n```python\nfrom llama_cpp import Llama\n'
-                'llm = Llama(model_path="model.gguf")\n```',
+        "choice": "every weight matrix's GGML type",
+        "types": "Tensor types",
+        "where": "in llama.cpp",
+        "anchor": "llama.cpp's {name} + imatrix",
+        "anchor_line": (
+            "llama.cpp's own {name} of the same F16 with an "
+            "importance matrix ({bytes:,} bytes; the matrix, from the same calibration text, is `model.imatrix`: "
+            "`llama-quantize --imatrix model.imatrix` takes it)"
+        ),
+        "unchanged": "the GGUF's tensor types",
+        "best_line": (
+            "{called} is of no more bytes ({bytes:,}) and better on the gate's text; the file against it: "
+            '{rows}. The gate\'s "at least as good as the preset" compares with it.\n'
+        ),
+        "load": (
+            '```bash\nllama-cli -m model.gguf -p "Once upon a time"\n```\n\n```python\nfrom llama_cpp import Llama\n'
+            'llm = Llama(model_path="model.gguf")\n```'
+        ),
     },
     "compressed-tensors": {
         "file": "a compressed-tensors checkpoint (`pack-quantized`) of {bytes:,} bytes of tensors",
-        "choice": "every linear layer's integer scheme (fused q/k/v and gate/up together)", "types": "Layer schemes",
-        "where": "in plain transformers after reloading the folder", "anchor": "uniform {name}",
-        "anchor_line": "the uniform {name} checkpoint of the same model ({bytes:,} bytes of tensors; every linear layer "
-        "in {name}, rounded the same way — what llm-compressor's GPTQModifier writes for that scheme)",
+        "choice": "every linear layer's integer scheme (fused q/k/v and gate/up together)",
+        "types": "Layer schemes",
+        "where": "in plain transformers after reloading the folder",
+        "anchor": "uniform {name}",
+        "anchor_line": (
+            "the uniform {name} checkpoint of the same model ({bytes:,} bytes of tensors; every linear layer "
+            "in {name}, rounded the same way — what llm-compressor's GPTQModifier writes for that scheme)"
+        ),
         "unchanged": "the checkpoint's layer schemes",
-        "load": "```python\n# pip install compressed-tensors\nfrom transformers import AutoModelForCausalLM\n"
-                'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")\n```\n\n'
-                "```bash\nvllm serve path/to/this/folder\n```",
+        "load": (
+            "```python\n# pip install compressed-tensors\nfrom transformers import AutoModelForCausalLM\n"
+            'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")\n```\n\n'
+            "```bash\nvllm serve path/to/this/folder\n```"
+        ),
     },
 }
 
@@ -121,6 +140,13 @@ def _size_card(r: dict) -> str:
     rule = "|---|---:|---:|---:|---:|" + ("---:|---:|" if preset else "")
     preset_line = (f"Beside it, {text['anchor_line'].format(name=preset['name'], bytes=preset['file_bytes'])}, "
                    "measured on the same windows.\n" if preset else "")
+    best = check.get("best_preset")
+    if best and text.get("best_line"):
+        cells = "; ".join(f"{d['name']} {100 * d['best_preset_relative_change']:+.2f} %, KL "
+                          f"{_kl_cell(d, 'best_preset_')} (the file: {100 * d['relative_change']:+.2f} %, KL "
+                          f"{_kl_cell(d, '')})" for d in check.get("domains", [])
+                          if d.get("best_preset_relative_change") is not None)
+        preset_line += text["best_line"].format(called=best["called"], bytes=best["file_bytes"], rows=cells)
     if check.get("gate_rule") == "preset":
         preset_line += ("The file is over the default budget and was written because it is at least as good as that "
                         "anchor on every domain (paired by window, at the gate's confidence).\n")

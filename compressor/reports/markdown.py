@@ -44,12 +44,12 @@ def profile_table(blocks: list[BlockProfile]) -> str:
 def profile_markdown(profile: Profile) -> str:
     s = profile.settings
     return (
-        f"# Linearity profile: {profile.model}\n\n"
-        f"Model type `{profile.model_type}`; {s.get('fit_rows', '?')} fit rows, {s.get('heldout_rows', '?')} held-out rows "
-        f"(windows of {s.get('seq_len', '?')} tokens from {s.get('data', '?')}).\n"
-        "R²_lin = 1 − SSE/SST of the closed-form affine fit on held-out rows, pooled over output features. "
-        f"Blocks marked {FLAG} have most of their held-out variance in a few sink/spike rows: "
-        "a high R²_lin there does not mean the swap is safe.\n\n" + profile_table(profile.blocks)
+        f"# Linearity profile: {profile.model}\n\nModel type `{profile.model_type}`; {s.get('fit_rows', '?')} fit rows,"
+        f" {s.get('heldout_rows', '?')} held-out rows (windows of {s.get('seq_len', '?')} tokens from"
+        f" {s.get('data', '?')}).\nR²_lin = 1 − SSE/SST of the closed-form affine fit on held-out rows, pooled over"
+        f" output features. Blocks marked {FLAG} have most of their held-out variance in a few sink/spike rows: a high"
+        " R²_lin there does not mean the swap is safe.\n\n"
+        + profile_table(profile.blocks)
     )
 
 
@@ -64,7 +64,9 @@ def decisions_table(decisions: list[dict]) -> str:
         if d["decision"] in ("kept", "rejected"):
             size = d.get("size")
             unit = "rank" if d.get("kind") == "low_rank" else "units"
-            rep = (d.get("kind") or "?") + (f" ({unit} {size})" if size is not None and d.get("kind") != "affine" else "")
+            rep = (d.get("kind") or "?") + (
+                f" ({unit} {size})" if size is not None and d.get("kind") != "affine" else ""
+            )
         params = f"{d['ffn_params']:,} → {d['replacement_params']:,}" if d["decision"] == "kept" else "—"
         rows.append(
             f"| {d['index']} | {_f(d['r2_lin'])} | {_f(d['r2_bulk'], '.3f')} | {d['decision']} | {rep} | {params} "
@@ -106,10 +108,10 @@ def evaluation_section(ev: dict | None, cal: dict | None) -> str:
         rule += (f"; the bound is held to {1 - headroom:.0%} of the budget (policy.headroom {headroom:g}), the rest "
                  "kept for text unlike the gate's")
     rows = "\n".join(
-        f"| {d['name']} | `{public_name(d['dataset'])}` | {d['scored_tokens']:,} / {d['windows']} | "
-        f"{_pm(d['baseline']['ppl'], d['baseline'].get('ppl_se'))} | {_pm(d['final']['ppl'], d['final'].get('ppl_se'))} | "
-        f"{d['relative_delta']:+.2%} | {_bound(d)} | {_pm(d['final'].get('kl'), d['final'].get('kl_se'), '.3g')} | "
-        f"{'✓' if d['passed'] else '✗'} |"
+        f"| {d['name']} | `{public_name(d['dataset'])}` | {d['scored_tokens']:,} / {d['windows']} |"
+        f" {_pm(d['baseline']['ppl'], d['baseline'].get('ppl_se'))} |"
+        f" {_pm(d['final']['ppl'], d['final'].get('ppl_se'))} | {d['relative_delta']:+.2%} | {_bound(d)} |"
+        f" {_pm(d['final'].get('kl'), d['final'].get('kl_se'), '.3g')} | {'✓' if d['passed'] else '✗'} |"
         for d in ev["domains"]
     )
     warn = "".join(f"\n> ⚠ {w}\n" for w in ev.get("warnings", []))
@@ -137,8 +139,11 @@ def confirmation_section(ev: dict) -> str:
         row = dict(d[split], metric=d.get("metric"))
         return f"{row['windows']} | {row['relative_delta']:+.2%} | {_bound(row)}"
 
-    rows = "\n".join(f"| {d['name']} | {side(d, 'search')} | {side(d, 'confirmation')} | {'✓' if d['passed'] else '✗'} |"
-                     for d in ev["domains"] if d.get("confirmation"))
+    rows = "\n".join(
+        f"| {d['name']} | {side(d, 'search')} | {side(d, 'confirmation')} | {'✓' if d['passed'] else '✗'} |"
+        for d in ev["domains"]
+        if d.get("confirmation")
+    )
     back = "".join(f"\n* {n}" for n in c.get("stepped_back") or [])
     return f"""
 The search chose among cuts on {1 - c['fraction']:.0%} of each domain's windows; the other {c['fraction']:.0%},

@@ -29,7 +29,12 @@ def profile_figure(profile: Profile, threshold: float | None = None):
         return v if v is not None and v == v else 0.0
 
     fig, (ax, ax2) = plt.subplots(
-        2, 1, sharex=True, figsize=(max(6, 0.28 * len(idx) + 2) + 2, 5.5), dpi=120, gridspec_kw={"height_ratios": [3, 1.3]}
+        2,
+        1,
+        sharex=True,
+        figsize=(max(6, 0.28 * len(idx) + 2) + 2, 5.5),
+        dpi=120,
+        gridspec_kw={"height_ratios": [3, 1.3]},
     )
     colors = ["#d62728" if b.outlier_dominated else "#1f77b4" for b in blocks]
     ax.bar(idx, [max(val(b.r2_lin), BULK_FLOOR) for b in blocks], color=colors, label="R²_lin (held-out)")
@@ -37,7 +42,13 @@ def profile_figure(profile: Profile, threshold: float | None = None):
     ax.plot(idx, [max(v, BULK_FLOOR) for v in bulk], "k.", label="bulk R² (no sink/spike rows)")
     clipped = [(i, v) for i, v in zip(idx, bulk) if v < BULK_FLOOR]
     if clipped:
-        ax.plot([i for i, _ in clipped], [BULK_FLOOR] * len(clipped), "kv", ms=5, label=f"bulk R² < {BULK_FLOOR} (value shown)")
+        ax.plot(
+            [i for i, _ in clipped],
+            [BULK_FLOOR] * len(clipped),
+            "kv",
+            ms=5,
+            label=f"bulk R² < {BULK_FLOOR} (value shown)",
+        )
         for i, v in clipped:
             ax.annotate(f"{v:.3g}", (i, BULK_FLOOR), xytext=(0, 6), textcoords="offset points", ha="center",
                         fontsize=6, rotation=90, va="bottom")

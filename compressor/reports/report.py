@@ -8,8 +8,8 @@ import torch
 
 from compressor.core.errors import EXIT_GATE, EXIT_OK
 from compressor.core.version import __version__
-from compressor.evaluation.evaluate import gate_budget, gate_check
-from compressor.inputs.calibration import calibration_text, source_text
+from compressor.evaluation.gate import gate_budget, gate_check
+from compressor.inputs.calibration import calibration_texts, source_text
 from compressor.inputs.data import CalibrationSet, TextSource
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import Recipe
@@ -17,7 +17,9 @@ from compressor.recipe.schema import Recipe
 REPORT_SCHEMA = "compressor.report/v1"
 
 
-def build_report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal: CalibrationSet, cache_info: dict, out: Path) -> dict:
+def build_report(
+    recipe: Recipe, src, model_type: str, r: CompressionResult, cal: CalibrationSet, cache_info: dict, out: Path
+) -> dict:
     e = recipe.evaluation_domains()[0]
     return {
         "schema": REPORT_SCHEMA,
@@ -30,7 +32,7 @@ def build_report(recipe: Recipe, src, model_type: str, r: CompressionResult, cal
                   "dtype": recipe.model.dtype, "device": recipe.model.device},
         "recipe_sha256": recipe.sha256(),
         "recipe": recipe.to_dict(),
-        "calibration": {"data": recipe.calibration.dataset, "seq_len": cal.seq_len,
+        "calibration": {"data": recipe.calibration.describe(), "seq_len": cal.seq_len,
                         "fit_windows": int(cal.fit.shape[0]), "heldout_windows": int(cal.heldout.shape[0]),
                         "tokens": int(cal.fit.numel() + cal.heldout.numel())},
         "cache": cache_info,
@@ -93,8 +95,7 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
                             "text (evaluation.max_tokens) for a tighter gate")
     cal = recipe.calibration
     # the model's own writing is one domain whatever its seed: a self calibration and a self evaluation share it
-    cal_ids = ({source_id(calibration_text(recipe))} if cal.dataset != "self" else set()) | (
-        {"self"} if cal.dataset in ("self", "mix") else set())
+    cal_ids = {source_id(t) for t in calibration_texts(recipe)} | ({"self"} if cal.writes_self() else set())
     ev_ids = {"self" if c.self_written() else source_id(source_text(c)) for c in recipe.evaluation_domains()}
     one_domain = bool(ev_ids) and ev_ids <= cal_ids
     if one_domain:
@@ -112,9 +113,19 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
         "windows": {n: row["windows"] for n, row in halves["confirmation"].items()},
         "search_windows": {n: row["windows"] for n, row in halves["search"].items()}}
     return {
-        "confirm_fraction": pol.confirm_fraction, "confirmation": confirmation,
-        "metric": pol.metric, "confidence": pol.confidence, "ppl_budget": pol.ppl_budget, "budget_mode": pol.budget_mode, "kl_budget": pol.kl_budget,
-        "headroom": pol.headroom, "passed": passed, "message": message, "domains": domains, "one_domain": one_domain, "warnings": warnings,
+        "confirm_fraction": pol.confirm_fraction,
+        "confirmation": confirmation,
+        "metric": pol.metric,
+        "confidence": pol.confidence,
+        "ppl_budget": pol.ppl_budget,
+        "budget_mode": pol.budget_mode,
+        "kl_budget": pol.kl_budget,
+        "headroom": pol.headroom,
+        "passed": passed,
+        "message": message,
+        "domains": domains,
+        "one_domain": one_domain,
+        "warnings": warnings,
     }
 
 

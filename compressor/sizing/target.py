@@ -152,3 +152,17 @@ class SizeTarget:
         """The anchor's scores per gate domain (``name → WindowScores``), made if need be (``run``: the
         :class:`~compressor.pipeline.size.stage.SizeRun`)."""
         raise NotImplementedError
+
+    def measured(self, budget, priced: list, calibration, windows: torch.Tensor, workdir: Path) -> None:
+        """Once the prices are measured, before any plan: what the anchor takes of the run's statistics
+        (``priced``; ``calibration``: the recipe's section, ``windows`` its tokens), which may set the budget's
+        bytes (a GGUF's preset made again with the run's importance matrix). Default nothing."""
+
+    def measure_rivals(self, run, preset: dict) -> list[tuple[dict, dict]]:
+        """Other anchors of no more bytes, each with its scores per gate domain (the smaller presets measured
+        beside a GGUF's); default none."""
+        return []
+
+    def output_files(self) -> dict[str, Path]:
+        """Files the run made that go into the output beside the planned file (name → path); default none."""
+        return {}

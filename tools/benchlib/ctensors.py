@@ -216,7 +216,7 @@ def check_compressor_windows(windows, tokenizer, calibration: dict, recipe: Path
     else:
         r = load_recipe(recipe)
         r = recipe_from_dict({**r.model_dump(mode="json", exclude_unset=True), "calibration": calibration})
-    if r.calibration.dataset in ("mix", "self"):
+    if r.calibration.writes_self():
         raise ValueError("the calibration section must read the text file, not 'mix' / 'self'")
     cal, _ = build_calibration(r, None, tokenizer, use_cache=False)
     same = cal.fit.shape == windows.shape and torch.equal(cal.fit, windows.to(cal.fit.dtype))

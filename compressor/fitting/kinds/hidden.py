@@ -162,7 +162,9 @@ class HiddenUnitKind(Kind):
         map is snapped onto it (:func:`compressor.fitting.snap.snap`), its bytes kept in ``Fitted.stored``."""
         spec, ffn = data.spec, data.ffn
         if not spec.ffn_up or not spec.ffn_down:
-            raise ValueError(f"kind {self.name} needs the FFN's hidden units; this architecture has no ffn_up/ffn_down row")
+            raise ValueError(
+                f"kind {self.name} needs the FFN's hidden units; this architecture has no ffn_up/ffn_down row"
+            )
         kept = self.path(data, cfg, multiple).kept(size)
         # Regressor columns in the module's order: [h_K, x] (x only with the bypass).
         cols = kept + data.d
@@ -177,7 +179,11 @@ class HiddenUnitKind(Kind):
             W, b, warnings = f.W, f.b, list(f.warnings)
         else:  # no units, no bypass: the best constant is the mean output
             my = data.zfit.my.cpu()
-            W, b, warnings = torch.zeros(0, data.d_out, dtype=torch.float64), my if intercept else torch.zeros_like(my), []
+            W, b, warnings = (
+                torch.zeros(0, data.d_out, dtype=torch.float64),
+                my if intercept else torch.zeros_like(my),
+                [],
+            )
         stored = {}
         if grid is not None and size and not self.bypass:
             W, b, stored = self._snap(data, cols, W, b, grid, intercept)

@@ -108,7 +108,9 @@ class _Shards:
         if n > 1:
             index = {"metadata": {"total_size": self.total},
                      "weight_map": {k: name for (_, keys), name in zip(self.parts, names) for k in keys}}
-            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            (self.folder / "model.safetensors.index.json").write_text(
+                json.dumps(index, indent=2, sort_keys=True) + "\n"
+            )
         return [self.folder / name for name in names]
 
 

@@ -144,7 +144,8 @@ class CompressedTensorsWriter(Writer):
         if diff > tol:
             raise VerificationError(
                 f"compressed-tensors reload check failed: max |Δlogit| {diff:.3g} against the in-memory model with the "
-                f"decoded weights (tolerance {tol:g}); the folder was not published")
+                f"decoded weights (tolerance {tol:g}); the folder was not published"
+            )
         check = _measured(request, folder, reloaded, cls, plan, schemes, dtype, stored_bytes, t0, {
             "max_abs_logit_diff": diff, "logit_tolerance": tol,
             "compared_with": "the in-memory model with the decoded weights"})
@@ -197,7 +198,7 @@ def _measured(request: WriteRequest, folder: Path, reloaded: nn.Module, cls: str
     from compressed_tensors import __version__ as ct_version
 
     from compressor.core.params import count_params
-    from compressor.evaluation.evaluate import perplexity
+    from compressor.evaluation.perplexity import perplexity
 
     again = perplexity(reloaded, request.probe_tokens, seq_len=request.probe_seq_len, stride=request.probe_stride,
                        batch_size=request.probe_batch_size, desc="compressed-tensors reload check", shard=False)
@@ -232,7 +233,7 @@ def _gate_domains(request: WriteRequest) -> list[dict]:
 def _score(model: nn.Module, domains: list[dict]) -> list[dict]:
     """A reloaded checkpoint on every gate domain: its rows (perplexity, change, KL from the original's teacher
     where the domain carries it) with each window's scores for the size gate."""
-    from compressor.evaluation.evaluate import model_scores
+    from compressor.evaluation.external import model_scores
 
     return [model_scores(model, d["tokens"], d["seq_len"], d["stride"], d.get("teacher")).row(
         d["name"], d.get("reference_ppl")) for d in domains]

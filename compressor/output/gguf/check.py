@@ -12,15 +12,42 @@ from pathlib import Path
 
 from compressor.output.base import VerificationError, WriteRequest
 from compressor.output.gguf import read
+from compressor.output.gguf.encode import _CapturedOutput
+
+
+def load_failure(path: Path) -> str | None:
+    """What llama.cpp says when it does not load the GGUF at ``path`` (its error lines), None when it loads it.
+    The model alone is loaded (memory-mapped, no context): what every later step of a size plan needs first."""
+    import logging
+
+    import llama_cpp
+
+    # llama-cpp-python's log callback prints what this logger's level lets through: all of it, to be captured
+    log = logging.getLogger("llama-cpp-python")
+    level = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0  # a load check: memory-mapped on the host, nothing copied to a device
+        with _CapturedOutput() as out:
+            model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+            if model:
+                llama_cpp.llama_model_free(model)
+    finally:
+        log.setLevel(level)
+    if model:
+        return None
+    said = [line.strip() for line in out.text.splitlines() if "error" in line.lower() or "failed" in line.lower()]
+    return "; ".join(said[-3:]) or out.tail(3) or "no message"
 
 
 def planned_check(path: Path, request: WriteRequest, options: dict) -> dict:
     """A size-planned file in llama.cpp, measured: its perplexity on every gate domain (``options['gate_domains']``,
     else the probe) against the in-memory original's there (there is no float original of a mixed file to
-    match), with its KL from the original (mean, median, 99th percentile, same top token) where the domain
-    carries the original's teacher, and each window's scores (``scores``) for the gate's paired bound. Raises :class:`VerificationError` when
-    llama.cpp's perplexity is not finite; the size and the gate are judged by the size stage
-    (:mod:`compressor.pipeline.size`), which measures the preset beside it."""
+    match), with its KL from the original (mean, median, 99th and 99.9th percentiles, same top token) where the domain
+    carries the original's teacher, and each window's scores (``scores``) for the gate's paired bound. Raises
+    :class:`VerificationError` when llama.cpp's perplexity is not finite; the size and the gate are judged by the
+    size stage (:mod:`compressor.pipeline.size`), which measures the preset beside it."""
     import llama_cpp
 
     measured = []
@@ -57,11 +84,12 @@ def _gate_domains(request: WriteRequest, options: dict) -> list[dict]:
 
 def source_quant_check(path: Path, request: WriteRequest, options: dict) -> dict:
     """The output against the source GGUF, both in llama.cpp at the source's quantization, on every gate domain:
-    the gate's own rule (:func:`~compressor.evaluation.evaluate.gate_check`) — the upper confidence bound of the
+    the gate's own rule (:func:`~compressor.evaluation.gate.gate_check`) — the upper confidence bound of the
     change (the policy's ``confidence``, one-sided), paired by window, within the policy's perplexity budget
     (:attr:`WriteRequest.gate`, as the recipe gives it) on every domain. Raises :class:`GGUFGateMissed` when it
     is not."""
-    from compressor.evaluation.evaluate import gate_budget, gate_check, window_evaluation
+    from compressor.evaluation.external import window_evaluation
+    from compressor.evaluation.gate import gate_budget, gate_check
 
     source = Path(request.source.path) / request.source.gguf_file
     base, cand, rows = {}, {}, []
@@ -80,8 +108,8 @@ def source_quant_check(path: Path, request: WriteRequest, options: dict) -> dict
                for n in rows]
     first = domains[0]
     out = {"source_perplexity": first["source_perplexity"], "source_relative_change": first["relative_delta"],
-           "domains": domains, "confidence": rule.confidence, "budget": gate_budget(rule), "budget_mode": rule.budget_mode,
-           "passed": ok}
+           "domains": domains, "confidence": rule.confidence, "budget": gate_budget(rule),
+           "budget_mode": rule.budget_mode, "passed": ok}
     if not ok:
         changes = "; ".join(f"{d['name']} {100 * d['relative_delta']:+.2f} % ({d['confidence']:.0%} bound "
                             f"{100 * d['relative_delta_upper']:+.2f} %)" for d in domains)

@@ -4,7 +4,7 @@ Executed as a script, in a subprocess, by :func:`compressor.output.gguf.converte
 imports the gguf-py it was written with (its own copy, put first on ``sys.path`` here), which may differ
 from the gguf package the compressor process uses. It imports nothing of compressor.
 
-    python convert_driver.py CONVERTER_DIR MODEL_DIR OUT.gguf LAYOUT_DIR OUTTYPE [PRE_TOKENIZER]
+    python convert_driver.py CONVERTER_DIR MODEL_DIR OUT.gguf LAYOUT_DIR OUTTYPE [PRE_TOKENIZER] [--model-name=ID]
 
 Besides the file (exactly what ``convert_hf_to_gguf.py --outtype OUTTYPE`` writes), ``LAYOUT_DIR`` gets
 ``layout.json``: for every tensor of two or more dimensions the converter emits, the Hugging Face tensors
@@ -20,6 +20,8 @@ saved as ``rows-N.npy``.
 (its table is keyed by a hash of known tokenizers' output, so a fine-tuned or newly trained byte-level BPE is
 refused); compressor passes the one the tokenizer's own ``pre_tokenizer`` structure names
 (:data:`compressor.output.gguf.metadata.PRE_TOKENIZERS`), or nothing, and the converter's refusal stands.
+``--model-name``: the id (``org/name`` or a folder's name) ``general.name`` is made of, as the converter makes it
+of a folder's name, for a folder saved under another name (a model object's).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
 
 
 def main(argv: list[str]) -> int:
-    conv_dir, model_dir, out, layout_dir, outtype, *pre = argv
+    named = [a.partition("=")[2] for a in argv if a.startswith("--model-name=")]
+    conv_dir, model_dir, out, layout_dir, outtype, *pre = [a for a in argv if not a.startswith("--model-name=")]
     conv_dir, model_dir, layout_dir = Path(conv_dir), Path(model_dir), Path(layout_dir)
     sys.path[:0] = [str(conv_dir), str(conv_dir / "gguf-py")]
     import gguf
@@ -51,11 +54,14 @@ def main(argv: list[str]) -> int:
     cls = get_model_class(arch)
     ftype = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
              "f32": gguf.LlamaFileType.ALL_F32}[outtype]
+    # the converter's own heuristic for a folder's name (gguf.Metadata.apply_metadata_heuristic), on the given id
+    name = gguf.Metadata.get_model_id_components(named[0])[0] if named else None
+    kwargs = {"model_name": gguf.Metadata.id_to_title(name)} if name else {}
     with torch.inference_mode():
-        layout = probe(cls(model_dir, ftype, Path(out)), layout_dir)
+        layout = probe(cls(model_dir, ftype, Path(out), **kwargs), layout_dir)
         layout["architecture"] = gguf.MODEL_ARCH_NAMES[cls.model_arch]
         layout["hf_architecture"] = arch
-        model = cls(model_dir, ftype, Path(out))
+        model = cls(model_dir, ftype, Path(out), **kwargs)
         model.write()
     (layout_dir / "layout.json").write_text(json.dumps(layout, indent=1))
     return 0

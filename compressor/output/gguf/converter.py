@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -160,29 +161,134 @@ class ConverterLayout:
         return rows if order is None else rows[order]
 
 
+def model_name(model) -> str:
+    """The id a model object's file is named after (``general.name``, by the converter's own heuristic): its
+    ``_name_or_path`` — a Hub id as it is, a folder by its name — else its model type. The converter would
+    otherwise name it after the work folder it was saved into."""
+    config = getattr(model, "config", None)
+    given = str(getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "").rstrip("/")
+    if given and (given.count("/") > 1 or given.startswith((".", "/", "~")) or Path(given).expanduser().exists()):
+        given = Path(given).name
+    return given or str(getattr(config, "model_type", "") or "model")
+
+
 def convert(model_dir: Path, out: Path, workdir: Path, *, pre_tokenizer: str | None = None,
-            outtype: str = "f16") -> ConverterLayout:
-    """Run the converter on ``model_dir`` into ``out`` (``outtype``: f16, bf16 or f32) and probe its layout (kept
-    in ``workdir/layout``). Raises :class:`~compressor.output.gated.NotRepresentableError` with the converter's
-    own last words when it refuses the folder."""
+            outtype: str = "f16", named_after=None) -> ConverterLayout:
+    """Run the converter on ``model_dir`` into ``out`` (``outtype``: f16, bf16 or f32), check that llama.cpp loads
+    what it wrote, and probe its layout (kept in ``workdir/layout``). ``named_after``: the model ``model_dir``
+    holds; where ``model_dir`` is its save in ``workdir`` the file is named after it (:func:`model_name`), not
+    after that folder (a user's folder names the file, as the converter does). Raises
+    :class:`~compressor.core.errors.InputError` (exit 2) with the fix where the folder is what stops the converter
+    or llama.cpp, else :class:`~compressor.output.gated.NotRepresentableError` with the converter's last words."""
     from compressor.output.gated import NotRepresentableError
 
     if (why := missing()) is not None:
         raise NotRepresentableError(why)
     layout_dir = workdir / "layout"
     layout_dir.mkdir(parents=True, exist_ok=True)
+    saved = Path(model_dir).resolve().parent == Path(workdir).resolve()  # a model object saved for the converter
     cmd = [sys.executable, str(_DRIVER), str(converter_dir()), str(model_dir), str(out), str(layout_dir), outtype,
-           *([pre_tokenizer] if pre_tokenizer else [])]
+           *([pre_tokenizer] if pre_tokenizer else []),
+           *([f"--model-name={model_name(named_after)}"] if named_after is not None and saved else [])]
     env = {**os.environ, "NO_LOCAL_GGUF": "1", "TQDM_DISABLE": "1"}
     logger.info("gguf: llama.cpp's convert_hf_to_gguf.py → %s (%s)", out.name, outtype)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        tail = "\n".join(line for line in proc.stderr.strip().splitlines()[-6:])
         if "No space left on device" in proc.stderr:  # the size stage says which file, and what is free
             raise OSError(errno.ENOSPC, f"No space left on device (llama.cpp's converter writing {out})", str(out))
-        raise NotRepresentableError(f"llama.cpp's convert_hf_to_gguf.py could not convert {model_dir} "
-                                    f"(exit {proc.returncode}):\n{tail}")
+        logger.debug("llama.cpp's convert_hf_to_gguf.py:\n%s", proc.stderr)
+        raise converter_refusal(model_dir, proc.returncode, proc.stderr, saved=saved)
+    if (said := _load_failure(out)) is not None:
+        raise load_refusal(model_dir, out, said)
     return ConverterLayout.read(layout_dir)
+
+
+def _load_failure(path: Path) -> str | None:
+    from compressor.output.gguf.check import load_failure
+
+    return load_failure(path)
+
+
+def _last_words(stderr: str) -> str:
+    """The converter's own error: the exception line a traceback ends with (its file lines say nothing to a
+    user), else its last line."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b:?", line)]
+    return (errors or lines or ["no message"])[-1]
+
+
+#: Architectures whose converter class reads a byte-level BPE tokenizer (tokenizer.json) only when
+#: tokenizer_config.json names this class, and a SentencePiece tokenizer.model otherwise (Phi-3's
+#: ``set_vocab``: "Phi-4 model uses GPT2Tokenizer"); transformers 5 saves "TokenizersBackend" there.
+BPE_TOKENIZER_CLASS = {"Phi3ForCausalLM": "GPT2Tokenizer"}
+
+
+def converter_refusal(model_dir: Path, code: int, stderr: str, *, saved: bool = False) -> Exception:
+    """The converter's failure as a user reads it: what it said, and the fix where the folder is the cause
+    (``saved``: a model object's save in the work folder, whose files the user does not edit)."""
+    from compressor.core.errors import InputError
+    from compressor.output.gated import NotRepresentableError
+
+    said = _last_words(stderr)
+    if "tokenizer.model" in said and (model_dir / "tokenizer.json").is_file():
+        arch = _folder_architecture(model_dir)
+        config = _json(model_dir / "tokenizer_config.json")
+        where = ("in its tokenizer_config.json (hand oneshot a tokenizer of that class, e.g. "
+                 "transformers.GPT2TokenizerFast(tokenizer_object=tok.backend_tokenizer), or save the model and "
+                 "tokenizer to a folder and set it there)" if saved else f"in {model_dir / 'tokenizer_config.json'}")
+        fix = (f"set \"tokenizer_class\": \"{BPE_TOKENIZER_CLASS[arch]}\" {where} "
+               f"(it is {config.get('tokenizer_class')!r}), which makes the converter read tokenizer.json as a "
+               "byte-level BPE" if arch in BPE_TOKENIZER_CLASS else
+               "save the tokenizer's tokenizer.model beside it (SentencePiece), or plan compressed-tensors instead")
+        return InputError(f"llama.cpp's convert_hf_to_gguf.py does not convert {model_dir}: it reads this "
+                          f"architecture's ({arch}) tokenizer from tokenizer.model, a SentencePiece file the folder "
+                          f"does not have (it said: {said}); its tokenizer is tokenizer.json: {fix}")
+    return NotRepresentableError(f"llama.cpp's convert_hf_to_gguf.py could not convert {model_dir} (exit {code}): "
+                                 f"{said} (its traceback is logged with --verbose)")
+
+
+#: llama.cpp's vocabulary loader treats a model whose ``general.name`` contains one of these (lower-cased) as
+#: Phi-3 and looks these tokens up (llama-vocab.cpp, ``_contains_any(model_name, {"phi-3", "phi3"})``): a
+#: vocabulary without one of them does not load ("unordered_map::at"), whatever the architecture.
+NAME_TOKEN_RULES = {"Phi-3": (("phi-3", "phi3"), ("</s>", "<unk>", "<s>", "<|endoftext|>"))}
+
+
+def load_refusal(model_dir: Path, path: Path, said: str) -> Exception:
+    """llama.cpp's refusal of the converter's file as a user reads it: what llama.cpp said, and the fix where the
+    file's name or tokenizer is the cause (:data:`NAME_TOKEN_RULES`)."""
+    from compressor.core.errors import InputError
+    from compressor.output.gguf.naming import _field, _gguf
+
+    reader = _gguf().GGUFReader(path)
+    name = str(_field(reader, "general.name") or "")
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = set(field.contents()) if field is not None else set()
+    head = (f"llama.cpp does not load the F16 that its convert_hf_to_gguf.py made of {model_dir} (llama.cpp said: "
+            f"{said}), so nothing can be planned from it")
+    for model, (names, needed) in NAME_TOKEN_RULES.items():
+        lacking = [t for t in needed if t not in tokens]
+        if any(n in name.lower() for n in names) and lacking:
+            return InputError(
+                f"{head}: the file's general.name is {name!r}, and llama.cpp treats a model whose name contains "
+                f"{' or '.join(repr(n) for n in names)} as {model} and looks up its tokens "
+                f"{', '.join(repr(t) for t in needed)}; this tokenizer has no {', '.join(repr(t) for t in lacking)}. "
+                "The converter takes the name from README.md's model_name, else config.json's _name_or_path, else "
+                f"the folder's name ({model_dir.name!r}): rename the folder (or the name) to one without "
+                f"{' or '.join(repr(n) for n in names)}, or add those tokens to the tokenizer")
+    return InputError(f"{head}. The converter and llama.cpp disagree about this folder: check its config.json and "
+                      "tokenizer, or plan compressed-tensors instead (output.formats: [compressed-tensors])")
+
+
+def _folder_architecture(model_dir: Path) -> str:
+    return str((_json(model_dir / "config.json").get("architectures") or ["?"])[0])
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def fetch(where: Path | None = None) -> Path:

@@ -90,10 +90,15 @@ class _CapturedOutput:
         return "\n".join(self.text.strip().splitlines()[-lines:])
 
 
-def quantize_file(src: Path, dst: Path, ftype: str, kept_f16: list[int] = ()) -> None:
+def quantize_file(src: Path, dst: Path, ftype: str, kept_f16: list[int] = (), imatrix=None,
+                  imatrix_file: str | None = None) -> None:
     """``llama_model_quantize`` from ``src`` to ``dst`` at gguf-py's ``LlamaFileType`` name ``ftype``
-    (llama.cpp's own per-tensor mix for that preset, no importance matrix)."""
+    (llama.cpp's own per-tensor mix for that preset). ``imatrix``: an
+    :class:`~compressor.output.gguf.imatrix.ImportanceMatrix`, handed over as ``llama-quantize --imatrix
+    imatrix_file`` hands the file's (its values, and the ``quantize.imatrix.*`` keys it records); None: none."""
     import llama_cpp
+
+    from compressor.output.gguf.imatrix import IMATRIX_FILE, CArrays
 
     gguf = _gguf()
     params = llama_cpp.llama_model_quantize_default_params()
@@ -105,7 +110,12 @@ def quantize_file(src: Path, dst: Path, ftype: str, kept_f16: list[int] = ()) ->
     if keep:
         arr = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))(*keep)  # last entry: NULL pattern
         params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+    arrays = None
+    if imatrix is not None:  # held until the quantizer returns: it reads the arrays' memory
+        arrays = CArrays(imatrix.values(), imatrix.metadata(imatrix_file or IMATRIX_FILE))
+        arrays.set_on(params)
     with _CapturedOutput() as out:
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
-        raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) turning {src.name} into {ftype}:\n{out.tail()}")
+        raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) turning {src.name} into {ftype}"
+                           f"{' with an importance matrix' if arrays is not None else ''}:\n{out.tail()}")

@@ -78,7 +78,8 @@ class Uniform:
 
     quant: str
     measured = False
-    """Whether the file is measured on the gate's domains rather than held to an original (:attr:`Requantized.measured`)."""
+    """Whether the file is measured on the gate's domains rather than held to an original
+    (:attr:`Requantized.measured`)."""
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,23 @@ from compressor.sizing.sites import Site
 logger = logging.getLogger(__name__)
 
 
-#: Types offered by default: everything llama.cpp runs on CPU and GPU that ggml quantizes in well under a
-#: second per million weights (the IQ2 family takes ~10 s and needs an importance matrix everywhere).
+#: Types offered by default: every type ggml quantizes that llama.cpp's CPU backend runs, down to IQ1_S's
+#: 1.56 bits (not the ternary TQ1_0/TQ2_0, made for BitNet's trained ternary weights). ggml builds the search
+#: tables of IQ1_S/IQ1_M, IQ2_XXS, IQ2_XS and IQ2_S once per process, the first time it quantizes one (measured
+#: on one core: 10, 2, 4 and 9 s), then takes 0.3–2 s per million weights with an importance matrix (IQ2_XS the
+#: slowest; Q4_K 0.2): pricing quantizes a tensor's sampled rows only (:func:`~compressor.sizing.sites.
+#: sample_rows`), and a tensor whose rows no 256-element type fits never meets them.
 DEFAULT_TYPES: tuple[GGMLType, ...] = (
+    GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS,
     GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ3_S, GGMLType.IQ4_XS, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
     GGMLType.Q4_0, GGMLType.IQ4_NL, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.F16,
 )
+
+#: Types llama.cpp's quantizer refuses to write without an importance matrix (its ``tensor_requires_imatrix``;
+#: ggml itself insists only for IQ1_S and IQ2_XXS/XS): priced with the run's importance matrix only, never
+#: unweighted — llama.cpp calls those roundings garbage, and each is one more of ggml's slowest searches.
+WEIGHTED_ONLY = frozenset({GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
+                           GGMLType.IQ3_XXS})
 
 
 #: 32-element types that a 256-element type of no more bits beats almost everywhere both fit (ggml's
@@ -54,10 +65,11 @@ def offered(types: tuple[GGMLType, ...], n_per_row: int, every: bool = True,
 def variants(site: Site, t: GGMLType) -> list[np.ndarray | None]:
     """The column weights ``t`` is priced with: the importance matrix, and none (a k-quant's scales fitted
     with an importance matrix can leave a source's own grid: Qwen2.5's and Gemma-3's Q4_K_M sources
-    re-quantize onto Q4_K with almost no loss unweighted). F16/F32 take none; IQ types need one."""
+    re-quantize onto Q4_K with almost no loss unweighted). F16/F32 take none; the lowest i-quants need one
+    (:data:`WEIGHTED_ONLY`)."""
     if BLOCKS[t][0] == 1:
         return [None]
-    return [site.imatrix] if requires_imatrix(t) else [site.imatrix, None]
+    return [site.imatrix] if t in WEIGHTED_ONLY or requires_imatrix(t) else [site.imatrix, None]
 
 
 #: Rows (the largest loss weights) on which :func:`price` chooses how each type is rounded: ggml's rounding with
@@ -106,7 +118,8 @@ def price(site: Site, types: tuple[GGMLType, ...] = DEFAULT_TYPES, rounding: str
     probe = site.probe(PROBE_ROWS)
     part = full[probe]
     weighted = Weighted(full, site.imatrix)
-    compensate = _compensator(site, factors, weighted) if rounding == "gptq" else None
+    compensate = _compensator(site, factors, weighted, blockwise=any(
+        compensates(t) and _rounds_blockwise(t) for t in offered(types, n))) if rounding == "gptq" else None
     kinds = offered(types, n)
     nearest: dict[GGMLType, tuple[float, np.ndarray | None]] = {}
 
@@ -156,12 +169,22 @@ COMPENSATED_BELOW_BPW = 6.0
 
 
 def compensates(t: GGMLType) -> bool:
-    """Whether error-compensating rounding is offered in ``t``: a quantized type whose grid is per element,
-    of fewer than :data:`COMPENSATED_BELOW_BPW` bits per weight. (A tensor that ggml's rounding already
-    leaves exact, a source's own grid, is not tried either: nothing is left to compensate.)"""
+    """Whether error-compensating rounding is offered in ``t``: a quantized type of fewer than
+    :data:`COMPENSATED_BELOW_BPW` bits per weight whose grid is per element (GPTQ column by column), or whose
+    elements share codebook indices (IQ1_*, IQ2_*, IQ3_*: ggml's blocks quantized one at a time, each block's
+    error carried into the rest, :func:`~compressor.fitting.gridround.blockwise_quantize`). (A tensor that
+    ggml's rounding already leaves exact, a source's own grid, is not tried either: nothing is left to
+    compensate.)"""
     from compressor.fitting import gridround
 
-    return BLOCKS[t][0] > 1 and bits_per_weight(t) < COMPENSATED_BELOW_BPW and gridround.supports(t) is None
+    return BLOCKS[t][0] > 1 and bits_per_weight(t) < COMPENSATED_BELOW_BPW and (
+        gridround.supports(t) is None or gridround.rounds_blockwise(t))
+
+
+def _rounds_blockwise(t: GGMLType) -> bool:
+    from compressor.fitting import gridround
+
+    return gridround.rounds_blockwise(t)
 
 
 class Weighted:
@@ -187,17 +210,23 @@ class Weighted:
         return dequantize(self.raw(t, at), t, self.rows.shape[1])
 
 
-def _compensator(site: Site, factors=None, weighted: Weighted | None = None) -> Callable[..., list[float]] | None:
+def _compensator(site: Site, factors=None, weighted: Weighted | None = None,
+                 blockwise: bool = False) -> Callable[..., list[float]] | None:
     """``(types, at=None) ->`` the predicted cost of the priced rows (those at positions ``at``) rounded by
-    GPTQ onto each type's importance-weighted scales, all types in one pass of GPTQ's column loop
-    (:func:`~compressor.fitting.gridround.gptq_quantize_many`; one factor of each fitted Ĥ shared by every
-    type, :meth:`Site.fit_pairs`); None for a site with no Ĥ (an untied embedding: a lookup)."""
+    GPTQ onto each type's importance-weighted scales, all types in one pass of GPTQ's column loop, the types
+    rounded block by block each alone (:func:`~compressor.fitting.gridround.gptq_quantize_many`; one factor of
+    each fitted Ĥ shared by every type, :meth:`Site.fit_pairs`, with its block-wise factor where ``blockwise``:
+    a type rounded block by block is offered); None for a site with no Ĥ (an untied embedding: a lookup)."""
     from compressor.fitting import gridround
 
     if site.h is None:
         return None
     full = site.priced_weight()
-    pairs = site.fit_factors(factors)
+    if blockwise:  # Site.fit_factors, each factor with its block-wise one beside it
+        pairs = [(gridround.factor(fit, blockwise=True) if factors is None else factors.get(fit, blockwise=True),
+                  priced) for fit, priced in site.fit_pairs()]
+    else:
+        pairs = site.fit_factors(factors)
 
     def cost(types: list[GGMLType], at: torch.Tensor | None = None, raws: dict | None = None) -> list[float]:
         """``raws``: filled with each type's bytes (of the last pair's fit)."""

@@ -56,7 +56,7 @@ def gguf_summary(path: Path) -> dict:
 
 def llama_cpp_perplexity(path: Path, tokens: torch.Tensor, seq_len: int, stride: int) -> tuple[float, int]:
     """Perplexity of the GGUF at ``path`` in llama.cpp on ``tokens``, windowed exactly as
-    :func:`compressor.evaluation.evaluate.perplexity` windows (only tokens the previous window did
+    :func:`compressor.evaluation.perplexity.perplexity` windows (only tokens the previous window did
     not score count). Returns (perplexity, scored tokens)."""
     sums, counts = llama_cpp_window_nll(path, tokens, seq_len, stride)
     return math.exp(sum(sums) / sum(counts)), int(sum(counts))
@@ -71,9 +71,9 @@ def llama_cpp_window_nll(path: Path, tokens: torch.Tensor, seq_len: int, stride:
 
 def read_scores(path: Path, tokens: torch.Tensor, seq_len: int, stride: int, teacher=None):
     """The GGUF at ``path`` in llama.cpp on ``tokens``' windows: per window its NLL and, with ``teacher``
-    (the original's :class:`~compressor.evaluation.evaluate.TeacherCache` on the same tokens and windows),
-    its KL from the original and agreeing tokens (:func:`~compressor.evaluation.evaluate.window_scores`)."""
-    from compressor.evaluation.evaluate import window_scores
+    (the original's :class:`~compressor.evaluation.teacher.TeacherCache` on the same tokens and windows),
+    its KL from the original and agreeing tokens (:func:`~compressor.evaluation.external.window_scores`)."""
+    from compressor.evaluation.external import window_scores
 
     llm = _load(path, seq_len)
 
@@ -90,12 +90,23 @@ def read_scores(path: Path, tokens: torch.Tensor, seq_len: int, stride: int, tea
 def _load(path: Path, seq_len: int):
     import llama_cpp
 
-    with _CapturedOutput() as out:
-        try:
-            llm = llama_cpp.Llama(model_path=str(path), n_ctx=seq_len, n_batch=seq_len, n_ubatch=seq_len,
-                                  logits_all=True, n_threads=max(1, torch.get_num_threads()), verbose=False)
-        except ValueError as e:
-            failure = e
-        else:
-            return llm
-    raise VerificationError(f"llama.cpp does not load {path.name} ({failure}):\n{out.tail()}")
+    import logging
+
+    # llama-cpp-python's log callback prints what this logger's level lets through: a failed load's reason too
+    log = logging.getLogger("llama-cpp-python")
+    level = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        with _CapturedOutput() as out:
+            try:
+                llm = llama_cpp.Llama(model_path=str(path), n_ctx=seq_len, n_batch=seq_len, n_ubatch=seq_len,
+                                      logits_all=True, n_threads=max(1, torch.get_num_threads()), verbose=False)
+            except ValueError as e:
+                failure = e
+            else:
+                return llm
+    finally:
+        log.setLevel(level)
+    said = [line.strip() for line in out.text.splitlines() if "error" in line.lower() or "failed" in line.lower()]
+    reason = "; ".join(said[-3:]) or out.tail(3) or "llama.cpp printed no reason"
+    raise VerificationError(f"llama.cpp does not load {path.name} ({failure}): {reason}")

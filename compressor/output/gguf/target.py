@@ -3,7 +3,9 @@
 Options are ggml's types (:mod:`compressor.sizing.plan`), rounded by ggml's own quantizer with the
 run's importance matrix or by error-compensating rounding onto its scales (:mod:`compressor.fitting.gridround`);
 the budget is read off the F16 file written once (:mod:`.budget`), and the anchor is llama.cpp's preset of the
-size made from that F16 by llama.cpp's own quantizer, measured in llama.cpp on the same windows.
+size made from that F16 by llama.cpp's own quantizer with an importance matrix from the run's own calibration
+text (:mod:`.imatrix`: written into the output for ``llama-quantize --imatrix``), measured in llama.cpp on the
+same windows, with up to two smaller presets beside it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class GGUFTarget(SizeTarget):
     format = "gguf"
     presets = SIZE_PRESETS
     what = "the GGUF file"
-    gptq_options = 9  # the offered types below COMPENSATED_BELOW_BPW that take it
+    gptq_options = 16  # the offered types below COMPENSATED_BELOW_BPW that take it (7 of them block by block)
     keeps_priced_roundings = True
     rounds_side_by_side = True  # ggml's scale searches and numpy's GPTQ column loop
     streams = True
@@ -37,9 +39,14 @@ class GGUFTarget(SizeTarget):
         self._converted = None  # the converter's layout, once the budget has made the F16 (a Hugging Face source)
         self._base = None  # that F16, which the plan's file re-quantizes
         self._stacks = None  # a layer's experts stacked in one tensor (:mod:`.experts`), with the converter's layout
+        self._imatrix = None  # the run's importance matrix, llama.cpp's (:mod:`.imatrix`), once measured
+        self._rivals: list[str] = []  # smaller presets to measure beside the size's own
+        self._workdir: Path | None = None
 
     def anchor_called(self, name: str) -> str:
-        return f"llama.cpp's {name}"
+        from compressor.output.gguf.budget import PRESET_CALLED
+
+        return PRESET_CALLED.format(name=name)
 
     def refusal(self, model_type: str, src, config=None) -> str | None:
         """A GGUF source is re-quantized in its own architecture, which any llama.cpp-loadable model type with
@@ -159,10 +166,11 @@ class GGUFTarget(SizeTarget):
         return Requantized(source, dict(plan.types), plan.imatrix, "F16", plan.stored)
 
     def round_full(self, name: str, option: str, weight, h, priced, request, alongside: list[str] | None = None):
-        """GPTQ onto the type's importance-weighted scales, its raw bytes in the file's row order. ``alongside``:
-        the types pricing rounded this tensor in together (``option`` among them): rounded together again, so
-        the bytes are pricing's to the bit (one column loop for several types sums in another order than one
-        for a type alone, and a near-tie can round the other way)."""
+        """GPTQ onto the type's importance-weighted scales (IQ1_*, IQ2_*, IQ3_*: ggml's blocks one at a time, each
+        block's error carried into the rest; each such type alone), its raw bytes in the file's row order.
+        ``alongside``: the types pricing rounded this tensor in together (``option`` among them): rounded together
+        again, so the bytes are pricing's to the bit (one column loop for several types sums in another order than
+        one for a type alone, and a near-tie can round the other way)."""
         from compressor.core.ggml import GGMLType
         from compressor.fitting.gridround import gptq_quantize_many
 
@@ -178,6 +186,52 @@ class GGUFTarget(SizeTarget):
         return {d["name"]: read.read_scores(Path(preset["path"]), d["tokens"], d["seq_len"], d["stride"],
                                             d.get("teacher"))
                 for d in run.request.options.get("gate_domains") or []}
+
+    def measured(self, budget, priced: list, calibration, windows, workdir: Path) -> None:
+        """The run's importance matrix (Ĥ's diagonal, llama-imatrix's statistic) written as llama.cpp's imatrix
+        GGUF, and the preset made again with it (:func:`~.budget.with_importance`)."""
+        from compressor.output.gguf.budget import with_importance
+        from compressor.output.gguf.imatrix import ImportanceMatrix
+
+        self._workdir = workdir
+        self._imatrix = ImportanceMatrix.of(priced, int(windows.numel()), int(windows.shape[-1]),
+                                            _dataset_names(calibration))
+        self._rivals = with_importance(budget, self._imatrix, workdir)
+        if budget.preset is not None:
+            logger.info("output.size: %s is %s bytes%s", self.anchor_called(budget.preset["name"]),
+                        f"{budget.preset['file_bytes']:,}",
+                        f"; measured beside it too: {', '.join(self._rivals)}" if self._rivals else "")
+
+    def measure_rivals(self, run, preset: dict) -> list[tuple[dict, dict]]:
+        """Each smaller preset, made with the run's importance matrix, measured like the anchor and removed
+        (one at a time: the work folder holds one more preset at most)."""
+        from compressor.output.gguf.budget import make_rival
+
+        out = []
+        for name in self._rivals if self._imatrix is not None else []:
+            rival = make_rival(name, self._imatrix, self._workdir, run.budget.limit)
+            if rival is None:
+                continue
+            try:
+                out.append((rival, self.measure_anchor(run, rival)))
+            finally:
+                Path(rival.pop("path")).unlink(missing_ok=True)
+        return out
+
+    def output_files(self) -> dict[str, Path]:
+        """The run's importance matrix, for ``llama-quantize --imatrix`` (the preset beside the file, remade)."""
+        from compressor.output.gguf.imatrix import IMATRIX_FILE
+
+        path = self._workdir / IMATRIX_FILE if self._workdir is not None else None
+        return {IMATRIX_FILE: path} if path is not None and path.is_file() else {}
+
+
+def _dataset_names(calibration) -> list[str]:
+    """The calibration's sources as the imatrix records them (llama-imatrix: its text file's name); a local
+    path by its file name only (a file shared with others names no folder of the user's)."""
+    sources = calibration.dataset if isinstance(calibration.dataset, list) else [calibration.dataset]
+    names = [str(getattr(s, "source", s)) for s in sources]
+    return [Path(n).name if ("/" in n and Path(n).expanduser().exists()) else n for n in names]
 
 
 def gguf_namer(model) -> Callable[[str], str | None]:

@@ -10,7 +10,15 @@ from compressor.output.base import VerificationError, WriteRequest, Writer
 from compressor.output.gguf.check import planned_check, source_quant_check
 from compressor.output.gguf.metadata import tokenizer_problem
 from compressor.output.gguf.plan import (
-    Requantized, Uniform, arch_refusal, check_options, compression_widths, down_blocks, width_error, writable, writer_plan,
+    Requantized,
+    Uniform,
+    arch_refusal,
+    check_options,
+    compression_widths,
+    down_blocks,
+    width_error,
+    writable,
+    writer_plan,
 )
 from compressor.output.gguf.read import gguf_summary, llama_cpp_perplexity, source_tensor_types
 from compressor.output.gguf.write import write_gguf

@@ -245,7 +245,7 @@ def compare_reloaded(request: WriteRequest, reloaded: nn.Module, what: str,
     the way they were saved (``reference``: :func:`reference_logits`, taken before the reload); the
     report entry (``extra`` first), or :class:`VerificationError`."""
     from compressor.core.params import count_params
-    from compressor.evaluation.evaluate import perplexity
+    from compressor.evaluation.perplexity import perplexity
 
     model, out_dtype, tokens = request.model, request.dtype, request.probe_tokens
     seq_len = request.probe_seq_len

@@ -19,12 +19,8 @@ switched on by ``mlp_bias`` (Llama: a bias on gate, up and down; the gate and
 up biases are written as zeros). Elsewhere the policy solved the block without
 an intercept, so the bias it drops is zero; a non-zero one is refused.
 
-The ``compression`` section of ``config.json`` records what was done (format
-``compressor.standard/v1``); transformers keeps it as an inert attribute.
-
-Verification reloads the folder with a plain ``AutoModelForCausalLM.from_pretrained``
-and compares logits and perplexity with the in-memory model, with the
-tolerances of :mod:`compressor.output.hf`.
+``config.json``'s ``compression`` section (``compressor.standard/v1``) records what was done; verification reloads
+the folder with a plain ``AutoModelForCausalLM.from_pretrained`` and compares it with the in-memory model.
 """
 
 from __future__ import annotations
@@ -198,6 +194,8 @@ def _plain_card(card: str, class_name: str, width_attr: str, width: int) -> str:
 def plain_load_card(card: str, note: str) -> str:
     """A model card whose Load section says ``note`` and loads with no flag and no compressor (a folder of the
     base class: no custom code)."""
-    return (card.replace("## Load\n", note, 1)
-            .replace(', trust_remote_code=True)', ')')
-            .replace("\n# or, with compressor installed: `import compressor` after transformers and drop both flags", ""))
+    return (
+        card.replace("## Load\n", note, 1)
+        .replace(", trust_remote_code=True)", ")")
+        .replace("\n# or, with compressor installed: `import compressor` after transformers and drop both flags", "")
+    )

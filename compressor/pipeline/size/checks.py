@@ -115,8 +115,8 @@ def check_output(recipe: Recipe, *, writes: bool) -> None:
     no ``output_dir``) would plan nothing and change nothing, so it is refused before anything runs."""
     if not writes:
         raise InputError(f"output.size: {recipe.output.size} plans the file you ship, but this run writes no output: "
-                         "pass output_dir= to compressor.oneshot (or set output.path); the model in memory is "
-                         "never changed by a size plan")
+                         "pass output_dir= to compressor.oneshot (or overrides={'output.path': DIR}); the model in "
+                         "memory is never changed by a size plan")
 
 
 def writer_refusal(recipe: Recipe, name: str, why: str | None, model_type: str, src) -> str | None:

@@ -3,7 +3,7 @@
 The writer measures (:meth:`compressor.output.base.Writer.verify`: per window of every gate domain, the
 summed NLL where the file runs — llama.cpp, or plain transformers — and the KL from the original's teacher);
 this module decides, once, through
-:func:`compressor.evaluation.evaluate.gate_check` — the upper confidence bound of the change against the
+:func:`compressor.evaluation.gate.gate_check` — the upper confidence bound of the change against the
 original (transformers; paired by window) within ``policy.ppl_budget`` (``policy.metric: kl``:
 ``policy.kl_budget``) less ``policy.headroom`` on every domain.
 
@@ -13,15 +13,17 @@ windows and reported beside the file. **A size run delivers:** when the recipe d
 set the budget itself, a file over the default budget still passes when it is at least as good as that preset
 on every domain, at the gate's confidence (the upper bound of the paired per-window difference, file minus
 preset, in the gate's metric, is at most 0) — the user asked for a size, and gets a file no worse than what
-they would otherwise ship. A budget the recipe sets is held.
+they would otherwise ship. A budget the recipe sets is held. Where the target measures other anchors of no more
+bytes beside it (a GGUF's smaller presets, :func:`best_anchor`), "that preset" is the best of them on the gate's
+text, and the report names it.
 """
 
 from __future__ import annotations
 
 import math
-from compressor.evaluation.evaluate import (
-    gate_check, ratio_mean_se, scored_evaluation, upper_quantile, window_evaluation,
-)
+from compressor.evaluation.external import scored_evaluation, window_evaluation
+from compressor.evaluation.gate import gate_check, upper_quantile
+from compressor.evaluation.perplexity import ratio_mean_se
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import PolicyConfig
 
@@ -49,7 +51,7 @@ def judge(check: dict, result: CompressionResult, pol: PolicyConfig, preset: dic
         better = [_against(d, preset[d["name"]], pol) for d in check["domains"]]
         if all(better):
             ok, check["gate_rule"] = True, "preset"
-            why = (f"over the default budget ({why}), but at least as good as {check['preset']['called']} on every "
+            why = (f"over the default budget ({why}), but at least as good as {_best(check)['called']} on every "
                    "domain; set the budget in the recipe to hold the file to it")
     for d in check["domains"]:
         d.pop("scores", None)
@@ -100,12 +102,62 @@ def preset_rows(check: dict, preset: dict, scores: dict, called: str) -> None:
                        "kl_mean": first.get("preset_kl_mean"), "called": called, "made_by": preset.get("made_by")}
 
 
+def _best(check: dict) -> dict:
+    """The anchor the gate's preset rule compares with: the best of no more bytes, else the size's own."""
+    return check.get("best_preset") or check["preset"]
+
+
+def _metric(scores: dict, pol: PolicyConfig) -> float:
+    """An anchor's score on the gate's text: its mean per token, summed over the domains, in the gate's metric
+    (KL from the original under ``policy.metric: kl`` where measured, else the NLL); lower is better."""
+    total = 0.0
+    for s in scores.values():
+        kl = pol.metric == "kl" and s.kl is not None
+        total += sum(s.kl if kl else s.nll) / max(sum(s.tokens), 1)
+    return total
+
+
+def best_anchor(check: dict, preset: dict, scores: dict, rivals: list[tuple[dict, dict]],
+                pol: PolicyConfig, called) -> dict:
+    """The size's anchor (``preset``, its ``scores``) and the ``rivals`` of no more bytes (each (preset, scores)),
+    each one's change and KL per domain in ``check['rivals']``; when a rival is better on the gate's text
+    (:func:`_metric`), it is ``check['best_preset']`` and its rows are beside the file's
+    (``best_preset_relative_change``, …). Returns the scores the gate's preset rule compares with."""
+    if not rivals:
+        return scores
+    check["rivals"] = []
+    for r, sc in rivals:
+        rows = {d["name"]: _anchor_row(d, sc[d["name"]]) for d in check["domains"]}
+        check["rivals"].append({"name": r["name"], "file_bytes": r["file_bytes"], "called": called(r["name"]),
+                                "made_by": r.get("made_by"), "gate_metric": _metric(sc, pol), "domains": rows})
+    best, best_scores = min(((preset, scores), *rivals), key=lambda ps: _metric(ps[1], pol))
+    if best is preset:
+        return scores
+    for d in check["domains"]:
+        d.update({f"best_preset_{k}": v for k, v in _anchor_row(d, best_scores[d["name"]]).items()})
+    first = check["domains"][0]
+    check["best_preset"] = {"name": best["name"], "file_bytes": best["file_bytes"], "called": called(best["name"]),
+                            "perplexity": first["best_preset_perplexity"],
+                            "relative_change": first["best_preset_relative_change"],
+                            "kl_mean": first.get("best_preset_kl_mean"), "made_by": best.get("made_by"),
+                            "why": f"of no more bytes than {called(preset['name'])}, and better on the gate's text"}
+    return best_scores
+
+
+def _anchor_row(d: dict, s) -> dict:
+    ref = d.get("reference_perplexity")
+    ppl = math.exp(sum(s.nll) / sum(s.tokens))
+    return {"perplexity": ppl, "relative_change": ppl / ref - 1.0 if ref else None, **s.kl_summary()}
+
+
 def message(check: dict, pol: PolicyConfig) -> str:
     """One line: the file's bytes against the budget, each domain's change with its bound (and KL), the
     preset's beside it, and the rule the file passed by."""
-    preset = check.get("preset")
+    preset, best = check.get("preset"), check.get("best_preset")
+    also = (lambda d: f"; {best['called']}, {best['file_bytes']:,} bytes: {_shown(d, 'best_preset_')}") if best else (
+        lambda d: "")
     changes = "; ".join(f"{d['name']} {_shown(d, '')} ({pol.confidence:.0%} bound "
-                        f"{_bound(d, pol)}" + (f"; {preset['called']}: {_shown(d, 'preset_')})"
+                        f"{_bound(d, pol)}" + (f"; {preset['called']}: {_shown(d, 'preset_')}{also(d)})"
                                                if preset else ")") for d in check["domains"])
     if pol.metric == "kl":
         rule = f"KL budget {pol.kl_budget:.4f} nats/token"
@@ -113,10 +165,12 @@ def message(check: dict, pol: PolicyConfig) -> str:
         rule = f"budget {pol.ppl_budget:+.0%} ({pol.budget_mode}"
         rule += f"{f', the bound held to {1 - pol.headroom:.0%} of it' if pol.headroom else ''})"
     if check.get("gate_rule") == "preset":
-        rule += (f" — over it, passed as at least as good as {preset['called']} on every domain "
+        rule += (f" — over it, passed as at least as good as {_best(check)['called']} on every domain "
                  "(the budget is the default; set it in the recipe to hold the file to it)")
-    return (f"{check.get('planned_format', 'gguf')} of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); "
-            f"in {check.get('runtime', 'llama.cpp')} against the original: {changes}; {rule}")
+    return (
+        f"{check.get('planned_format', 'gguf')} of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); "
+        f"in {check.get('runtime', 'llama.cpp')} against the original: {changes}; {rule}"
+    )
 
 
 def _shown(d: dict, prefix: str) -> str:

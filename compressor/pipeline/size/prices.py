@@ -107,7 +107,9 @@ class StatisticsPrecision:
     bfloat16 where the device multiplies it natively (a GPU that supports it; a CPU with AVX512-BF16 or AMX): on
     the 2-core AVX512-BF16 machine a bfloat16 product takes a quarter of a float32 one's time, and the off-grid
     SmolLM2-135M's statistics took about 20 s instead of 51 s, Ĥ within 0.15 % on the two layers checked (relative
-    norm of the difference), the file's WikiText-2 test score within noise (``tools/results/size_frontier_offgrid_smollm2_planner_speed.json``)."""
+    norm of the difference), the file's WikiText-2 test score within noise
+    (``tools/results/size_frontier_offgrid_smollm2_planner_speed.json``).
+    """
 
     name: str
 
@@ -171,6 +173,9 @@ class Measured:
     any moments again the same way."""
     shares: "Shares | None" = None
     """Which rank priced each layer, and keeps its moments for the rounding (None: cached prices, rank 0 alone)."""
+    crossfit: bool = False
+    """Whether Ĥ is the mean of the two halves' moments (cross-fitted prices): the rounding measures any moments
+    again the same way (:func:`whole_moments`), so that a run with cached prices writes a fresh run's bytes."""
 
 
 def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dict, target,
@@ -185,6 +190,7 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
 
     key = None
     precision = StatisticsPrecision.resolve(recipe.output.size_precision, model)
+    crossfit = target.heldout_prices and recipe.output.rounding == "gptq" and windows.shape[0] >= 2
     if recipe.measure.cache:
         settings = {"prices": PRICES_VERSION, **target.cache_settings(), "format": target.format,
                     "batch_size": recipe.calibration.batch_size, "rounding": recipe.output.rounding,
@@ -196,8 +202,7 @@ def measure_and_price(recipe: Recipe, model, windows: torch.Tensor, timings: dic
             dist.broadcast_object(None)  # nothing for the other ranks to measure
             logger.info("size plan: prices of every tensor type from the cache (%s)", key)
             units, priced = from_tensors(hit[0], json.loads(hit[1]["prices"]), target.payload)
-            return Measured(units, priced, True, precision=precision)
-    crossfit = target.heldout_prices and recipe.output.rounding == "gptq" and windows.shape[0] >= 2
+            return Measured(units, priced, True, precision=precision, crossfit=crossfit)
     go = Statistics(precision.name, crossfit, MomentPasses.plan(model, crossfit), target, recipe.output.rounding, spill)
     dist.broadcast_object(go)  # under torchrun: every rank measures its share and prices its tensors (:func:`follow`)
     measured = go.price(model, windows, recipe.calibration.batch_size, timings)
@@ -296,7 +301,7 @@ class Statistics:
         if shares.split and dist.is_main():
             logger.info("size plan: pricing shared by %d ranks (tensors priced per rank: %s); each rounds the plan's "
                         "tensors of the layers it priced", shares.world, ", ".join(map(str, shares.priced)))
-        return Measured(units, priced, False, kept, rounded, StatisticsPrecision(self.precision), shares)
+        return Measured(units, priced, False, kept, rounded, StatisticsPrecision(self.precision), shares, crossfit)
 
 
 def follow(request, windows: torch.Tensor, batch_size: int) -> tuple[Statistics, Measured] | None:
@@ -373,12 +378,8 @@ class MomentPasses:
         for group in self.groups:
             t0 = time.perf_counter()
             with self.precision.context(self.model):
-                if self.crossfit:
-                    folds = fold_moments(self.model, self.windows, group, self.batch_size, self.parallel)
-                    moments = mean_moments(*folds, self.windows.shape[0])
-                else:
-                    folds, moments = None, input_moments(self.model, self.windows, group, batch_size=self.batch_size,
-                                                         tokens=self.tokens, parallel=self.parallel)
+                folds, moments = whole_moments(self.model, self.windows, group, self.batch_size, self.crossfit,
+                                               tokens=self.tokens, parallel=self.parallel)
             self.seconds += time.perf_counter() - t0
             yield group, folds, moments
 
@@ -419,6 +420,19 @@ def _spilled(moments: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Te
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(moments, path)
     return torch.load(path, mmap=True, weights_only=True)
+
+
+def whole_moments(model, windows: torch.Tensor, names: list[str], batch_size: int, crossfit: bool,
+                  tokens: dict | None = None, parallel: bool = False) -> tuple[tuple[dict, dict] | None, dict]:
+    """``(folds, Ĥ)`` of ``names`` over all ``windows``: with ``crossfit``, each half's moments
+    (:func:`fold_moments`) and their mean (:func:`mean_moments`), else None and one pass over every window
+    (``tokens`` filled). Pricing and a rounding that measures the moments again (prices from the cache, or none
+    kept) both take Ĥ from here: the mean of the halves and one pass over all windows are the same matrix in
+    another order of sums, and a bit of difference moves GPTQ's codes (a W4A16 file changed with the cache)."""
+    if crossfit:
+        folds = fold_moments(model, windows, names, batch_size, parallel)
+        return folds, mean_moments(*folds, windows.shape[0])
+    return None, input_moments(model, windows, names, batch_size=batch_size, tokens=tokens, parallel=parallel)
 
 
 def fold_moments(model, windows: torch.Tensor, names: list[str], batch_size: int, parallel: bool = False):

@@ -25,9 +25,8 @@ from compressor.core import onload
 from compressor.core.params import tied_head
 from compressor.core.progress import progress
 from compressor.core.threads import side_by_side
-from compressor.engine.tensorstats import input_moments
-from compressor.fitting.gridround import Factor, SharedFactors
-from compressor.pipeline.size.prices import StatisticsPrecision, moment_groups
+from compressor.fitting.gridround import Factor, SharedFactors, rounds_blockwise
+from compressor.pipeline.size.prices import StatisticsPrecision, moment_groups, whole_moments
 from compressor.pipeline.size.share import RoundRequest, Shares, exchange
 from compressor.sizing.plan import Priced, SizePlan
 from compressor.sizing.sites import priced_rows
@@ -44,13 +43,14 @@ class Compensator:
     def __init__(self, request, priced: list[Priced], windows: torch.Tensor, batch_size: int,
                  timings: dict, target, moments: dict | None = None, rounded: dict | None = None,
                  units: dict | None = None, precision: "StatisticsPrecision | None" = None,
-                 spill: Path | None = None, shares: "Shares | None" = None) -> None:
+                 spill: Path | None = None, shares: "Shares | None" = None, crossfit: bool = False) -> None:
         """``moments``: every linear layer's Ĥ over ``windows``, as the pricing pass measured it (None: measured
         here, in groups). ``rounded``: ``(tensor, type) → bytes`` pricing already rounded over every row on the
         same Ĥ (:attr:`~.prices.Measured.rounded`): stored as they are, not rounded again. ``units``: every
         tensor's priced options, whose compensated ones a tensor priced on all its rows is rounded beside.
-        ``precision``: how moments measured here are measured (the pricing pass's, so that a run with cached
-        prices writes a fresh run's bytes; default float32). ``spill``: a folder the rounded bytes are written to
+        ``precision``, ``crossfit``: how moments measured here are measured (the pricing pass's: in that precision,
+        the mean of the two halves' moments where prices are cross-fitted, so that a run with cached prices writes a
+        fresh run's bytes; default float32, one pass). ``spill``: a folder the rounded bytes are written to
         as each tensor is done and mapped back (file pages, not the run's memory: a 3B's grow to 1.2 GB by the
         end of its rounding, and stay until the file is written and checked); None keeps them in memory.
         ``shares``: which rank rounds each layer (:class:`~.share.Shares`, pricing's: the rank that kept its
@@ -63,6 +63,7 @@ class Compensator:
         self._rounded = rounded if rounded is not None else {}
         self.units = units or {}
         self.precision = precision or StatisticsPrecision("float32")
+        self.crossfit = crossfit
         self.spill = spill
         self.shares = shares if shares is not None and shares.split else None
 
@@ -73,7 +74,7 @@ class Compensator:
         measured and kept."""
         return cls(request, measured.priced, windows, batch_size, timings, target, moments=measured.moments,
                    rounded=measured.rounded, units=measured.units, precision=measured.precision, spill=spill,
-                   shares=measured.shares)
+                   shares=measured.shares, crossfit=measured.crossfit)
 
     def _kept(self, name: str, option: str, raw):
         """``raw`` written to the spill folder and mapped back (:meth:`~compressor.sizing.target.SizeTarget.spill`:
@@ -207,9 +208,10 @@ class Compensator:
         return module
 
     def _measure(self, model, group: list[str]) -> dict:
-        """Ĥ of ``group`` over the windows, measured as the pricing pass measured it (:attr:`precision`)."""
+        """Ĥ of ``group`` over the windows, measured as the pricing pass measured it (:attr:`precision`, and the
+        halves' mean with :attr:`crossfit`: :func:`~.prices.whole_moments`)."""
         with self.precision.context(model):
-            return input_moments(model, self.windows, group, batch_size=self.batch_size)
+            return whole_moments(model, self.windows, group, self.batch_size, self.crossfit)[1]
 
     def _round_layer(self, module: str, h: "torch.Tensor | Factor", tensors: list[tuple[str, str]],
                      factors: SharedFactors, keep) -> int:
@@ -218,7 +220,8 @@ class Compensator:
         # one solve per input, shared by every option rounded here (the plan's and the anchor's) and the layers
         # that read the same input; the targets' GPTQ checks it was made with their settings (act-order, default
         # damping)
-        fac = factors.get(h)
+        # with its block-wise factor where a type rounded block by block is among them (IQ1_*, IQ2_*, IQ3_*)
+        fac = factors.get(h, blockwise=any(rounds_blockwise(t) for _, t in tensors))
         model = self.request.model
         for name, t in tensors:
             weight = onload.weight(model, self.priced[name].module)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from compressor.core.params import count_params
-from compressor.evaluation.evaluate import Evaluator, gate_ppl_limit
+from compressor.evaluation.gate import Evaluator, gate_ppl_limit
 from compressor.evaluation.teacher import complete_rows
 from compressor.output.base import WriteRequest
 from compressor.policy.compress import CompressionResult
@@ -73,12 +73,16 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         need = work.disk_need(recipe, request, target.format)
         work.check_disk(need, workdir, checked.out)
         budget = target.budget(recipe.output.planned, request, workdir)
+        need = work.budget_need(need, recipe, request, budget, target.format)  # the budget itself, before pricing
+        work.check_disk(need, workdir, checked.out)
         timings = {"budget_s": time.perf_counter() - t0}
         logger.info("output.size %s: %s bytes of %s (%s%s bytes are not planned)", budget.size,
                     f"{budget.limit:,}", target.what, f"measured beside {budget.preset['name']}; " if budget.preset
                     else "", f"{budget.overhead:,}")
         with unfused_experts(request.model):  # a routed expert's statistics are its own (compressor.core.moe)
             measured = measure_and_price(recipe, request.model, windows, timings, target, spill=workdir)
+        # the anchor made with the run's own statistics (a GGUF's importance matrix) may set the budget's bytes
+        target.measured(budget, measured.priced, recipe.calibration, windows, workdir)
         planner = Planner(measured.units, measured.priced, budget)
         check_floor(planner, budget)
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
@@ -89,7 +93,7 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
                             "rounding": recipe.output.rounding, "statistics_precision": measured.precision.name,
                             **target.report(), **_ranks(measured.shares)})
         return run.search()
-    except (OSError, RuntimeError) as exc:  # a full disk says which file, what is free and what the run needs
+    except Exception as exc:  # noqa: BLE001 - a full disk says which file, what is free and what the run needs
         full = work.disk_full_error(exc, workdir, checked.out, need, since)
         if full is None:
             raise

@@ -5,8 +5,9 @@ plan to the format's writer on :attr:`WriteRequest.plans` (in the format's terms
 :meth:`~compressor.sizing.target.SizeTarget.file_plan`), lets it write and measure (the pipeline's write and
 verify stages, handed in as :attr:`SizeRun.write`), and judges the file
 (:mod:`.gate`). ``output.size: smallest`` searches the tensor budget with the gate's own search
-(:class:`compressor.policy.search.TargetSearch`: each budget measured once, the largest cut that passes);
-a size in bytes, bits per weight or a preset's name is one attempt at that size.
+(:class:`compressor.policy.search.TargetSearch`: each budget measured once, the fewest bytes that pass; when
+the first plan passes, the search goes on below it); a size in bytes, bits per weight or a preset's name is one
+attempt at that size.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from pathlib import Path
 from typing import Callable
 
 from compressor.core.errors import GateFailed, InputError
-from compressor.evaluation.evaluate import gate_budget, gate_ppl_limit
+from compressor.evaluation.gate import gate_budget, gate_ppl_limit
 from compressor.output.base import VerificationError
-from compressor.pipeline.size.gate import judge, message, preset_rows
+from compressor.pipeline.size.gate import best_anchor, judge, message, preset_rows
 from compressor.sizing.budget import Budget
 from compressor.pipeline.size.planner import Planner
 from compressor.sizing.plan import SizePlan
@@ -58,7 +59,13 @@ class SizeRun:
     records: list[dict] = field(default_factory=list)
     preset_scores: dict | None = None
     """The preset's scores per gate domain, measured once (every attempt is compared with the same file)."""
+    rival_scores: list = field(default_factory=list)
+    """Other anchors of no more bytes with their scores (:meth:`SizeTarget.measure_rivals`), measured once."""
+    gate_scores: dict | None = None
+    """The scores of the anchor the gate's preset rule compares with: the best of the size's own and its rivals."""
     _anchor_plan: object = None
+    _kept: list = field(default_factory=list)
+    """``(tensor bytes, folder)`` of the passing attempts set aside in the work folder."""
     plan: SizePlan | None = None
     """The plan last handed to the writer (:meth:`hand`)."""
 
@@ -83,6 +90,8 @@ class SizeRun:
                                   floor=self.planner.floor - self.planner.fixed, ceiling=self.planner.ceiling,
                                   describe=self.planner.describe)
             best = search.run(steps=pol.max_backoff, start=start, gate=pol.gate)
+            if pol.gate and best is not None and best.target == start:  # fewer bytes may pass too: search below
+                best = search.bisect(pol.max_backoff)
         else:
             best = self.attempt(self.planner.tensor_budget)
             best = best if best.passed else None
@@ -124,13 +133,18 @@ class SizeRun:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        passed, why = judge(check, self.result, self.recipe.policy, self.preset_scores)
+        passed, why = judge(check, self.result, self.recipe.policy, self.gate_scores)
         record = _record(size_plan, check, passed)
         self.records.append(record)
         kept = None
         if passed:  # set aside: a later attempt writes the same staging folder
             kept = self.workdir / f"attempt-{len(self.records)}"
             shutil.move(tmp, kept)  # a rename, or a copy where output.workdir is on another disk
+            # the search takes the passing file of fewest bytes: a larger one kept before is never taken
+            for older in [k for k in self._kept if k[0] > size_plan.tensor_bytes]:
+                shutil.rmtree(older[1], ignore_errors=True)
+                self._kept.remove(older)
+            self._kept.append((size_plan.tensor_bytes, kept))
         else:
             shutil.rmtree(tmp, ignore_errors=True)
         self.report["message"] = message(check, self.recipe.policy)
@@ -159,12 +173,15 @@ class SizeRun:
             return
         if self.preset_scores is None:
             self.preset_scores = self.target.measure_anchor(self, preset)
+            self.rival_scores = self.target.measure_rivals(self, preset)
         preset_rows(check, preset, self.preset_scores, self.target.anchor_called(preset["name"]))
+        self.gate_scores = best_anchor(check, preset, self.preset_scores, self.rival_scores, self.recipe.policy,
+                                       self.target.anchor_called)
 
     def _take(self, best: Attempt | None) -> Path:
         """The chosen attempt's folder back at the staging name, and the report describing it."""
         from compressor.output.base import staging_folder
-        from compressor.reports.render import model_card
+        from compressor.reports.card import model_card
 
         if best is None:
             self._refuse()
@@ -176,6 +193,8 @@ class SizeRun:
         tmp = staging_folder(self.checked.out)
         tmp.rmdir()
         shutil.move(kept, tmp)
+        for name, path in self.target.output_files().items():  # e.g. the importance matrix the preset was made with
+            shutil.copyfile(path, tmp / name)
         # the card describes the file chosen (its types, bytes and measured change), whatever else was written
         (tmp / "README.md").write_text(model_card(self.report))
         return tmp
@@ -201,11 +220,21 @@ class SizeRun:
 
 
 def _record(size_plan: SizePlan, check: dict, passed: bool) -> dict:
-    return {"tensor_bytes": size_plan.tensor_bytes, "predicted_ppl_change": math.expm1(size_plan.predicted_nll_increase),
-            "file_bytes": check.get("file_bytes"), "passed": passed,
-            "measured": {d["name"]: {"relative_change": d.get("relative_change"),
-                                     "upper_bound": d.get("relative_delta_upper"), "kl_mean": d.get("kl_mean"),
-                                     "kl_upper": d.get("kl_upper")} for d in check.get("domains", [])}}
+    return {
+        "tensor_bytes": size_plan.tensor_bytes,
+        "predicted_ppl_change": math.expm1(size_plan.predicted_nll_increase),
+        "file_bytes": check.get("file_bytes"),
+        "passed": passed,
+        "measured": {
+            d["name"]: {
+                "relative_change": d.get("relative_change"),
+                "upper_bound": d.get("relative_delta_upper"),
+                "kl_mean": d.get("kl_mean"),
+                "kl_upper": d.get("kl_upper"),
+            }
+            for d in check.get("domains", [])
+        },
+    }
 
 
 def _over(record: dict) -> str:

@@ -5,37 +5,26 @@ it before anything else — 16 GB and about 4.5 GB for a 7B — then each planne
 ``.<name>.size-<pid>`` beside the output (the output's file system, which may be the only one with room), or
 under ``output.workdir`` (a scratch disk), removed on every exit and reclaimed after a kill. Before the F16 is
 written the run estimates what it will write where (:func:`disk_need`) and refuses, with the numbers, a disk
-without room (:func:`check_disk`); a write that fails for want of space later is said as such, naming the file
-(:func:`disk_full_error`), where gguf-py's numpy write says only ``65536 requested and 52128 written``.
+without room (:func:`check_disk`), and checks again with the budget itself once it is measured
+(:func:`budget_need`); a write that fails for want of space later is said as such, naming the file whose write
+failed and its disk (:func:`disk_full_error`), where gguf-py's numpy write says only ``65536 requested and 52128
+written`` and safetensors a bare ``SafetensorError``.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import re
 import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from compressor.core.errors import InputError
+from compressor.inputs.safety import DiskFullError, as_disk_full, disk_of
 from compressor.recipe.schema import Recipe
 
 logger = logging.getLogger(__name__)
-
-#: A disk with less free than this after a failed write is taken to be the reason (llama.cpp's quantizer
-#: reports a failed write as its own error, without an errno).
-LOW_FREE_BYTES = 16 << 20
-#: ``ndarray.tofile``'s short write (gguf-py writes tensors with it): the disk filled, no errno given.
-_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
-_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-
-class DiskFullError(OSError):
-    """A size run's write failed for want of disk space (exit 1): the message names the file, what is free and
-    what the run needs, and where the work folder is."""
 
 
 def work_folder(recipe: Recipe, out: Path) -> Path:
@@ -94,8 +83,11 @@ def check_workdir(recipe: Recipe, model_dir: Path | None) -> None:
 
 @dataclass
 class DiskNeed:
-    """About how many bytes a GGUF size run writes: into its work folder (the F16, the preset, a passing plan
-    kept there while others are tried) and beside the output (the planned file, and any other format)."""
+    """About how many bytes a size run writes: into its work folder (a GGUF's F16, the anchor it is measured
+    against — llama.cpp's preset, or the uniform compressed-tensors checkpoint — and a passing plan kept there
+    while others are tried) and beside the output (the planned file, and any other format). Before the budget is
+    known the planned file is an estimate (:func:`disk_need`); after it, the budget itself (:func:`budget_need`),
+    and what is already written is no longer counted."""
 
     weights: int
     f16: int
@@ -114,6 +106,10 @@ class DiskNeed:
     rounded: int = 0
     """The rounded tensors' bytes, spilled to the work folder as the plan's rounding makes them (at most the
     planned file)."""
+    budget: bool = False
+    """``planned`` is the budget (the file's bytes), not an estimate."""
+    anchor: str | None = None
+    """What ``preset`` is, where it is not llama.cpp's preset made from the F16."""
 
     @property
     def work(self) -> int:
@@ -130,13 +126,16 @@ class DiskNeed:
         """On one disk holding both (a plan moves between them by rename)."""
         return self.f16 + self.preset + self.plans * self.planned + self.other + self.moments + self.rounded
 
-    def describe(self) -> str:
-        from compressor.engine.cache import human_bytes
+    def planned_file(self) -> str:
+        return (f"the planned file ({'its budget, ' if self.budget else 'about '}{human_bytes(self.planned)}"
+                f"{' each, two at once' if self.plans > 1 else ''})")
 
-        parts = [f"the F16 of the model's {self.weights:,} weights ({human_bytes(self.f16)})"]
+    def describe(self) -> str:
+        parts = [f"the F16 of the model's {self.weights:,} weights ({human_bytes(self.f16)})"] if self.f16 else []
         if self.preset:
-            parts.append(f"llama.cpp's {self.preset_name} made from it (about {human_bytes(self.preset)})")
-        parts.append(f"the planned file (about {human_bytes(self.planned)})")
+            what = self.anchor or f"llama.cpp's {self.preset_name} made from it"
+            parts.append(f"{what} (about {human_bytes(self.preset)})")
+        parts.append(self.planned_file())
         if self.other:
             parts.append(f"the other formats (about {human_bytes(self.other)})")
         if self.moments:
@@ -147,21 +146,31 @@ class DiskNeed:
         return ", ".join(parts)
 
 
+def human_bytes(n: int) -> str:
+    from compressor.engine.cache import human_bytes as human
+
+    return human(n)
+
+
 def disk_need(recipe: Recipe, request, fmt: str) -> DiskNeed | None:
-    """What a size run of ``fmt`` will write, from the model's weight count (None for a format other than GGUF,
-    whose budget writes no F16). Each figure is an estimate: the F16 is two bytes a weight, a preset its bits
-    per weight on Llama-3-8B (:data:`~.budget.PRESET_BPW`; a small model's are higher) and at most the F16."""
+    """What a size run of ``fmt`` will write, before its budget is measured: for GGUF, from the model's weights
+    (None for another format, whose budget is counted, not written: :func:`budget_need` checks it). Each figure
+    is an estimate: the F16 two bytes a weight; a preset per tensor, as llama.cpp quantizes it —
+    its bits per weight on Llama-3-8B (:data:`~.budget.PRESET_BPW`) where rows are whole k-quant blocks of 256,
+    8.5 (``Q8_0``) where they are only 32-blocks, F16 else (a small model's rows are often too short), 1-D
+    tensors F32; a size in bytes or bits per weight the size itself; at most the F16."""
     from compressor.output.gguf.budget import PRESET_BPW
 
     if fmt != "gguf":
         return None
     model = request.model
-    weights = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    params = list({id(p): p for p in model.parameters()}.values())
+    weights = sum(p.numel() for p in params)
     f16 = 2 * weights
     kind, value = recipe.output.planned.kind, recipe.output.planned.value
     preset_name = value if kind == "preset" else None
     if kind == "preset":
-        preset = min(f16, int(weights * PRESET_BPW.get(value, 8.5) / 8))
+        preset = min(f16, _preset_bytes(params, PRESET_BPW.get(value, 8.5)))
     elif kind == "bpw":
         preset = min(f16, int(weights * value / 8))
     elif kind == "bytes":
@@ -174,6 +183,35 @@ def disk_need(recipe: Recipe, request, fmt: str) -> DiskNeed | None:
     other = weights * getattr(request.dtype, "itemsize", 2) if "hf" in recipe.output.formats else 0
     return DiskNeed(weights, f16, preset, preset_name, planned, other, plans=2 if kind == "smallest" else 1,
                     moments=spilled_moments(model), rounded=planned)
+
+
+def _preset_bytes(params, bpw: float) -> int:
+    """About a preset's tensor bytes (:func:`disk_need`)."""
+    bits = 0.0
+    for p in params:
+        row = p.shape[-1] if p.dim() > 1 else 0
+        bits += p.numel() * (32 if p.dim() < 2 else bpw if row % 256 == 0 else 8.5 if row % 32 == 0 else 16)
+    return int(bits / 8)
+
+
+def budget_need(need: DiskNeed | None, recipe: Recipe, request, budget, fmt: str) -> DiskNeed:
+    """What is left to write once the size's budget is measured: the planned file at the budget's bytes
+    (``smallest``: the estimate, its budget being the whole F16), and for compressed-tensors the uniform
+    checkpoint it is measured against (written in the work folder); a GGUF's F16 and preset are written by now."""
+    from compressor.core.params import count_params
+
+    smallest = recipe.output.planned.kind == "smallest"
+    if need is None:  # compressed-tensors: no F16, the budget is the checkpoint's bytes counted
+        weights = count_params(request.model)
+        other = weights * getattr(request.dtype, "itemsize", 2) if "hf" in recipe.output.formats else 0
+        planned = budget.layout.file_bytes // 4 if smallest else budget.limit
+        anchor = budget.preset
+        return DiskNeed(weights, 0, int(anchor["file_bytes"]) if anchor else 0, None, planned, other,
+                        plans=2 if smallest else 1, moments=spilled_moments(request.model), rounded=planned,
+                        budget=not smallest, anchor=f"the uniform {anchor['name']} checkpoint" if anchor else None)
+    planned = need.planned if smallest else budget.limit
+    return DiskNeed(need.weights, 0, 0, need.preset_name, planned, need.other, plans=need.plans,
+                    moments=need.moments, rounded=planned, budget=not smallest)
 
 
 def spilled_moments(model) -> int:
@@ -198,27 +236,39 @@ def spilled_moments(model) -> int:
 
 def check_disk(need: DiskNeed | None, workdir: Path, out: Path) -> None:
     """Say up front what the run will write where, and refuse (exit 2) a disk without room for it, with the
-    numbers and the fix, before the F16 is written."""
+    numbers and the fix: before the F16 is written (an estimate), and again once the budget is known (the
+    budget itself), before anything is priced."""
     if need is None:
         return
-    if os.stat(workdir).st_dev == os.stat(out.parent).st_dev:
+    if _device(workdir) == _device(out.parent):
         places = [(workdir.parent, need.total, need.describe())]
     else:  # a passing plan is kept in the work folder while others are tried, and published beside the output
         places = [(workdir.parent, need.work, need.describe()),
-                  (out.parent, need.output, f"the planned file{' and the other formats' if need.other else ''}")]
+                  (out.parent, need.output,
+                   need.planned_file() + (" and the other formats" if need.other else ""))]
+    more = not need.budget and need.f16 > 0
     for folder, n, what in places:
         free = shutil.disk_usage(folder).free
         if n > free:
             raise InputError(
-                f"output.size: not enough disk space: this run writes about {_bytes(n)} on the disk holding {folder} "
-                f"({what}), and {_bytes(free)} is free there. {_room_fix(workdir, out)}")
-        logger.info("output.size: this run writes about %s on the disk holding %s (%s); %s is free there",
-                    _bytes(n), folder, what, _bytes(free))
+                f"output.size: not enough disk space: this run writes about {_bytes(n)} on {disk_of(folder)}, "
+                f"which holds {folder} ({what}), and {_bytes(free)} is free there. {_room_fix(workdir, out)}")
+        logger.info("output.size: this run writes about %s on the disk holding %s (%s); %s is free there%s",
+                    _bytes(n), folder, what, _bytes(free),
+                    " (checked again once the budget is measured)" if more else "")
+
+
+def _device(path: Path | None) -> int | None:
+    """The device of ``path``'s nearest existing folder (which disk it is on)."""
+    while path is not None and not path.exists() and path.parent != path:
+        path = path.parent
+    try:
+        return os.stat(path).st_dev if path is not None else None
+    except OSError:
+        return None
 
 
 def _bytes(n: int | None) -> str:
-    from compressor.engine.cache import human_bytes
-
     return "an unknown amount" if n is None else f"{human_bytes(n)} ({n:,} bytes)"
 
 
@@ -238,54 +288,26 @@ def _room_fix(workdir: Path, out: Path) -> str:
 
 def disk_full_error(exc: BaseException, workdir: Path, out: Path, need: DiskNeed | None,
                     since: float) -> DiskFullError | None:
-    """``exc`` as a :class:`DiskFullError` when it is one (an ``ENOSPC``-like errno, numpy's short write, or any
-    failure that left a disk it wrote to all but full), naming the file being written (the newest in the work
-    and staging folders since ``since``), the space free and needed, and the fix; None otherwise."""
+    """``exc`` as a :class:`DiskFullError` when it is one (:func:`~compressor.inputs.safety.as_disk_full`: a
+    full-disk errno or its words, or a bare failure that left a disk it wrote to all but full), naming the file
+    whose write failed — one the staging folder's writers named already (:mod:`compressor.pipeline.writing`,
+    before that folder was removed), else the error's own file or the newest in the work folder since
+    ``since`` — its disk, the space free and what the run needs, and the fix; None otherwise."""
     from compressor.output.base import staging_path
 
-    staging = staging_path(out)
-    folders = [f for f in (workdir, staging) if f.is_dir()] + [out.parent]
-    free = {f: _free(f) for f in folders}
-    full = isinstance(exc, OSError) and (exc.errno in _FULL_ERRNOS or bool(_SHORT_WRITE.search(str(exc))))
-    # a plain RuntimeError is llama.cpp's quantizer failing (no errno); its subclasses are the gate's verdicts
-    may_be = type(exc) in (OSError, RuntimeError)  # not a refusal (FileExistsError) nor a missing file
-    if not full and not (may_be and any(v is not None and v < LOW_FREE_BYTES for v in free.values())):
-        return None
-    file = _newest_file([workdir, staging], since)
-    what = (f"writing {file}" if file is not None else
-            f"writing the planned file into the staging folder {staging} (removed)")
-    room = _free(file.parent) if file is not None else free[out.parent]
-    needs = (f"; this run writes about {_bytes(need.total)}: {need.describe()}"
-             if need is not None else "")
-    error = DiskFullError(f"the disk is full: {what} failed ({type(exc).__name__}: {exc}); {_bytes(room)} is "
-                          f"free there{needs}. {_room_fix(workdir, out)}")
-    error.errno = errno.ENOSPC
-    return error
+    needs = ""
+    if need is not None:
+        apart = _device(workdir) != _device(out.parent)
+        if apart and isinstance(exc, DiskFullError) and _device(exc.path) == _device(out.parent):
+            needs = f"; this run writes about {_bytes(need.output)} there: {need.planned_file()}"
+        else:
+            n = need.work if apart else need.total
+            needs = f"; this run writes about {_bytes(n)}{' there' if apart else ''}: {need.describe()}"
+    fix = _room_fix(workdir, out)
+    # a DiskFullError was said where its file was written: what the run needs and the fix are added; a plain
+    # RuntimeError is llama.cpp's quantizer failing (no errno); its subclasses are the gate's verdicts
+    return as_disk_full(exc, [workdir, staging_path(out)], since, fix, needs)
 
 
-def _free(folder: Path) -> int | None:
-    try:
-        return shutil.disk_usage(folder).free
-    except OSError:
-        return None
-
-
-def _newest_file(folders: list[Path], since: float) -> Path | None:
-    """The file modified last under ``folders`` at or after ``since`` (the one being written when a write
-    failed), or None."""
-    newest, when = None, since - 1.0
-    for folder in folders:
-        for root, _dirs, files in os.walk(folder):
-            for name in files:
-                path = Path(root) / name
-                try:
-                    mtime = path.stat().st_mtime
-                except OSError:
-                    continue
-                if mtime >= when:
-                    newest, when = path, mtime
-    return newest
-
-
-__all__ = ["DiskFullError", "DiskNeed", "check_disk", "check_workdir", "disk_full_error", "disk_need",
+__all__ = ["DiskFullError", "DiskNeed", "budget_need", "check_disk", "check_workdir", "disk_full_error", "disk_need",
            "make_work_folder", "work_folder"]
