@@ -259,6 +259,9 @@ def test_a_gguf_size_run_calibrates_on_the_mix_by_default_and_reports_the_kl_tai
     }))
     assert res.exit_code == 0, res.report.get("message")
     assert [s["source"] for s in res.report["calibration"]["sources"]] == ["self", "embedded", "embedded-code"]
+    ev = res.report["evaluation"]  # the gate's domains are kinds the mix drew from: a note, not a warning
+    assert ev["one_domain"] and "calibration also drew from" in ev["notes"][0]
+    assert not any("come from one domain" in w for w in ev["warnings"])
     domains = res.report["verification"]["gguf"]["domains"]
     assert [d["name"] for d in domains] == ["embedded", "embedded-code"]
     for d in domains:

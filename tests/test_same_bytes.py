@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 WORLD = 2
 #: format → (output.size, hidden size of the tiny Llama).
-SIZES = {"gguf": ("Q4_0", 64), "compressed-tensors": ("W4A16", 128)}
+SIZES = {"gguf": ("Q4_0", 128), "compressed-tensors": ("W4A16", 128)}
 
 
 def _folder(root: Path, hidden: int) -> Path:

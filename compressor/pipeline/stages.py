@@ -216,6 +216,8 @@ def report(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Chec
     rep["evaluation"] = evaluation_report(recipe, result, checked.eval_streams, calibrated.overlap)
     for w in rep["evaluation"]["warnings"]:
         logger.warning("%s", w)
+    for note in rep["evaluation"]["notes"]:
+        logger.info("%s", note)
     dtype = save_dtype(recipe, loaded)
     rep["size"] = {"source_bytes": source_weight_bytes(loaded.source), "output_bytes": None,
                    "output_dtype": str(dtype).removeprefix("torch."),

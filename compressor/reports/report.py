@@ -98,7 +98,13 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
     cal_ids = {source_id(t) for t in calibration_texts(recipe)} | ({"self"} if cal.writes_self() else set())
     ev_ids = {"self" if c.self_written() else source_id(source_text(c)) for c in recipe.evaluation_domains()}
     one_domain = bool(ev_ids) and ev_ids <= cal_ids
-    if one_domain:
+    notes = []
+    if one_domain and isinstance(cal.dataset, list):
+        # a weighted mix of kinds (a size run's default): the gate's windows are ones calibration never read, but
+        # it measured no kind of text calibration did not also draw from; said, not warned, for every run
+        notes.append("every evaluation domain is a kind of text calibration also drew from (on other windows): "
+                     "add an evaluation domain calibration never saw to measure text of another kind")
+    elif one_domain:
         what = ("the model's own writing" if ev_ids == {"self"} else "the embedded Python reference text"
                 if ev_ids == {"embedded"} else sorted(ev_ids - {"self"})[0])
         also = " (which calibration also used)" if cal.dataset == "mix" else ""
@@ -125,6 +131,7 @@ def evaluation_report(recipe: Recipe, r: CompressionResult, streams: dict[str, t
         "message": message,
         "domains": domains,
         "one_domain": one_domain,
+        "notes": notes,
         "warnings": warnings,
     }
 

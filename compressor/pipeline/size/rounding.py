@@ -221,10 +221,13 @@ class Compensator:
         # that read the same input; the targets' GPTQ checks it was made with their settings (act-order, default
         # damping)
         # with its block-wise factor where a type rounded block by block is among them (IQ1_*, IQ2_*, IQ3_*)
-        fac = factors.get(h, blockwise=any(rounds_blockwise(t) for _, t in tensors))
+        # (the types pricing rounded a tensor in together are rounded together again: any of them counts)
+        together = {(name, t): self._alongside(name, t) for name, t in tensors}
+        fac = factors.get(h, blockwise=any(rounds_blockwise(x) for (_, t), also in together.items()
+                                           for x in (also or [t])))
         model = self.request.model
         for name, t in tensors:
             weight = onload.weight(model, self.priced[name].module)
             keep((name, t), self.target.round_full(name, t, weight, fac, self.priced[name], self.request,
-                                                   alongside=self._alongside(name, t)))
+                                                   alongside=together[(name, t)]))
         return len(tensors)
