@@ -22,15 +22,12 @@ import pytest
 import torch
 import yaml
 
-from tiny import byte_level_tokenizer
+from tiny import TEXT, byte_level_tokenizer
 
 from compressor.cli import main
 from compressor.core.errors import EXIT_INVALID, EXIT_OK, InputError
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
-TEXT = ("The quick brown fox jumps over the lazy dog. Numbers 123 4567 and words, words; more words! "
-        "A second sentence with other letters: xylophone, quartz, jazz. ") * 12
 
 
 @pytest.fixture(autouse=True)

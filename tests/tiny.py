@@ -38,6 +38,10 @@ MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
 # Architectures whose FFN is one module that ``compressor.fitting.replace`` can swap.
 PROFILE_ONLY = ("bert", "roberta")
+
+#: A short English text every tiny tokenizer and size test reads (byte-level BPE trained on it).
+TEXT = ("The quick brown fox jumps over the lazy dog. Numbers 123 4567 and words, words; more words! "
+        "A second sentence with other letters: xylophone, quartz, jazz. ") * 12
 COMPRESSIBLE = [t for t in ARCH_MATRIX if t not in PROFILE_ONLY]
 # Compressible types with separate up (and gate) projections: the hidden-unit kinds (prune, hybrid). Phi-3's
 # gate and up are one fused gate_up_proj, which those kinds refuse (its ArchSpec has no ffn_up).
