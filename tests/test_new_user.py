@@ -174,7 +174,7 @@ def test_oneshot_hint_names_an_override_that_works_and_the_file_is_named_after_t
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=320, max_position_embeddings=256)).float().eval()
-    model.config.architectures = ["LlamaForCausalLM"]  # as from_pretrained leaves it
+    assert model.config.architectures is None  # built from a config: save_pretrained would name the class
     tok = byte_level_tokenizer(TEXT)
     recipe = {**_data(tmp_path), "output": {"size": "Q8_0"}}
     with pytest.raises(InputError, match=r"overrides=\{'output.path': DIR\}"):
@@ -184,6 +184,7 @@ def test_oneshot_hint_names_an_override_that_works_and_the_file_is_named_after_t
     assert res.output == out and (out / "model.gguf").is_file()
     assert _field(_gguf().GGUFReader(out / "model.gguf"), "general.name") == "Llama"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")) == []
+    assert model.config.architectures == ["LlamaForCausalLM"]  # what save_pretrained writes, said before the checks
 
 
 def test_the_name_of_a_model_object(tmp_path):

@@ -68,6 +68,10 @@ def from_object(model: nn.Module, tokenizer) -> Loaded:
         from compressor.inputs.load import load_tokenizer as load_source_tokenizer
 
         tokenizer = load_source_tokenizer(src)
+    if not getattr(model.config, "architectures", None):
+        # a model built from a config names none; save_pretrained writes its class there (and llama.cpp's converter
+        # picks its model by it), so the checks before anything is measured see what the saved folder will say
+        model.config.architectures = [type(model).__name__]
     model.eval()
     return _loaded(model, tokenizer, src)
 
