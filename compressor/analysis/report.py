@@ -52,9 +52,8 @@ def load_analysis(path: str | Path) -> dict:
 # -- the two-regimes reading (the profile itself is the engine's) ------------
 def regimes_reading(profile: list[dict]) -> str:
     high = [b for b in profile if (b["r2_lin"] or -1) >= 0.5]
-    narrow = [
-        b["index"] for b in high if b["r2_median_feature"] is not None and b["r2_median_feature"] < b["r2_lin"] - 0.2
-    ]
+    narrow = [b["index"] for b in high
+              if b["r2_median_feature"] is not None and b["r2_median_feature"] < b["r2_lin"] - 0.2]
     flagged = [b["index"] for b in profile if b["outlier_dominated"]]
     broad = [b["index"] for b in high if b["index"] not in narrow and b["index"] not in flagged]
     text = (f"{len(high)} of {len(profile)} blocks reach R²_lin ≥ 0.5. "
@@ -112,17 +111,15 @@ def summary_row(a: dict) -> dict[str, str]:
     }
     p = a.get("probe")
     if p:
-        out["probe: median gain (points)"] = _f(
-            100 * (_median([b["gain"] for b in p["blocks"]]) or float("nan")), ".1f"
-        )
+        out["probe: median gain (points)"] = _f(100 * (_median([b["gain"] for b in p["blocks"]]) or float("nan")),
+            ".1f")
         out["probe: Pearson gain vs 1 − R²_lin"] = _corr(p["correlation"], "pearson")
         out["probe: Spearman gain vs 1 − R²_lin"] = _corr(p["correlation"], "spearman")
     t = a.get("trained")
     if t:
         out[f"trained: median gap, Adam / GD ({t['steps']} steps)"] = (
-            f"{_f(_median([b['adam']['gap'] for b in t['blocks']]))} /"
-            f" {_f(_median([b['gd']['gap'] for b in t['blocks']]))}"
-        )
+            f"{_f(_median([b['adam']['gap'] for b in t['blocks']]))} / "
+            f"{_f(_median([b['gd']['gap'] for b in t['blocks']]))}")
         for key, label in (("gap_vs_condition", "condition"), ("gap_vs_ceiling", "closed-form R²")):
             c = t["correlation"][key]
             out[f"trained: Spearman gap vs {label} (Adam / GD)"] = (
@@ -165,22 +162,19 @@ def _per_block_table(a: dict) -> str:
     trained = {b["index"]: b for b in (a.get("trained") or {}).get("blocks", [])}
     control = a.get("control") or {}
     random = dict(zip(control.get("blocks", []), control.get("random_r2_lin", [])))
-    head = (
-        "| block | R²_lin | median feature R² | explained eff. rank | outlier | R²_poly − R²_lin "
-        "| Adam R² | GD R² | input cond. | random-weight R²_lin |\n"
-        "|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|\n"
-    )
+    head = ("| block | R²_lin | median feature R² | explained eff. rank | outlier | R²_poly − R²_lin "
+            "| Adam R² | GD R² | input cond. | random-weight R²_lin |\n"
+            "|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|\n")
     rows = []
     for b in a["profile"]:
         i = b["index"]
         p, t = probe.get(i, {}), trained.get(i)
         rows.append(
-            f"| {i} | {_f(b['r2_lin'], '.4f')} | {_f(b['r2_median_feature'])} |"
-            f" {_f(b['explained_effective_rank'], '.1f')} | {'⚠' if b['outlier_dominated'] else ''} |"
-            f" {_f(p.get('gain'), '+.4f')} | {_f(t['adam']['r2']) if t else '—'} |"
-            f" {_f(t['gd']['r2']) if t else '—'} |"
-            f" {_f(b['input_condition_number'], '.3g')} | {_f(random.get(i))} |"
-        )
+            f"| {i} | {_f(b['r2_lin'], '.4f')} | {_f(b['r2_median_feature'])} | "
+            f"{_f(b['explained_effective_rank'], '.1f')} "
+            f"| {'⚠' if b['outlier_dominated'] else ''} | {_f(p.get('gain'), '+.4f')} "
+            f"| {_f(t['adam']['r2']) if t else '—'} | {_f(t['gd']['r2']) if t else '—'} "
+            f"| {_f(b['input_condition_number'], '.3g')} | {_f(random.get(i))} |")
     return head + "\n".join(rows) + "\n"
 
 
@@ -196,34 +190,26 @@ def markdown(a: dict, figures: dict[str, str], others: list[dict] = ()) -> str:
     def fig(part: str) -> str:
         return f"\n![{part}]({figures[part]})\n" if part in figures else ""
 
-    out.append(
-        "## Two regimes of high R²_lin (paper, Figure 4)\n" + fig("regimes") + "\n" + a["regimes"]["reading"] + "\n"
-    )
+    out.append("## Two regimes of high R²_lin (paper, Figure 4)\n" + fig("regimes") + "\n"
+               + a["regimes"]["reading"] + "\n")
     p = a.get("probe")
     if p:
-        out.append(
-            "## 1. Is the residual low-order multiplicative? A bilinear probe\n\nPer block, exact least squares on "
-            f"[x, products of the top {p['rank']} principal components of x] ({p['extra_features']} extra regressors; "
-            f"components from the first {p['pca_rows']:,} fit rows), scored on the same held-out rows as R²_lin. "
-            "No optimiser: a ceiling like R²_lin.\n"
-            + fig("probe")
-            + "\n"
-            + p["reading"]
-            + "\n"
-        )
+        out.append(f"## 1. Is the residual low-order multiplicative? A bilinear probe\n\n"
+                   f"Per block, exact least squares on "
+                   f"[x, products of the top {p['rank']} principal components of x] ({p['extra_features']} extra "
+                   f"regressors; "
+                   f"components from the first {p['pca_rows']:,} fit rows), scored on the same held-out rows as "
+                   f"R²_lin. "
+                   "No optimiser: a ceiling like R²_lin.\n" + fig("probe") + "\n" + p["reading"] + "\n")
     t = a.get("trained")
     if t:
-        out.append(
-            f"## 2. The trained-linear pitfall\n\nPer block, `nn.Linear` from zero, {t['steps']} full-batch steps on"
-            f" the fit rows' mean squared error — {t['optimizers']['adam']}; {t['optimizers']['gd']} —"
-            " scored on the"
-            f" held-out rows against the closed-form ceiling. Budget: {t['steps']} steps per optimiser and block,"
-            f" {_f(t['seconds'], '.0f')} s in all here. Deterministic: zero start, full batch, no sampling.\n"
-            + fig("trained")
-            + "\n"
-            + t["reading"]
-            + "\n"
-        )
+        out.append(f"## 2. The trained-linear pitfall\n\n"
+                   f"Per block, `nn.Linear` from zero, {t['steps']} full-batch steps on the "
+                   f"fit rows' mean squared error — {t['optimizers']['adam']}; {t['optimizers']['gd']} — scored on the "
+                   f"held-out rows against the closed-form ceiling. Budget: {t['steps']} steps per optimiser and "
+                   f"block, "
+                   f"{_f(t['seconds'], '.0f')} s in all here. Deterministic: zero start, full batch, no sampling.\n"
+                   + fig("trained") + "\n" + t["reading"] + "\n")
     c = a.get("corpora")
     if c:
         doms = "; ".join(f"`{n}`: {d['source']} ({d['fit_rows']:,} fit / {d['heldout_rows']:,} held-out rows)"
@@ -235,43 +221,26 @@ def markdown(a: dict, figures: dict[str, str], others: list[dict] = ()) -> str:
     if x or k or a.get("skipped", {}).get("crossfeed"):
         out.append("## 4. Learned, not architectural? Weights or inputs\n")
         if x:
-            out.append(
-                f"### a. Cross-feeding within the model\n\nBlocks {', '.join(map(str, x['blocks']))}: the residual "
-                "stream entering block i's FFN, normalised with block j's own pre-FFN norm, through block j's "
-                f"FFN; exact affine fit on {x['fit_rows']:,} fit rows, scored on {x['heldout_rows']:,} held-out "
-                "rows. Rows are FFNs, columns input sources; the diagonal is R²_lin on these rows.\n"
-                + fig("crossfeed")
-                + "\n"
-                + x["reading"]
-                + "\n"
-            )
+            out.append(f"### a. Cross-feeding within the model\n\n"
+                       f"Blocks {', '.join(map(str, x['blocks']))}: the residual "
+                       f"stream entering block i's FFN, normalised with block j's own pre-FFN norm, through block j's "
+                       f"FFN; exact affine fit on {x['fit_rows']:,} fit rows, scored on {x['heldout_rows']:,} held-out "
+                       "rows. Rows are FFNs, columns input sources; the diagonal is R²_lin on these rows.\n"
+                       + fig("crossfeed") + "\n" + x["reading"] + "\n")
         elif a.get("skipped", {}).get("crossfeed"):
             out.append(f"### a. Cross-feeding within the model\n\nNot run: {a['skipped']['crossfeed']}.\n")
         if k:
-            out.append(
-                "### b. Untrained control\n\nThe same architecture built from its config with random weights "
-                f"(the library's initialisation, seed {k['seed']}), profiled on exactly the trained model's rows "
-                f"({k['fit_rows']:,} fit, {k['heldout_rows']:,} held-out).\n"
-                + fig("control")
-                + "\n"
-                + k["reading"]
-                + "\n"
-            )
+            out.append(f"### b. Untrained control\n\nThe same architecture built from its config with random weights "
+                       f"(the library's initialisation, seed {k['seed']}), profiled on exactly the trained model's "
+                       f"rows "
+                       f"({k['fit_rows']:,} fit, {k['heldout_rows']:,} held-out).\n" + fig("control") + "\n"
+                       + k["reading"] + "\n")
     out.append("## 5. Across checkpoints\n\n" + compare_table([a, *others]))
     out.append("## Per block\n\n" + _per_block_table(a))
     if tm:
-        order = [
-            "load_s",
-            "main_pass_s",
-            "probe_s",
-            "crossfeed_s",
-            "trained_s",
-            "self_text_s",
-            "corpora_s",
-            "control_s",
-            "total_s",
-            "total_excluding_trained_s",
-        ]
+        order = ["load_s", "main_pass_s", "probe_s", "crossfeed_s", "trained_s", "self_text_s", "corpora_s",
+                 "control_s",
+                 "total_s", "total_excluding_trained_s"]
         out.append("## Timing\n\n| stage | seconds |\n|---|---:|\n"
                    + "\n".join(f"| {key[:-2].replace('_', ' ')} | {_f(tm[key], '.1f')} |" for key in order if key in tm)
                    + "\n\nThe main pass includes the probe, cross-feeding and trained-linear work done inside it "

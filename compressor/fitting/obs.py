@@ -14,10 +14,8 @@ correction, so the path runs as a few hundred small GEMMs instead of
 The path is nested: the units kept at size ``k`` are ``order[d_ff-k:]``. At
 every step the held-out relative error is tracked exactly from held-out
 statistics (a rank-|J| update of ``S_held B``), which is the block's error
-curve used for allocation.
-
-Everything runs in float64 on standardized regressors (unit variance), so the
-costs do not depend on the scale of a unit.
+curve used for allocation. Everything runs in float64 on standardized
+regressors (unit variance), so the costs do not depend on the scale of a unit.
 
 With ``ridge`` λ > 0 every solve is shrunk toward ``prior`` (the block's original coefficients),
 ``(S + λ I) B = S_y + λ B₀`` on the standardized regressors: exact OBS on the ridge-augmented normal equations,

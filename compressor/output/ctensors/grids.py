@@ -22,7 +22,6 @@ its first column is reached, so no ``g_idx`` is needed in the file.
     s = SCHEMES["W4A16"]
     r = gptq(W, H, s)                                  # r.weight: the values the file decodes to
     err = output_error(W, r.weight, H)                 # Σ_rows ΔW Ĥ ΔWᵀ
-    s.nbytes(*W.shape, torch.bfloat16)                 # bytes of the stored tensors
 """
 
 from __future__ import annotations
