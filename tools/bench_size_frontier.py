@@ -58,10 +58,12 @@ write_gguf(req, Path(sys.argv[2]), opts)
 """
 
 
-def recipe(model: str, cal: Path, size: str, out: Path, cal_tokens: int, rounding: str = "gptq") -> str:
+def recipe(model: str, cal: Path | None, size: str, out: Path, cal_tokens: int, rounding: str = "gptq") -> str:
+    """The size run's recipe; ``cal`` None: the size run's default calibration (self, prose and code mixed)."""
+    dataset = "" if cal is None else f'dataset: "{cal}", '
     return f"""version: 1
 model: {{source: "{model}", dtype: float32}}
-calibration: {{dataset: "{cal}", seq_len: 512, max_tokens: {cal_tokens}, heldout_fraction: 0.125, batch_size: 4}}
+calibration: {{{dataset}seq_len: 512, max_tokens: {cal_tokens}, heldout_fraction: 0.125, batch_size: 4}}
 evaluation: {{dataset: embedded, seq_len: 256, stride: 256, max_tokens: 4096, batch_size: 8}}
 policy: {{ppl_budget: 100.0}}
 output: {{path: "{out}", formats: [gguf], size: {size}, rounding: {rounding}, overwrite: true}}
@@ -86,6 +88,10 @@ def parse_args():
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-ours", action="store_true", help="presets only")
+    ap.add_argument("--ours", nargs="+", default=None, metavar="PRESET",
+                    help="plan compressor's file at these of --presets' sizes only (default: all; a later call "
+                         "adds the rest: every file made and scored is kept in --work)")
+    ap.add_argument("--no-plain", action="store_true", help="only the presets with an importance matrix")
     ap.add_argument("--roundings", nargs="+", default=["gptq"], choices=["gptq", "nearest"],
                     help="compressor's output.rounding: one file per size each (gptq: compressor-PRESET; "
                     "nearest: compressor-PRESET-nearest)")
@@ -97,6 +103,10 @@ def parse_args():
     ap.add_argument("--autoround-iters", type=int, nargs="+", default=[200],
                     help="AutoRound's tuning steps per block (its default 200; 0: tuning-free): one value, or one "
                          "per preset")
+    ap.add_argument("--calibrations", nargs="+", default=["text"], choices=list(CALIBRATIONS),
+                    help="compressor's calibration: 'text' (the --cal-text tokens llama-imatrix reads: "
+                         "compressor-PRESET) and/or 'default' (the size run's default mix of the model's own "
+                         "writing, prose and code: compressor-PRESET-mix)")
     ap.add_argument("--kld", action="store_true", help="also KL divergence from the F16, token by token")
     ap.add_argument("--output", required=True)
     add_alone(ap)
@@ -124,18 +134,29 @@ def preset_files(args, work: WorkFolder, f16: Path, imatrix: Path, preset: str) 
     plain, with_imatrix = work.path / f"{preset}.gguf", work.path / f"{preset}-imatrix.gguf"
     files = {f"{preset}-imatrix": work.make(f"{preset}-imatrix", with_imatrix,
                                             [quantize, "--imatrix", imatrix, f16, with_imatrix, preset, threads])}
-    if has_plain(preset):
+    if has_plain(preset) and not args.no_plain:
         files[preset] = work.make(preset, plain, [quantize, f16, plain, preset, threads])
     return files
 
 
-def compressor_file(args, work: WorkFolder, cal: Path, preset: str, rounding: str = "gptq") -> Path:
-    """``compressor run`` with ``output.size: PRESET`` on the same calibration text: its GGUF."""
-    label = f"compressor-{preset}" + ("" if rounding == "gptq" else f"-{rounding}")
+#: ``--calibrations``: the label suffix of compressor's file for each
+CALIBRATIONS = {"text": "", "default": "-mix"}
+
+
+def compressor_label(preset: str, rounding: str = "gptq", calibration: str = "text") -> str:
+    return f"compressor-{preset}" + ("" if rounding == "gptq" else f"-{rounding}") + CALIBRATIONS[calibration]
+
+
+def compressor_file(args, work: WorkFolder, cal: Path, preset: str, rounding: str = "gptq",
+                    calibration: str = "text") -> Path:
+    """``compressor run`` with ``output.size: PRESET``, calibrated on the same text as llama-imatrix (or on the
+    size run's default mix): its GGUF."""
+    label = compressor_label(preset, rounding, calibration)
     out = work.path / label
     r = work.path / f"recipe-{label.removeprefix('compressor-')}.yaml"
     if not (out / "model.gguf").exists():
-        r.write_text(recipe(args.model, cal, preset, out, args.cal_tokens, rounding))
+        r.write_text(recipe(args.model, cal if calibration == "text" else None, preset, out, args.cal_tokens,
+                            rounding))
     return work.make(label, out / "model.gguf", [Path(PY).parent / "compressor", "run", r])
 
 
@@ -179,15 +200,22 @@ def score_rows(args, work: WorkFolder, files: dict[str, Path]) -> list[dict]:
 
 
 def _scored(args, work: WorkFolder, files: dict[str, Path], text, name: str) -> list[dict]:
-    import hashlib
-
-    key = hashlib.sha256(" ".join(f"{k}={v}" for k, v in files.items()).encode()).hexdigest()[:10]
-    scored = work.path / name.replace(".json", f"-{key}.json")  # the same files scored once
-    if not scored.exists():
-        run_logged(llamacpp_perplexity_cmd(list(files.values()), text, args.windows, scored, args.threads,
-                                           kld=args.kld), work.log)
-    by_file = {Path(r["file"]).resolve(): r for r in scores(scored)}
+    """Every file scored against the F16 on ``text``, each file once: its scores kept under ``scores/`` (named
+    by ``name``, the label and the file's bytes and time) and the F16's log-probabilities kept beside them."""
+    folder = work.path / "scores"
+    folder.mkdir(exist_ok=True)
     f16 = files["F16"]
+    by_file = {}
+    for label, path in files.items():
+        if label == "F16":
+            continue
+        st = path.stat()
+        scored = folder / f"{name.removesuffix('.json')}-{label}-{st.st_size}-{st.st_mtime_ns}.json"
+        if not scored.exists():
+            run_logged(llamacpp_perplexity_cmd([f16, path], text, args.windows, scored, args.threads,
+                                               kld=args.kld, reference_dir=folder / f"ref-{name}"), work.log)
+        reference, row = scores(scored)
+        by_file[path.resolve()], by_file[f16.resolve()] = row, reference
     base = by_file[f16.resolve()]["ppl"]
     rows = []
     for label, path in files.items():
@@ -218,14 +246,15 @@ def gate_and_types(report_path: Path) -> dict:
 PLANNER_PARTS = ("budget_s", "statistics_s", "pricing_s", "compensated_rounding_s")
 
 
-def planner_time(rows: list[dict], work: WorkFolder, presets: list[str]) -> dict:
+def planner_time(rows: list[dict], work: WorkFolder, presets: list[str], calibrations=("text",)) -> dict:
     """Per preset: compressor's planner seconds (:data:`PLANNER_PARTS` + writing, from its report) against
     ``llama-imatrix`` + ``llama-quantize --imatrix`` on the same calibration tokens, timed in this run (issue
     46's bar: at most 2×)."""
     out = {}
-    for preset in presets:
-        row = next((r for r in rows if r["file"] == f"compressor-{preset}"), None)
-        report = work.path / f"compressor-{preset}" / "report.json"
+    for preset, calibration in ((p, c) for p in presets for c in calibrations):
+        label = compressor_label(preset, calibration=calibration)
+        row = next((r for r in rows if r["file"] == label), None)
+        report = work.path / label / "report.json"
         llama = (work.seconds.get("imatrix"), work.seconds.get(f"{preset}-imatrix"))
         if row is None or not report.exists() or None in llama:
             continue
@@ -234,11 +263,11 @@ def planner_time(rows: list[dict], work: WorkFolder, presets: list[str]) -> dict
         parts = {k: plan["timings"].get(k, 0.0) for k in PLANNER_PARTS}
         parts["write_gguf_s"] = rep["timings"]["write_gguf_s"]
         planner = sum(parts.values())
-        out[preset] = {"planner_s": planner, "parts": parts, "run_total_s": rep["timings"]["total_s"],
-                       "llama_imatrix_s": llama[0], "llama_quantize_s": llama[1],
-                       "planner_over_llama": planner / sum(llama),
-                       "prices_from_cache": plan["prices_from_cache"],
-                       "statistics_precision": plan.get("statistics_precision", "float32")}
+        out[label.removeprefix("compressor-")] = {
+            "planner_s": planner, "parts": parts, "run_total_s": rep["timings"]["total_s"],
+            "llama_imatrix_s": llama[0], "llama_quantize_s": llama[1], "planner_over_llama": planner / sum(llama),
+            "prices_from_cache": plan["prices_from_cache"],
+            "statistics_precision": plan.get("statistics_precision", "float32")}
     return out
 
 
@@ -248,13 +277,15 @@ def _kld(row: dict, domain: str) -> float | None:
     return (src.get("kld") or {}).get("mean")
 
 
-def kld_ratios(rows: list[dict], presets: list[str]) -> dict:
-    """Per planned size and domain: compressor's KLD over the imatrix preset's of that size, and over the best
-    (lowest-KLD) imatrix preset of no more bytes than compressor's file, naming it: the rival a user would pick."""
+def kld_ratios(rows: list[dict], presets: list[str], calibrations=("text",)) -> dict:
+    """Per planned size (``PRESET``, or ``PRESET-mix`` for the default calibration) and domain: compressor's KLD
+    over the imatrix preset's of that size, and over the best (lowest-KLD) imatrix preset of no more bytes than
+    compressor's file, naming it: the rival a user would pick."""
     out = {}
     imatrix_rows = [r for r in rows if r["file"].endswith("-imatrix")]
-    for preset in presets:
-        ours = next((r for r in rows if r["file"] == f"compressor-{preset}"), None)
+    for preset, calibration in ((p, c) for p in presets for c in calibrations):
+        key = preset + CALIBRATIONS[calibration]
+        ours = next((r for r in rows if r["file"] == compressor_label(preset, calibration=calibration)), None)
         same = next((r for r in rows if r["file"] == f"{preset}-imatrix"), None)
         if ours is None or same is None:
             continue
@@ -268,14 +299,14 @@ def kld_ratios(rows: list[dict], presets: list[str]) -> dict:
             entry[domain] = {"kld": k, "preset_kld": _kld(same, domain), "ratio_to_preset": k / _kld(same, domain),
                              "best_preset": best["file"].removesuffix("-imatrix"), "best_preset_kld": _kld(best, domain),
                              "ratio_to_best": k / _kld(best, domain)}
-        out[preset] = entry
+        out[key] = entry
     return out
 
 
-def compare_with_presets(rows: list[dict], presets: list[str]) -> None:
+def compare_with_presets(rows: list[dict], presets: list[str], calibrations=("text",)) -> None:
     """Mark each of our files with how it fares against the plain and the importance-matrix preset."""
-    for preset in presets:
-        ours = next((r for r in rows if r["file"] == f"compressor-{preset}"), None)
+    for preset, calibration in ((p, c) for p in presets for c in calibrations):
+        ours = next((r for r in rows if r["file"] == compressor_label(preset, calibration=calibration)), None)
         imat = next(r for r in rows if r["file"] == f"{preset}-imatrix")
         plain = next((r for r in rows if r["file"] == preset), imat)  # an i-quant: its imatrix file is the preset
         autoround = next((r for r in rows if r["file"] == f"autoround-{preset}"), None)
@@ -309,19 +340,22 @@ def main() -> None:
         files.update(preset_files(args, work, f16, imatrix, preset))
         if args.autoround:
             files[f"autoround-{preset}"] = autoround_file(args, work, cal, preset)
-        for rounding in ([] if args.skip_ours else args.roundings):
-            label = f"compressor-{preset}" + ("" if rounding == "gptq" else f"-{rounding}")
-            files[label] = compressor_file(args, work, cal, preset, rounding)
+        ours = not args.skip_ours and (args.ours is None or preset in args.ours)
+        for rounding in (args.roundings if ours else []):
+            for calibration in args.calibrations:
+                label = compressor_label(preset, rounding, calibration)
+                files[label] = compressor_file(args, work, cal, preset, rounding, calibration)
     rows = score_rows(args, work, files)
-    compare_with_presets(rows, args.presets)
+    compare_with_presets(rows, args.presets, args.calibrations)
     result = {"model": args.name, "source": args.model, "eval_text": Path(args.eval_text).name,
               "windows": args.windows, "seq_len": 512, "calibration": f"first {args.cal_chars} characters of "
-              f"{Path(args.cal_text).name}, {args.cal_tokens} tokens", "runtime": "llama-cpp-python 0.3.36",
+              f"{Path(args.cal_text).name}, {args.cal_tokens} tokens (llama-imatrix; compressor-PRESET too)",
+              "compressor_calibrations": {c: compressor_label("PRESET", calibration=c) for c in args.calibrations}, "runtime": "llama-cpp-python 0.3.36",
               "ran_alone": bool(args.alone), "rows": rows,
               **({"autoround": {p: {"format": AUTOROUND_FORMATS[p], "iters": autoround_iters(args, p)}
                                 for p in args.presets}} if args.autoround else {}), "seconds": work.seconds,
-              "planner_time": planner_time(rows, work, args.presets),
-              "kld_ratios": kld_ratios(rows, args.presets),
+              "planner_time": planner_time(rows, work, args.presets, args.calibrations),
+              "kld_ratios": kld_ratios(rows, args.presets, args.calibrations),
               # the commands as run, from the log (`python -c` is F16_SNIPPET above)
               "commands": work.commands()}
     write_json(args.output, result)

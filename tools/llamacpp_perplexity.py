@@ -11,14 +11,18 @@ of every file after the first is against the first.
 token over the same windows, as ``llama-perplexity --kl-divergence`` reports it — mean (with its SE over
 windows), median, 99th and 99.9th percentiles (``p99``, ``p99_9``: its "99.0%" and "99.9%"), and the
 same-top-token rate. The first file's log-probabilities are kept on disk (float16, one file a window, in a
-temporary folder removed after) while the others are scored.
+temporary folder removed after) while the others are scored. ``--reference-dir DIR`` keeps them in DIR instead,
+with the first file's row: a later call with the same first file, text and windows reuses them and scores only
+the other files (a benchmark then scores each new file once).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
 import tempfile
 import time
 
@@ -65,8 +69,6 @@ class KLD:
         self.is_reference, self.per_token, self.top_same = False, [], []
 
     def window(self, i: int, logp: np.ndarray) -> None:
-        import os
-
         path = os.path.join(self.folder, f"ref-{i}.npy")
         if self.is_reference:
             np.save(path, logp.astype(np.float16))
@@ -85,6 +87,35 @@ class KLD:
                 "same_top_token": float(np.concatenate(self.top_same).mean()), "tokens": int(tokens.size)}
 
 
+def reference_identity(path: str, text: str, seq_len: int, windows: int) -> dict:
+    """What a kept reference was scored from: the file (path, bytes, modification time) and the text and windows."""
+    st = os.stat(path)
+    return {"file": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "seq_len": seq_len,
+            "windows": windows, "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+
+
+def score_all(args, text: str, folder: str) -> list[dict]:
+    """Every file's row; the first file's taken from ``folder`` when it was kept there for the same inputs."""
+    kld = KLD(folder) if args.kld else None
+    kept = os.path.join(folder, "reference.json")
+    ident = reference_identity(args.gguf[0], text, args.seq_len, args.windows)
+    rows = []
+    if args.reference_dir and os.path.exists(kept):
+        saved = json.load(open(kept))
+        if saved["identity"] == ident and (saved["kld"] or not args.kld):
+            rows.append(saved["row"])
+            if kld is not None:
+                kld.next_file()
+    for p in args.gguf[len(rows):]:
+        rows.append(perplexity(p, text, args.seq_len, args.windows, args.threads, kld))
+        if len(rows) == 1 and args.reference_dir:
+            with open(kept, "w") as f:
+                json.dump({"identity": ident, "kld": bool(args.kld), "row": rows[0]}, f)
+        if kld is not None:
+            kld.next_file()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf", nargs="+", help="GGUF files; the first is the reference")
@@ -94,15 +125,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", default=None, help="write the result as JSON here")
     ap.add_argument("--kld", action="store_true", help="also the KL divergence from the first file, token by token")
+    ap.add_argument("--reference-dir", default=None,
+                    help="keep the first file's scores here and reuse them when called again with the same inputs")
     args = ap.parse_args()
     text = open(args.text, encoding="utf-8").read()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="llamacpp-kld-") as folder:
-        kld = KLD(folder) if args.kld else None
-        for p in args.gguf:
-            rows.append(perplexity(p, text, args.seq_len, args.windows, args.threads, kld))
-            if kld is not None:
-                kld.next_file()
+    if args.reference_dir:
+        os.makedirs(args.reference_dir, exist_ok=True)
+        rows = score_all(args, text, args.reference_dir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="llamacpp-kld-") as folder:
+            rows = score_all(args, text, folder)
     for r in rows[1:]:
         r["relative_change"] = r["ppl"] / rows[0]["ppl"] - 1
         d = [a - b for a, b in zip(r["window_nll"], rows[0]["window_nll"], strict=True)]

@@ -61,12 +61,14 @@ class WorkFolder:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.log = self.path / "log.txt"
-        self.seconds: dict[str, float] = {}
+        self._kept = self.path / "seconds.json"  # kept across invocations: a step made earlier keeps its time
+        self.seconds: dict[str, float] = json.loads(self._kept.read_text()) if self._kept.exists() else {}
 
     def make(self, key: str, product: Path, cmd: list) -> Path:
         """``product``, made by running ``cmd`` unless it exists (its seconds then under ``key``)."""
         if not product.exists():
             self.seconds[key] = run_logged(cmd, self.log)
+            self._kept.write_text(json.dumps(self.seconds, indent=1))
         return product
 
     def commands(self) -> list[str]:
@@ -74,13 +76,14 @@ class WorkFolder:
 
 
 def llamacpp_perplexity_cmd(ggufs: list, text, windows: int, output, threads: int | None = None,
-                            kld: bool = False) -> list:
+                            kld: bool = False, reference_dir=None) -> list:
     """The command scoring ``ggufs`` on ``text`` in llama.cpp alone (the first file is the reference),
     ``windows`` windows of 512 tokens, the result JSON at ``output`` (read it with :func:`scores`); ``kld``:
-    also every file's KL divergence from the first, token by token."""
+    also every file's KL divergence from the first, token by token; ``reference_dir``: the first file's scores
+    kept there and reused by a later call."""
     return [PY, TOOLS_DIR / "llamacpp_perplexity.py", *ggufs, "--text", text, "--windows", windows,
             *(["--threads", threads] if threads is not None else []), "--output", output,
-            *(["--kld"] if kld else [])]
+            *(["--kld"] if kld else []), *(["--reference-dir", reference_dir] if reference_dir else [])]
 
 
 def scores(path) -> list[dict]:
