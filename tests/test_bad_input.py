@@ -401,8 +401,9 @@ def test_too_short_calibration_file_does_not_advise_max_tokens(tmp_path, capsys)
 def test_summary_of_a_gguf_only_output_names_no_hugging_face_folder(capsys):
 
     from compressor.cli.run import _print_summary
+    from minimal_report import minimal_report
 
-    report = {
+    report = minimal_report(**{
         "status": "success", "message": "ok", "model": {"resolved": "m.gguf"},
         "perplexity": {"baseline": {"ppl": 10.0}, "final": {"ppl": 10.3, "tokens": 8192, "seq_len": 256, "stride": 256},
                        "budget": 10.5},
@@ -412,7 +413,7 @@ def test_summary_of_a_gguf_only_output_names_no_hugging_face_folder(capsys):
         "evaluation": {"confidence": 0.9, "domains": [
             {"name": "embedded", "metric": "ppl", "relative_delta": 0.03, "relative_delta_upper": 0.041,
              "limit": 10.5, "baseline_ppl": 10.0, "windows": 32, "passed": True}]},
-    }
+    })
     _print_summary(report, Path("out"))
     out = capsys.readouterr().out
     assert "Hugging Face folder" not in out and "unknown" not in out
@@ -430,17 +431,19 @@ def test_summary_of_a_rejected_run_does_not_call_the_original_within_budget(caps
     """Qwen2.5-Coder-1.5B, every cut refused: the summary went on with "gate [embedded]: search +0.00%
     … — within budget" and "greedy agreement 100.0 %", the original model's numbers."""
     from compressor.cli.run import _print_summary
+    from minimal_report import minimal_report
 
-    report = {
+    report = minimal_report(**{
         "status": "rejected", "message": "no cut passed the gate: …", "model": {"resolved": "m.gguf"},
         "perplexity": {"baseline": {"ppl": 8.2182}, "final": {"ppl": 8.2182, "tokens": 8160, "seq_len": 256,
                                                              "stride": 256}, "budget": 8.6292},
         "params": {"before": 100, "after": 100}, "blocks": [{"index": 27, "decision": "rejected"}],
-        "agreement": {"next_token": 1.0, "continuations": {"identical": 1.0, "prompts": 4, "tokens": 32}},
+        "agreement": {"next_token": 1.0, "continuations": {"identical": 1.0, "prompts": 4, "tokens": 32,
+                                                           "matching_prefix": 1.0}},
         "evaluation": {"confidence": 0.9, "domains": [
             {"name": "embedded", "metric": "ppl", "relative_delta": 0.0, "relative_delta_upper": 0.0,
              "limit": 8.6292, "baseline_ppl": 8.2182, "windows": 32, "passed": True}]},
-    }
+    })
     _print_summary(report, None)
     out = capsys.readouterr().out
     assert out.startswith("status: rejected — no cut passed the gate")

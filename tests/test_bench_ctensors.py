@@ -8,17 +8,13 @@ checked on small known inputs. Nothing is downloaded; no venv is made.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
 from tiny import byte_level_tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from benchlib import ctensors as ct  # noqa: E402
+from tools.benchlib import ctensors as ct
 
 LINES = [f"line {i}: the quick brown fox {i * 7 % 13} jumps over {i % 5} lazy dogs." for i in range(150)]
 

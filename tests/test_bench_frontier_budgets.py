@@ -1,14 +1,10 @@
-"""The interpolation of ``tools/bench_frontier_budgets.py`` (no model, no data)."""
+"""The interpolation of ``tools/structural/bench_frontier_budgets.py`` (no model, no data)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import bench_frontier_budgets as fb  # noqa: E402
+from tools.structural import bench_frontier_budgets as fb
 
 POINTS = [{"ffn_removed_share": 0.2, "test_delta": 0.08}, {"ffn_removed_share": 0.1, "test_delta": 0.03},
           {"ffn_removed_share": 0.3, "test_delta": 0.25}]

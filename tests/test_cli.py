@@ -252,6 +252,9 @@ def test_run_success(tmp_path, capsys):
     assert Path(model_line.split(":", 1)[1].strip()) == out.resolve()
     report = Path(report_line.split(":", 1)[1].strip())
     assert report.is_file() and json.loads(report.read_text())["status"] == "success"
+    from minimal_report import checked_report
+
+    assert checked_report(json.loads(report.read_text())).planned() is None  # a structural run's report
     assert (out / "model.safetensors").is_file()
     assert any(x.startswith("status: success") for x in stdout)
 

@@ -39,7 +39,7 @@ from compressor.output.ctensors.grids import (  # noqa: E402
     SCHEMES, IntScheme, decoded, get_scheme, gptq, output_error, rtn, scales_of, weight_bytes,
 )
 from compressor.output.ctensors import grids  # noqa: E402
-from compressor.output import VerificationError, WriteRequest, get_writer  # noqa: E402
+from compressor.output import VerificationError, WriteRequest, Written, get_writer  # noqa: E402
 from compressor.output import ctensors  # noqa: E402
 from compressor.output.ctensors import schemes as ctschemes  # noqa: E402
 
@@ -66,9 +66,8 @@ def request_for(model, dtype=torch.float32, **options) -> WriteRequest:
 
 def write_and_verify(request: WriteRequest, folder) -> dict:
     folder.mkdir()
-    writer = get_writer("compressed-tensors")
-    writer.write(request, folder)
-    return get_writer("compressed-tensors").verify(request, folder)  # a second instance, as the pipeline does
+    written = get_writer("compressed-tensors").write(request, folder)
+    return get_writer("compressed-tensors").verify(request, written)  # a second instance, as the pipeline does
 
 
 def stored(folder) -> dict[str, torch.Tensor]:
@@ -367,9 +366,10 @@ def test_gptq_codes_are_the_stored_codes_and_a_bad_file_is_caught(tmp_path):
     tensors[names[0] + ".weight_scale"] = tensors[names[0] + ".weight_scale"] * 2
     path = next((tmp_path / "out").glob("*.safetensors"))
     save_file(tensors, str(path), metadata={"format": "pt"})
-    with pytest.raises(VerificationError, match="Δlogit"):
-        get_writer("compressed-tensors").verify(request_for(model, dtype=torch.bfloat16, ct_scheme="W4A16_G32",
-                                                            ct_hessians=hessians), tmp_path / "out")
+    request = request_for(model, dtype=torch.bfloat16, ct_scheme="W4A16_G32", ct_hessians=hessians)
+    writer = get_writer("compressed-tensors")
+    with pytest.raises(VerificationError, match="Δlogit"):  # the file as it is on disk, the writer's own plan
+        writer.verify(request, Written(tmp_path / "out", [path], writer.plan(request)))
 
 
 def test_the_reference_copy_shares_the_weights_it_replaces():

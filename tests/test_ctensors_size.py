@@ -94,6 +94,10 @@ def test_a_w4a16_size_writes_a_planned_checkpoint_that_plain_transformers_loads(
     out = model.generate(torch.tensor([tokenizer(TEXT).input_ids[:8]]), max_new_tokens=4, do_sample=False)
     assert out.shape[1] == 12
     assert "compressed-tensors" in (res.output / "README.md").read_text()
+    from minimal_report import checked_report
+
+    planned = checked_report(json.loads((res.output / "report.json").read_text())).planned()
+    assert planned[0] == "compressed-tensors" and planned[1].preset.name == "W4A16"
 
 
 def test_ct_head_keep_leaves_the_output_head_in_the_saved_dtype(tmp_path, tokenizer):
@@ -155,18 +159,28 @@ def test_a_size_the_format_does_not_take_is_refused_naming_the_fix(tmp_path, siz
 
 
 def test_compressed_tensors_beside_a_hugging_face_folder_is_refused():
-    with pytest.raises(RecipeError, match="keep compressed-tensors alone"):
-        compressor.recipe_from_dict({"output": {"formats": ["hf", "compressed-tensors"]}})
+    from compressor.core.errors import InputError
+    from compressor.output.registry import check_folders
+
+    with pytest.raises(InputError, match="keep compressed-tensors alone"):
+        check_folders(compressor.recipe_from_dict({"output": {"formats": ["hf", "compressed-tensors"]}}).output.writers())
+    check_folders(["compressed-tensors", "gguf"])  # a single file beside the folder
 
 
 def test_a_scheme_size_defaults_to_the_compressed_tensors_format():
-    from compressor.pipeline.size import Structural, sizing
+    from compressor.inputs.load import ResolvedSource
+    from compressor.pipeline.size import SizeWorkflow
+    from compressor.pipeline.structural import StructuralWorkflow
+    from compressor.pipeline.preflight import workflow_for
 
+    src = ResolvedSource("/nowhere", None, True)
     r = compressor.recipe_from_dict({"output": {"size": "w4a16"}})
-    assert sizing(r).default_formats() == ["compressed-tensors"]
-    assert sizing(compressor.recipe_from_dict({"output": {"size": "Q4_K_M"}})).default_formats() == ["gguf"]
-    plain = sizing(compressor.recipe_from_dict({}))
-    assert type(plain) is Structural and plain.structural and plain.default_formats() is None
+    assert workflow_for(r).default_formats("llama", src) == ["compressed-tensors"]
+    sized = workflow_for(compressor.recipe_from_dict({"output": {"size": "Q4_K_M"}}))
+    assert type(sized) is SizeWorkflow and not sized.changes_blocks and sized.default_formats("llama", src) == ["gguf"]
+    plain = workflow_for(compressor.recipe_from_dict({}))
+    assert type(plain) is StructuralWorkflow and plain.changes_blocks and plain.default_formats("llama", src) == ["hf"]
+    assert not issubclass(SizeWorkflow, StructuralWorkflow) and not issubclass(StructuralWorkflow, SizeWorkflow)
 
 
 def test_without_the_library_the_size_is_refused_naming_the_extra(monkeypatch):
@@ -200,13 +214,16 @@ def test_an_architecture_whose_layers_the_writer_cannot_map_is_refused_before_lo
 
 def test_the_run_time_estimate_counts_gptq_pricing_and_rounding(tmp_path):
     """Qwen2.5-1.5B's compressed-tensors size was estimated at 32 min and took 57: GPTQ was not counted."""
-    from compressor.pipeline import size
+    from compressor.pipeline.preflight import workflow_for
 
     model = tiny("llama", hidden_size=128, intermediate_size=256, head_dim=32)
-    kwargs = dict(model=model, cal=2048, evals=2048, fwd=1e-4, params=sum(p.numel() for p in model.parameters()))
-    gptq = size.sizing(_recipe(tmp_path, tmp_path / "m.gguf", "out", "W4A16")).estimate(**kwargs)
-    nearest = size.sizing(_recipe(tmp_path, tmp_path / "m.gguf", "out", "W4A16", rounding="nearest")).estimate(**kwargs)
-    gguf = size.sizing(_recipe(tmp_path, tmp_path / "m.gguf", "out", "Q4_K_M", formats=["gguf"])).estimate(**kwargs)
+    kwargs = dict(model=model, fwd=1e-4, hidden=False, recorded={})
+
+    def estimate(*args, **options):
+        return workflow_for(_recipe(tmp_path, tmp_path / "m.gguf", "out", *args, **options)).estimate(**kwargs)
+
+    gptq, nearest = estimate("W4A16"), estimate("W4A16", rounding="nearest")
+    gguf = estimate("Q4_K_M", formats=["gguf"])
     assert gptq["rounding"] > 0 and "rounding" not in nearest
     assert gptq["pricing"] > nearest["pricing"]
     assert gptq["rounding"] > gguf["rounding"]  # the uniform anchor is rounded too; llama.cpp makes the GGUF's

@@ -4,7 +4,9 @@
 * every relative link in the README and in ``docs/*.md`` points to a file that
   exists, and a ``#anchor`` to a heading of that file (GitHub's slug rules);
 * every ``compressor.<name>`` used in the README's Python examples exists.
-  Nothing is executed: the examples load models.
+  Nothing is executed: the examples load models;
+* every file of ``tools/`` the pages quote (a benchmark, a result) exists, where
+  ``tools/README.md`` says it is.
 """
 
 from __future__ import annotations
@@ -130,6 +132,49 @@ def test_relative_links_resolve(page: Path):
             bad.append(f"{target}: no heading with anchor #{anchor} in {dest.name} "
                        f"(has: {', '.join(sorted(anchors(dest)))})")
     assert not bad, f"broken links in {page.relative_to(ROOT)}:\n" + "\n".join(bad)
+
+
+TOOLS_README = ROOT / "tools" / "README.md"
+QUOTING = [*PAGES, TOOLS_README, *sorted((ROOT / "recipes").glob("*.yaml"))]
+TOOL_PATH = re.compile(r"(?<![\w.-])tools/[\w./*{},-]*[\w*}/]")  # tools/size/results/x.json, …/{a,b}_*.json
+GROUP_PATH = re.compile(r"`((?!tools/)[\w-]+/results/[^`\s]+)`")  # tools/README.md's: size/results/x.json
+PLACEHOLDER = re.compile(r"(^|/)[A-Z]+(/|\.|$)")  # tools/GROUP/NAME.py
+
+
+def expand(pattern: str) -> list[str]:
+    """A shell brace pattern's alternatives: ``a_{x,y}.json`` → ``a_x.json``, ``a_y.json``."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [p for alt in m.group(1).split(",") for p in expand(pattern[: m.start()] + alt + pattern[m.end():])]
+
+
+def quoted_tool_files(page: Path) -> list[tuple[str, Path]]:
+    """Every ``tools/…`` path ``page`` names (a glob or brace pattern expanded), and in ``tools/README.md``
+    the ``GROUP/results/…`` paths of its tables, each with where it must be."""
+    text = page.read_text(encoding="utf-8")
+    found = [(q, ROOT) for q in TOOL_PATH.findall(text)]
+    if page == TOOLS_README:
+        found += [(q, page.parent) for q in GROUP_PATH.findall(text)]
+    return [(p, base / p) for q, base in found if not PLACEHOLDER.search(q) for p in expand(q)]
+
+
+@pytest.mark.parametrize("page", QUOTING, ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_tool_files_exist(page: Path):
+    """A benchmark or result moved (tools/ is laid out by purpose) leaves no page quoting its old path."""
+    missing = sorted({q for q, path in quoted_tool_files(page)
+                      if not (sorted(path.parent.glob(path.name)) if "*" in q else path.exists())})
+    assert not missing, (f"{page.relative_to(ROOT)} quotes tools/ files that do not exist (see tools/README.md "
+                         f"for where each benchmark and its results are): {missing}")
+
+
+def test_the_quoted_tool_files_are_found():
+    """The check above sees the paths it is meant to: a results JSON, a glob, braces, a tool, a group's result."""
+    docs = {q for page in PAGES for q, _ in quoted_tool_files(page)}
+    assert "tools/size/results/size_frontier_smollm2.json" in docs
+    assert "tools/structural/results/independent_qwen_wt_prune_stdlib.json" in docs  # from {wikitext,stdlib}
+    assert any("*" in q for q in docs) and "tools/checks/independent_check.py" in docs
+    assert "speed/results/bench_speed.json" in {q for q, _ in quoted_tool_files(TOOLS_README)}
 
 
 def test_every_doc_page_is_linked_from_the_readme():

@@ -103,9 +103,9 @@ def test_a_full_output_disk_names_the_staged_file_and_its_disk(tmp_path, recipe,
                                   '"No space left on device" })')
     write = Writer.write
 
-    def full(self, request, folder):
+    def full(self, request, folder, plan=None):
         if not _staged(folder):  # the uniform anchor, written in the work folder: it fits
-            return write(self, request, folder)
+            return write(self, request, folder, plan)
         (folder / "config.json").write_text("{}")
         (folder / name).write_bytes(b"\0" * 52128)
         raise failure

@@ -182,8 +182,9 @@ def test_llama_cpp_runs_the_file_with_transformers_logits(tmp_path, tokenizer, i
     model = _replace(tiny(model_type), kinds)
     request = _request(model, tokenizer, ids)
     writer = gw.GGUFWriter()
-    (path,) = writer.write(request, tmp_path)
-    check = writer.verify(request, tmp_path)
+    written = writer.write(request, tmp_path)
+    (path,) = written.files
+    check = writer.verify(request, written)
     assert check["architecture"] == arch and check["passed"]
     assert check["relative_ppl_diff"] < 1e-4, check
     window = ids[:SEQ].tolist()
@@ -200,8 +201,8 @@ def test_bf16_is_verified_within_tolerance(tmp_path, tokenizer, ids):
     model = _replace(tiny("llama"), {1: "hybrid"})
     request = _request(model, tokenizer, ids, dtype=torch.bfloat16)
     writer = gw.GGUFWriter()
-    writer.write(request, tmp_path)
-    check = writer.verify(request, tmp_path)
+    written = writer.write(request, tmp_path)
+    check = writer.verify(request, written)
     assert check["file_type"] == "MOSTLY_BF16" and check["quant"] == "bf16"
     assert check["relative_ppl_diff"] <= gw.PPL_TOLERANCE
 
@@ -210,10 +211,10 @@ def test_a_mismatch_fails_verification(tmp_path, tokenizer, ids):
     needs_llama_cpp()
     model = _replace(tiny("llama"), {1: "low_rank"})
     request = _request(model, tokenizer, ids)
-    gw.GGUFWriter().write(request, tmp_path)
+    written = gw.GGUFWriter().write(request, tmp_path)
     request.expected_ppl *= 1.02  # the in-memory model "disagrees" by 2 %
     with pytest.raises(VerificationError, match="nothing was published"):
-        gw.GGUFWriter().verify(request, tmp_path)
+        gw.GGUFWriter().verify(request, written)
 
 
 def test_a_gguf_source_keeps_its_tensors_and_tokenizer(tmp_path, tokenizer, ids):
@@ -231,8 +232,8 @@ def test_a_gguf_source_keeps_its_tensors_and_tokenizer(tmp_path, tokenizer, ids)
     out = tmp_path / "out"
     out.mkdir()
     writer = gw.GGUFWriter()
-    writer.write(request, out)
-    check = writer.verify(request, out)
+    written = writer.write(request, out)
+    check = writer.verify(request, written)
     assert check["file_type"] == "MOSTLY_Q8_0" and check["ffn_widths"][1] == 64
     # no gate budget given: nothing to hold a quantized file against, and the check says so instead of "passed"
     assert check["compared_with"] is None and "passed" not in check and "not compared" in check["checked"]
@@ -253,7 +254,7 @@ def test_a_gguf_source_keeps_its_tensors_and_tokenizer(tmp_path, tokenizer, ids)
 
     # the policy as the recipe gives it (a fraction, headroom off here) is the rule the check applies
     request.gate = PolicyConfig(ppl_budget=9.0, headroom=0.0)
-    check = writer.verify(request, out)
+    check = writer.verify(request, written)
     assert check["source_perplexity"] == pytest.approx(src_ppl) and check["passed"]
     assert check["source_relative_change"] == pytest.approx(check["perplexity"] / src_ppl - 1)
     (row,) = check["domains"]
@@ -263,11 +264,11 @@ def test_a_gguf_source_keeps_its_tensors_and_tokenizer(tmp_path, tokenizer, ids)
         return PolicyConfig().model_copy(update={"ppl_budget": budget, "headroom": 0.0})
 
     request.gate = rule(row["relative_delta_upper"] + 1e-3)
-    assert writer.verify(request, out)["passed"]
+    assert writer.verify(request, written)["passed"]
     request.gate = rule(row["relative_delta_upper"] - 1e-3)  # the point passes, the bound does not
     assert row["relative_delta"] < request.gate.ppl_budget
     with pytest.raises(gw.GGUFGateMissed, match=r"against the source GGUF at the same quantization.*90% bound"):
-        writer.verify(request, out)
+        writer.verify(request, written)
 
 
 def test_quantized_types_and_unquantizable_widths(tmp_path, tokenizer, ids):
@@ -277,12 +278,12 @@ def test_quantized_types_and_unquantizable_widths(tmp_path, tokenizer, ids):
         gplan.plan_for(_request(model, tokenizer, ids, expected=1.0), {"quant": "q8_0"})
     request = _request(model, tokenizer, ids, quant="q8_0", unquantizable="f16")
     writer = gw.GGUFWriter()
-    writer.write(request, tmp_path)
-    check = writer.verify(request, tmp_path)
+    written = writer.write(request, tmp_path)
+    check = writer.verify(request, written)
     assert check["ffn_down_types"] == ["F16", "F16", "Q8_0"] and check["relative_ppl_tolerance"] is None
     request = _request(model, tokenizer, ids, quant="q4_k_m", unquantizable="pad", expected=request.expected_ppl)
-    writer.write(request, tmp_path)
-    check = writer.verify(request, tmp_path)
+    written = writer.write(request, tmp_path)
+    check = writer.verify(request, written)
     assert check["file_type"] == "MOSTLY_Q4_K_M" and check["ffn_widths"] == [256, 256, 128], check
     assert np.isfinite(check["perplexity"])
 
@@ -540,6 +541,9 @@ def test_a_size_plan_re_quantizes_the_source_within_its_budget_beside_the_preset
     card_both = model_card(both)
     assert "Tensor types:" in card_both and "holds the original weights, unchanged" in card_both
     assert "0 of 0 FFN blocks" not in card_both and "library_name: gguf" in card_both
+    from minimal_report import checked_report
+
+    assert checked_report(json.loads((res.output / "report.json").read_text())).planned()[0] == "gguf"
     check, plan = res.report["verification"]["gguf"], res.report["size_plan"]
     assert check["quant"] == "plan" and check["file_bytes"] <= check["budget_bytes"] == plan["budget_bytes"]
     assert check["file_bytes"] == check["planned_file_bytes"] == plan["planned_file_bytes"]  # known before writing
@@ -672,17 +676,20 @@ def test_the_size_plan_summary_puts_the_file_beside_the_preset(capsys):
     """``output.size``'s summary: the file, its types, and per domain its change (with the bound) beside the
     preset's — not the unchanged in-memory model's gate lines."""
     from compressor.cli.run import _print_summary
+    from minimal_report import minimal_report
 
-    report = {"status": "success", "message": "ok", "blocks": [], "strategy": "size",
+    report = minimal_report(**{
+              "status": "success", "message": "ok", "blocks": [], "strategy": "size",
               "perplexity": {"baseline": {"ppl": 10.0}, "final": {"ppl": 10.0, "tokens": 8, "seq_len": 4, "stride": 4},
                              "budget": 10.5},
-              "size_plan": {"size": "Q3_K_M", "types_used": {"Q4_K": 3, "Q6_K": 1}},
+              "size_plan": {"size": "Q3_K_M", "budget_bytes": 1000, "types_used": {"Q4_K": 3, "Q6_K": 1}},
               "verification": {"gguf": {
-                  "quant": "plan", "file_bytes": 900, "budget_bytes": 1000, "predicted_relative_change": 0.01,
+                  "quant": "plan", "planned_format": "gguf", "file_bytes": 900, "planned_file_bytes": 900,
+                  "budget_bytes": 1000, "predicted_relative_change": 0.01,
                   "preset": {"name": "Q3_K_M", "file_bytes": 1000},
                   "domains": [{"name": "prose", "perplexity": 10.2, "relative_change": 0.02, "confidence": 0.9,
                                "relative_delta_upper": 0.03, "reference_perplexity": 10.0,
-                               "preset_relative_change": 0.08}]}}}
+                               "preset_relative_change": 0.08}]}}})
     _print_summary(report, Path("out"))
     out = capsys.readouterr().out
     assert "tensor types: Q4_K ×3, Q6_K ×1" in out and "beside it: llama.cpp's Q3_K_M" in out

@@ -134,7 +134,7 @@ def test_a_size_run_measures_beside_the_imatrix_preset_and_the_best_of_no_more_b
     Q3_K_M and the gate passes the file as at least as good as IQ3_M."""
     needs_llama_cpp()
     import compressor
-    from compressor.cli.run import _print_size_plan
+    from compressor.cli.run import _print_summary
     from compressor.output.gguf.imatrix import ImportanceMatrix
     from compressor.reports.card import model_card
 
@@ -160,7 +160,7 @@ def test_a_size_run_measures_beside_the_imatrix_preset_and_the_best_of_no_more_b
     matrix = ImportanceMatrix.read(res.output / "model.imatrix")
     planned = {r["tensor"] for r in res.report["size_plan"]["tensors"]}
     assert planned <= set(matrix.sums) and matrix.datasets == ["cal.txt"]
-    _print_size_plan(res.report, "gguf", check)
+    _print_summary(res.report, None)
     out = capsys.readouterr().out
     assert "beside it: llama.cpp's Q3_K_M with an importance matrix from the same F16" in out
     assert "better of no more bytes: llama.cpp's IQ3_M with an importance matrix" in out

@@ -86,7 +86,7 @@ def f16(tmp_path_factory) -> Path:
                            source=ResolvedSource("/nonexistent/tiny-model", None, True), probe_tokens=ids,
                            probe_seq_len=SEQ, probe_stride=SEQ, expected_ppl=1.0,
                            options={"quant": "f16", "file": "f16.gguf"})
-    (path,) = gw.GGUFWriter().write(request, folder)
+    (path,) = gw.GGUFWriter().write(request, folder).files
     return path
 
 

@@ -1,4 +1,4 @@
-"""``tools/offgrid.py``: the off-grid transform computes the same function with weights on no grid.
+"""``tools/size/offgrid.py``: the off-grid transform computes the same function with weights on no grid.
 
 Tiny llama (tied embeddings) and qwen2 (q/k/v biases) models from configs, random weights and
 non-trivial norm weights; nothing is downloaded. The end-to-end test writes a tiny Q8_0 GGUF with
@@ -8,17 +8,13 @@ compressor's writer and skips where ``gguf`` or llama-cpp-python (its quantizer)
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
 from tiny import byte_level_tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import offgrid  # noqa: E402
+from tools.size import offgrid
 
 HIDDEN, FF, LAYERS, VOCAB = 64, 128, 2, 320
 TEXT = ("The quick brown fox jumps over the lazy dog. Numbers 123 4567 and words, words; more words! "

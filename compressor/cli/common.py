@@ -35,8 +35,6 @@ def launched_rank() -> int:
 def setup_logging(quiet: bool, verbose: bool, heavy: bool = True) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s", force=True)
-    if not verbose:  # gguf-py says "This GGUF file is for Little Endian only" and lists every file it writes
-        logging.getLogger("gguf").setLevel(logging.WARNING)
     if quiet:
         os.environ["TQDM_DISABLE"] = "1"
     if not heavy:  # e.g. `compressor cache info`: no need to import transformers

@@ -66,7 +66,7 @@ def preflight(args) -> dict:
 
     folder = Path(args.folder).expanduser()
     cfg_path = folder / "config.json"
-    planned = _planned_gguf(folder)
+    planned = _planned_file(folder, args.format)
     if planned is not None and not cfg_path.is_file():
         _fail(f"{args.folder!r} holds a size-planned GGUF ({planned.name}, written by `compressor run` with "
               "output.size) and no Hugging Face weights (no config.json), so there is nothing to export from: "
@@ -123,10 +123,10 @@ def preflight(args) -> dict:
             "out": out, "source": src, "tokenizer": tokenizer, "tokens": tokens, "seq_len": seq_len, "stride": stride}
 
 
-def _planned_gguf(folder: Path) -> Path | None:
-    """The GGUF ``compressor run`` planned to ``output.size`` in ``folder`` (its report.json has a
-    ``size_plan`` and a ``plan`` GGUF check), or None."""
-    from compressor.output.gguf import FILE_NAME
+def _planned_file(folder: Path, fmt: str) -> Path | None:
+    """The file of format ``fmt`` that ``compressor run`` planned to ``output.size`` in ``folder`` (its report.json
+    has a ``size_plan`` and a ``plan`` check of that format), or None. Read as it is, of any schema version."""
+    from compressor.output.registry import targets
 
     try:
         report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
@@ -135,18 +135,20 @@ def _planned_gguf(folder: Path) -> Path | None:
     if not isinstance(report, dict) or report.get("size_plan") is None:
         return None
     checks = report.get("verification")
-    check = checks.get("gguf") if isinstance(checks, dict) else None
-    return folder / FILE_NAME if isinstance(check, dict) and check.get("quant") == "plan" else None
+    check = checks.get(fmt) if isinstance(checks, dict) else None
+    target = targets().get(fmt)
+    planned = isinstance(check, dict) and check.get("quant") == "plan"
+    return target().shipped(folder) if planned and target is not None else None
 
 
 def _packed_refusal(given: str, cfg: dict, compression: dict) -> str | None:
     """Why a compressed-tensors folder is not exported (None for a float folder): its linears are packed integer
     codes with a ``weight_scale`` each, which the gguf writer (it reads float weights) cannot take, and decoding
     them into a GGUF would round the weights twice."""
-    from compressor.output.ctensors.schemes import CTENSORS_FORMAT
+    from compressor.output.ctensors.schemes import CTENSORS_FORMAT, QUANT_METHOD
 
     qcfg = cfg.get("quantization_config")
-    packed = isinstance(qcfg, dict) and qcfg.get("quant_method") == "compressed-tensors"
+    packed = isinstance(qcfg, dict) and qcfg.get("quant_method") == QUANT_METHOD
     if not packed and compression.get("format") != CTENSORS_FORMAT:
         return None
     original = str(compression.get("source_model") or "the original model")
@@ -243,8 +245,8 @@ def handle(args) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        p["writer"].write(request, tmp)
-        check = p["writer"].verify(request, tmp)  # raises VerificationError (exit 1): nothing is moved
+        written = p["writer"].write(request, tmp)
+        check = p["writer"].verify(request, written)  # raises VerificationError (exit 1): nothing is moved
         (tmp / out.name).replace(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -187,10 +187,12 @@ LLAMA_CPP_TOOLS = (
 MOE_FIX = f"{LLAMA_CPP_TOOLS}; compressor does not plan or compress it yet"
 
 
-def moe_refusal(config, *, size: bool, fmt: str | None = None, offload: str = "none") -> str | None:
-    """Why a mixture-of-experts model is refused, for a size plan into ``fmt`` (``size``) or a structural run,
-    with what to do instead; None for a dense model, and for a GGUF size of a family whose experts are planned
-    (a row with ``moe``) held in memory."""
+def moe_refusal(config, *, size: bool, fmt: str | None = None, plans_experts: bool = True,
+                offload: str = "none") -> str | None:
+    """Why a mixture-of-experts model is refused, for a size plan into ``fmt`` (``size``; ``plans_experts``:
+    whether that format's file holds per-expert weights a runtime loads) or a structural run, with what to do
+    instead; None for a dense model, and for a size of a family whose experts are planned (a row with ``moe``)
+    held in memory, into a format that plans experts."""
     if config is None or not _is_moe(config):
         return None
     model_type = getattr(config, "model_type", "?")
@@ -205,7 +207,7 @@ def moe_refusal(config, *, size: bool, fmt: str | None = None, offload: str = "n
         why = (f"its routed experts are not mapped to per-expert linear layers here (done for {', '.join(planned)}), "
                "which a size plan prices one by one")
         fix = MOE_FIX
-    elif fmt not in (None, "gguf"):
+    elif not plans_experts:
         why = (f"its experts are planned into GGUF only, not {fmt}: plain transformers (5.x) holds a layer's experts "
                "as stacked parameters and does not load per-expert integer weights into them (checked with "
                "compressed-tensors 0.20: they are dropped as unexpected and the stacked experts left uninitialised; "

@@ -31,7 +31,7 @@ def gram(a: torch.Tensor, block: int = GRAM_BLOCK) -> torch.Tensor:
     The product is symmetric, so half of a full matrix product is redundant: with ``d`` columns in
     ``k`` blocks, ``k(k+1)/2`` block products replace ``k²`` (the 10,496 regressors of a 1.5B
     model's hidden-unit statistics, 6 blocks: 2.25 s against 2.95 s per 2,048 rows on a 2-core
-    CPU, ``tools/bench_pass_a_pieces.py``)."""
+    CPU, ``tools/structural/bench_pass_a_pieces.py``)."""
     d = a.shape[1]
     k = d // block
     if k < 2:

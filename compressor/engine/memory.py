@@ -115,10 +115,11 @@ CONVERTER_PROCESS_BYTES = 300 * 2**20
 
 def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_tokens: int = 2048,
                     heads: int | None = None, kv_heads: int | None = None, tied: bool = False, seq_len: int = 512,
-                    offload: str = "disk", batch_size: int = 8, fmt: str = "gguf",
+                    offload: str = "disk", batch_size: int = 8, reload_check: bool = False,
                     saved_bytes: int = 2) -> dict[str, int]:
-    """Host bytes a size plan (``fmt``: ``gguf`` or ``compressed-tensors``) holds at its peak, by component, for a
-    Llama-shaped model (float32 compute):
+    """Host bytes a size plan holds at its peak, by component, for a Llama-shaped model (float32 compute);
+    ``reload_check``: the planned file is checked by reloading the whole model in transformers (compressed-tensors)
+    rather than made from llama.cpp's converter's F16 (GGUF):
 
     * ``process``: the interpreter and libraries (:data:`PROCESS_BYTES`);
     * ``resident``: the token embedding and the output head (untied), float32, held between passes — except
@@ -149,7 +150,7 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     resident + model + fisher, + the head's weight when it waits on disk), the Ĥ and pricing pass (process +
     resident + model + hidden states + moments), the head priced and rounded from disk (process + model + twice its
     float32 weight), or a compressed-tensors reload (process + resident + model + reload).
-    ``tools/bench_size_memory.py`` measures it against this."""
+    ``tools/memory/bench_size_memory.py`` measures it against this."""
     from compressor.engine.sensitivity import BACKWARD_BUDGET_BYTES
 
     heads = heads or max(1, d // 128)
@@ -169,7 +170,7 @@ def size_components(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fi
     else:
         fisher = rows * seq_len * layers * (4 * ff + 10 * d) * f4 + logits
     moments = (3 * d * d + ff * ff) * f4 + 16 * (ff * ff + d * d)
-    ct = fmt == "compressed-tensors"
+    ct = reload_check
     converter = 0 if ct else CONVERTER_PROCESS_BYTES + max(vocab * d, ff * d) * (f4 + 2)
     every = layers * one_layer // f4 + vocab * d * (1 if tied else 2)
     reload = every * (saved_bytes if offload != "none" else f4) if ct else 0
@@ -186,9 +187,10 @@ def size_peak(**kwargs) -> int:
 
 
 def size_peak_of(config, *, offload: str, dtype: str = "float32", tokens: int = 16384,
-                 fmt: str = "gguf") -> int | None:
-    """:func:`size_peak` for a Hugging Face ``config`` (its text config for a multimodal one) planned into ``fmt``,
-    the weights in ``dtype`` (the float32 estimate scaled); None where the config lacks a decoder's shape fields."""
+                 reload_check: bool = False) -> int | None:
+    """:func:`size_peak` for a Hugging Face ``config`` (its text config for a multimodal one), the weights in
+    ``dtype`` (the float32 estimate scaled; ``reload_check`` as :func:`size_components`); None where the config
+    lacks a decoder's shape fields."""
     cfg = getattr(config, "text_config", None) or config
     try:
         d, ff, layers, vocab = (int(getattr(cfg, k)) for k in ("hidden_size", "intermediate_size",
@@ -198,7 +200,8 @@ def size_peak_of(config, *, offload: str, dtype: str = "float32", tokens: int = 
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0) or None
     kv = int(getattr(cfg, "num_key_value_heads", 0) or 0) or heads
     peak = size_peak(d=d, ff=ff, layers=layers, vocab=vocab, tokens=tokens, heads=heads, kv_heads=kv,
-                     tied=bool(getattr(config, "tie_word_embeddings", False)), offload=offload, fmt=fmt)
+                     tied=bool(getattr(config, "tie_word_embeddings", False)), offload=offload,
+                     reload_check=reload_check)
     scale = {"float32": 1.0, "auto": 1.0}.get(dtype, 0.5)  # bfloat16 / float16 weights take half
     return int(peak * scale)
 
@@ -207,7 +210,7 @@ def size_work(*, d: int, ff: int, layers: int, vocab: int, tokens: int, fisher_t
               heads: int | None = None, kv_heads: int | None = None) -> dict[str, float]:
     """Floating-point operations of a GGUF size plan's parts, for a Llama-shaped model — the time model's work,
     each part's seconds being its work over a throughput measured on a smaller run
-    (``tools/bench_size_memory.py``, ``docs/large-models.md``):
+    (``tools/memory/bench_size_memory.py``, ``docs/large-models.md``):
 
     * ``statistics``: Ĥ's forward over ``tokens`` (2 · layer weights a token) and its products
       (``2 · (3d² + ff²)`` a token a layer: q/k/v and gate/up share their input), and F's pass over

@@ -136,9 +136,9 @@ def output_fisher(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     return squares.fisher(windows.numel(), windows if counted is None else counted)
 
 
-#: Width from which :func:`gram` copies a bfloat16 ``xᵀ`` contiguous (``tools/bench_gram.py``, 4,096 tokens, an AMX
+#: Width from which :func:`gram` copies a bfloat16 ``xᵀ`` contiguous (``tools/size/bench_gram.py``, 4,096 tokens, an AMX
 #: CPU): with the copy at every width it was 1.08 × the transposed form at 3,072 and 1.42 × at 8,960, but 0.78–0.91 ×
-#: at 1,536–2,048, where the copy costs more than the plain GEMM saves; ``tools/results/gram_bfloat16.json`` is the
+#: at 1,536–2,048, where the copy costs more than the plain GEMM saves; ``tools/size/results/gram_bfloat16.json`` is the
 #: form as it ships.
 UNTRANSPOSED_FROM = 3072
 
@@ -152,14 +152,14 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     same dot products for about 70 % of the time at d = 1,536. A wide bfloat16 ``xᵀ`` (:data:`UNTRANSPOSED_FROM`)
     is copied contiguous once, so that each product is a plain (untransposed) GEMM: oneDNN's bfloat16 ``xᵀx`` with
     a transposed operand took 1.6 × as long (8,960 wide, 2,048 tokens, AMX). The two passes add into the output in
-    place. A down projection's 8,960-wide Ĥ: 0.89 → 0.61 s a batch of 4,096 tokens (``tools/bench_gram.py``)."""
+    place. A down projection's 8,960-wide Ĥ: 0.89 → 0.61 s a batch of 4,096 tokens (``tools/size/bench_gram.py``)."""
     d = x.shape[1]
     k = min(8, max(1, d // 256))
     two = x.dtype == torch.bfloat16 and _two_pass_exact(x.device.type)
     if not two:
         x = x.float()
     with torch.autocast(x.device.type, enabled=False):
-        # the copy pays from about 3,072 wide (bfloat16; float32's GEMM is as fast transposed): tools/bench_gram.py
+        # the copy pays from about 3,072 wide (bfloat16; float32's GEMM is as fast transposed): tools/size/bench_gram.py
         xt = x.T.contiguous() if two and d >= UNTRANSPOSED_FROM else x.T
         if k == 1:
             return _two_pass(xt, x) if two else xt @ x

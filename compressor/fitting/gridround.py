@@ -93,7 +93,7 @@ def factor(h: np.ndarray | torch.Tensor, *, damp: float = DAMP, act_order: bool 
     damped condition numbers 2 × 10⁴ to 1.6 × 10⁵) GPTQ's output error through the float32 factor was within
     0.09 % of the float64 factor's, either way, in Q4_K, IQ4_XS and Q3_K. An 8,960-wide factor: 5.7 s with an
     inverse (11.6 s in float64), 3–4 s as a float64 Cholesky, about 2 s in float32 (its Cholesky 1.5 s); its
-    working set two float32 matrices, not two float64 ones (``tools/bench_gptq_factor.py``). ``dtype``: the
+    working set two float32 matrices, not two float64 ones (``tools/size/bench_gptq_factor.py``). ``dtype``: the
     Cholesky's, only (a comparison); None: float32, else float64. ``blockwise``: with the factor in whole
     blocks of :data:`BLOCKWISE` columns beside it (:attr:`Factor.blockwise`, where ``n`` is a multiple of it)."""
     made = _factor(h, None, damp, act_order, dtype)
@@ -386,7 +386,7 @@ def rounds_blockwise(qtype: GGMLType | str) -> bool:
 #: Column weights ggml's quantizer is given for each block in :func:`blockwise_quantize`: ``conditioned``, the
 #: diagonal of the block's own error form (:func:`conditioned_weights`), or ``imatrix``, the importance matrix
 #: (diag Ĥ). On SmolLM2-135M's down projections the two were within 1.5 % of each other's output error in every
-#: type, ``conditioned`` ahead in 6 of 7 held out (``tools/results/blockwise_iquant_smollm2.json``).
+#: type, ``conditioned`` ahead in 6 of 7 held out (``tools/size/results/blockwise_iquant_smollm2.json``).
 BLOCK_WEIGHTS = "conditioned"
 
 

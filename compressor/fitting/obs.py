@@ -20,7 +20,7 @@ regressors (unit variance), so the costs do not depend on the scale of a unit.
 With ``ridge`` λ > 0 every solve is shrunk toward ``prior`` (the block's original coefficients),
 ``(S + λ I) B = S_y + λ B₀`` on the standardized regressors: exact OBS on the ridge-augmented normal equations,
 so removing a unit also gives up its prior term ``λ‖B₀ⱼ‖²``. Why (the exact re-solve fits the fit rows' noise
-when they barely outnumber the units): docs/benchmarks.md, ``tools/bench_resolve_rows.py``.
+when they barely outnumber the units): docs/benchmarks.md, ``tools/structural/bench_resolve_rows.py``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Sources (through 🤗 ``datasets`` wherever a loader exists):
   :data:`CODE_PIECE_LINES` lines taken from the files in turn; even pieces for
   calibration, odd ones for evaluation. Every one of those files starts with an
   underscore, so a check on the *public* standard library (no path part
-  starting with ``_``, as ``tools/independent_check.py --text stdlib`` reads it)
+  starting with ``_``, as ``tools/checks/independent_check.py --text stdlib`` reads it)
   never sees the gate's code.
 * a local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file,
 * a folder written by ``Dataset.save_to_disk`` (``load_from_disk``),

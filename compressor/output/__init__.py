@@ -8,8 +8,8 @@ format is a new package here registering one :class:`~.registry.Format`, importe
 from compressor.output import ctensors  # noqa: F401  (registers compressed-tensors)
 from compressor.output import gguf  # noqa: F401  (registers gguf)
 from compressor.output import hf  # noqa: F401  (registers hf and hf-standard)
-from compressor.output.base import VerificationError, WriteRequest, Writer, publish, staging_folder
+from compressor.output.base import VerificationError, WriteRequest, Writer, Written, publish, staging_folder
 from compressor.output.registry import FORMATS, Format, get_writer, register_format
 
-__all__ = ["FORMATS", "Format", "VerificationError", "WriteRequest", "Writer", "get_writer", "publish",
+__all__ = ["FORMATS", "Format", "VerificationError", "WriteRequest", "Writer", "Written", "get_writer", "publish",
            "register_format", "staging_folder"]

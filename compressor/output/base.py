@@ -55,16 +55,32 @@ class WriteRequest:
     device: str = "cpu"
     options: dict = field(default_factory=dict)
     """Writer-specific options from the recipe's ``output`` section."""
-    plans: dict[str, Any] = field(default_factory=dict)
-    """Format → the per-tensor plan its writer writes as it is, in the format's own terms (:meth:`Writer.plan_of`).
-    A size's plan is put here by the size stage, made by the format's target
-    (:meth:`~compressor.sizing.target.SizeTarget.file_plan`); a format without one here writes the plan of its
-    own options (:meth:`Writer.plan`). The plan lives as long as the request: what write leaves on it for verify
-    (compressed-tensors' codes) is per-run state, not a module's."""
+
+
+@dataclass
+class Written:
+    """What one writer wrote: its files in the staging folder, and the plan it wrote them from (what
+    :meth:`Writer.verify` checks them against; compressed-tensors leaves its codes on it)."""
+
+    folder: Path
+    files: list[Path]
+    plan: Any = None
+    """The per-tensor plan in the format's own terms: a size's (made by its target,
+    :meth:`~compressor.sizing.target.SizeTarget.file_plan`), or :meth:`Writer.plan` of the writer's options;
+    None for a format that stores the model's tensors as they are."""
 
 
 class VerificationError(RuntimeError):
     """A writer's reloaded output disagrees with the in-memory model: nothing is published (exit 1)."""
+
+
+class GateMissed(VerificationError):
+    """A written file runs, and is over the gate where it runs: nothing is published (the pipeline reports it as
+    the gate's failure, exit 3; ``check`` is what was measured)."""
+
+    def __init__(self, message: str, check: dict) -> None:
+        super().__init__(message)
+        self.check = check
 
 
 class Writer:
@@ -72,6 +88,10 @@ class Writer:
 
     format: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    source_suffix: ClassVar[str | None] = None
+    """A source file this format re-writes in its own architecture and quantization by default (``.gguf``)."""
+    verify_passes: ClassVar[int] = 1
+    """Evaluations of the probe its verify runs (for the run-time estimate)."""
 
     def unsupported(self, model_type: str, kind: str) -> str | None:
         """Why this format cannot represent ``kind`` replacements of a ``model_type`` model
@@ -91,23 +111,31 @@ class Writer:
         Asked as soon as the widths are known, before anything is written."""
         return None
 
+    def source_refusal(self, model_type: str) -> str | None:
+        """Why a :attr:`source_suffix` source of ``model_type`` is not re-written in this format by default."""
+        return None
+
+    def width_block(self, src, output) -> int:
+        """The multiple every kept FFN width must be for this format to store it (``output``: the recipe's output
+        section; ``src``: the resolved source): 1 when any width is stored."""
+        return 1
+
+    def snap_grid(self, src, output) -> dict[int, str]:
+        """Block → the quantized type this format stores that block's FFN down projection in, where a fit may
+        snap onto it so the gate measures the file's weights (:mod:`compressor.fitting.snap`); empty: none."""
+        return {}
+
     def plan(self, request: WriteRequest):
         """The per-tensor plan this writer's options give (a uniform quantization is a plan too); None for a
         format that stores the model's tensors as they are."""
         return None
 
-    def plan_of(self, request: WriteRequest):
-        """The plan to write: the one handed on ``request.plans`` (a size's), else :meth:`plan`, kept there so
-        that verify reads what write wrote."""
-        if self.format not in request.plans:
-            request.plans[self.format] = self.plan(request)
-        return request.plans[self.format]
-
-    def write(self, request: WriteRequest, folder: Path) -> list[Path]:
-        """Write this format's files into the staging ``folder``; return their paths."""
+    def write(self, request: WriteRequest, folder: Path, plan=None) -> Written:
+        """Write this format's files into the staging ``folder`` from ``plan`` (a size's plan in this format's
+        terms; None: :meth:`plan` of the writer's options); return what was written."""
         raise NotImplementedError
 
-    def verify(self, request: WriteRequest, folder: Path) -> dict:
+    def verify(self, request: WriteRequest, written: Written) -> dict:
         """Reload what :meth:`write` wrote, compare it with ``request.model`` and return the
         report entry; raise :class:`VerificationError` on a mismatch."""
         raise NotImplementedError

@@ -30,6 +30,9 @@ class Format:
     name: str
     writer: type[Writer]
     target: type[SizeTarget] | None = None
+    folder: bool = False
+    """Whether it writes a Hugging Face folder's ``config.json`` and ``model.safetensors`` into the output folder
+    (one such format per output)."""
 
 
 #: format name -> :class:`Format`; filled by each format package's :func:`register_format`.
@@ -37,11 +40,16 @@ FORMATS: dict[str, Format] = {}
 
 
 def register_format(fmt: Format) -> Format:
-    """Make ``fmt`` the format of its name; its writer and target must say the same name."""
+    """Make ``fmt`` the format of its name; its writer and target must say the same name. A target also words the
+    format's file where the report speaks of it (:mod:`compressor.reports.wording`)."""
+    from compressor.reports.wording import register_words
+
     for part in (fmt.writer, fmt.target):
         if part is not None and part.format != fmt.name:
             raise ValueError(f"{part.__name__} is for format {part.format!r}, registered as {fmt.name!r}")
     FORMATS[fmt.name] = fmt
+    if fmt.target is not None:
+        register_words(fmt.name, fmt.target)
     return fmt
 
 
@@ -91,6 +99,24 @@ def target_for(formats: list[str], size: str, output=None) -> SizeTarget:
         raise InputError(f"output.size: {size} is a {named} size, but the planned format is {sized[0]}; give one of "
                          f"{', '.join(targets()[sized[0]].presets)}, bytes or bits per weight, or plan {named}")
     return targets()[sized[0]](output)
+
+
+def check_folders(writers: list[str]) -> None:
+    """Formats share one output folder: two that each write ``config.json`` and ``model.safetensors`` would
+    overwrite each other (:attr:`Format.folder`)."""
+    folders = [w for w in writers if w in formats() and FORMATS[w].folder]
+    if len(folders) > 1:
+        alone = next((f for f in folders if FORMATS[f].target is not None), folders[-1])
+        raise InputError(f"output.formats: {', '.join(folders)} each write config.json and model.safetensors into "
+                         f"the output folder; keep {alone} alone (with a single-file format beside it if you like), "
+                         "and write the other folder in a second run to another output.path")
+
+
+def source_format(src) -> str | None:
+    """The format whose writer re-writes a source file like ``src`` by default (a GGUF source: gguf), or None."""
+    name = getattr(src, "gguf_file", None) or ""
+    return next((f for f, fmt in formats().items()
+                 if fmt.writer.source_suffix and name.endswith(fmt.writer.source_suffix)), None)
 
 
 def default_format(size: str) -> str:

@@ -31,21 +31,6 @@ from compressor.recipe.schema import Recipe
 
 logger = logging.getLogger(__name__)
 
-#: Forward+backward over forward, for the loss-gradient pass (Qwen2.5-Coder-1.5B: 2.05 measured).
-BACKWARD_FACTOR = 2.2
-#: Seconds of one block's hidden-unit solve path per (width)³, in units of the measured seconds per
-#: forward multiply-add (float64 factorisations run slower than float32 matrix products).
-#: Qwen2.5-Coder-1.5B: 48 s per block (measured, 10,496 regressors).
-SOLVE_FACTOR = 3.2
-#: Statistics products per token run slower than the forward's matrix products (float64 merges,
-#: the spill to disk): Qwen2.5-Coder-1.5B's forward and statistics took 48 s per block, 1.5× the
-#: forward-speed count.
-STATS_FACTOR = 1.5
-#: A gate attempt's re-solves, relative to every block's full path: one re-solve is 0.24 of its
-#: block's path (11.4 s against 47.9 s at 8,192 of 8,960 units: tools/results/bench_pass_a_pieces.json),
-#: but an attempt re-solves only the blocks the allocation narrows, and a width solved once is reused:
-#: Qwen2.5-Coder-1.5B's default run spent 448 s on re-solves over 5 attempts, 0.28 of 28 × 11.4 s each.
-REFIT_SHARE = 0.24 * 0.28
 
 
 @dataclass
@@ -103,62 +88,23 @@ def decode_seconds_per_token(model: nn.Module, batch: int, steps: int = 3) -> fl
         torch.set_num_threads(threads)
 
 
-def _shape(model: nn.Module) -> tuple[int, int, int, int, int]:
-    cfg = getattr(model.config, "text_config", None) or model.config
-    d = int(cfg.hidden_size)
-    ff = int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * d)
-    return d, ff, int(cfg.num_hidden_layers), int(cfg.vocab_size), sum(p.numel() for p in model.parameters())
-
-
 def estimate_run(recipe: Recipe, model: nn.Module, *, self_text_cached: bool, hidden: bool,
                  recorded: dict | None = None, self_eval_tokens: int = 0) -> Estimate:
-    """Expected seconds per stage of ``recipe`` on ``model`` (already loaded) on this machine.
+    """Expected seconds per stage of ``recipe`` on ``model`` (already loaded) on this machine: the text the
+    model writes, then the workflow's own stages (:meth:`~compressor.pipeline.workflow.Workflow.estimate`).
     ``recorded``: what a saved run state already holds (:meth:`~compressor.engine.runstate.RunState.recorded`),
     which a resumed run does not measure again. ``self_eval_tokens``: tokens of ``self`` evaluation text the
     model is still to write (not in the cache)."""
-    recorded = recorded or {}
-    c, pol, rc = recipe.calibration, recipe.policy, recipe.replacement
+    from compressor.pipeline.preflight import workflow_for
+
+    c = recipe.calibration
     fwd = forward_seconds_per_token(model, c.seq_len)
-    d, ff, layers, vocab, params = _shape(model)
-    macs = max(params - vocab * d, 1) + vocab * d  # the blocks, and the output layer (tied or not)
-    per_mac = fwd / macs
-    width = d + ff if hidden else d
-    stats = layers * width * width / macs  # statistics products per token, over the forward's
-    cal = c.max_tokens
-    fit = int(cal * (1 - c.heldout_fraction))
-    evals = sum(e.max_tokens for e in recipe.evaluation_domains())
     out: dict[str, float] = {}
     if c.writes_self() and not self_text_cached:
         out["self-calibration"] = c.self_written_tokens() * decode_seconds_per_token(model, 32)
     if self_eval_tokens:
         out["self-written evaluation"] = self_eval_tokens * decode_seconds_per_token(model, 32)
-    from compressor.pipeline import size
-
-    sized = size.sizing(recipe).estimate(model, cal, evals, fwd, params)
-    if sized is not None:  # a size plan: its own stages, no structural search
-        return Estimate({**out, **sized}, fwd)
-    strategy = pol.strategy
-    needs_gradients = strategy == "allocate" and pol.allocation == "fisher" or getattr(rc, "selection", "obs") == "loss"
-    if needs_gradients and not recorded.get("gradients"):
-        out["loss gradients"] = min(fit, 128 * c.seq_len) * fwd * BACKWARD_FACTOR
-    left = max(layers - recorded.get("layers", 0), 0) / layers
-    out["pass A"] = left * (cal * fwd * (1 + STATS_FACTOR * stats) + (layers * width ** 3 * per_mac * SOLVE_FACTOR
-                                                                      if hidden else 0.0))
-    # a fixed policy.ffn_keep is one attempt (counted as passing: the guess a caller who set it makes);
-    # the search tries its smallest cut first, then bisects max_backoff steps: above it when it passes,
-    # below it (smaller cuts) when it fails; fewer when targets allocate the same widths
-    if pol.ffn_keep is not None or not pol.gate:
-        attempts = 1
-    else:
-        attempts = 1 + pol.max_backoff if pol.max_backoff > 1 else 1
-    teacher = getattr(rc, "target", "none") not in ("none", None)
-    out["gate"] = evals * fwd * (1 + attempts + (1 if teacher else 0))
-    if hidden:
-        out["gate"] += attempts * layers * width ** 3 * per_mac * SOLVE_FACTOR * REFIT_SHARE
-    if teacher:
-        out["teacher pass"] = cal * fwd * (1 + STATS_FACTOR * stats)
-    writers = recipe.output.writers()
-    out["write + verify"] = evals * fwd * len(writers) * (2 if "gguf" in writers else 1)
+    out.update(workflow_for(recipe).estimate(model, fwd, hidden=hidden, recorded=recorded or {}))
     return Estimate(out, fwd)
 
 

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from compressor.core import distributed as dist
 from compressor.core.errors import EXIT_GATE, EXIT_OK, GateFailed, InputError, exit_code_for
 from compressor.output.base import staging_path
-from compressor.pipeline import size, stages
+from compressor.pipeline import stages
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import Recipe
 
@@ -199,8 +201,6 @@ def _calibration_dataset(dataset, recipe: Recipe, stack: ExitStack) -> str:
 def _describe_object(recipe: Recipe, given: stages.Loaded) -> None:
     """The recipe's ``model`` section names the object handed in: where it came from, its dtype and
     placement (nothing is loaded from it; ``recipe.yaml`` and the report say what was run)."""
-    import torch
-
     model = given.model
     recipe.model.source = given.source.path
     dtype = str(next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
@@ -265,7 +265,7 @@ def _execute(recipe: Recipe, given: stages.Loaded | None, *, use_cache: bool | N
             _end_state(checked)
         raise
     except BaseException:  # Ctrl-C, SIGTERM, exit 1: a size run records no step to resume from (it starts over)
-        if not size.sizing(recipe).structural:
+        if not checked.workflow.changes_blocks:
             _end_state(checked)
         raise
     finally:
@@ -295,15 +295,15 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
         stages.adopt(loaded.model, stages.compression_section(loaded, result, report))
         logger.info("%s", result.gate_message)
         return OneshotResult(loaded.model, loaded.tokenizer, report, None, result)
+    windows = torch.cat([calibrated.cal.fit, calibrated.cal.heldout])
     if not dist.is_main():  # a size run's statistics, prices and rounding are shared by every rank; rank 0 writes
-        import torch
-
         request = stages.write_request(recipe, loaded, checked, result, report)
-        last = size.sizing(recipe).follow(request, torch.cat([calibrated.cal.fit, calibrated.cal.heldout]))
-        return _wait_for_main(loaded, result, last)
+        return _wait_for_main(loaded, result, checked.workflow.follow(request, windows))
     try:
         request = stages.write_request(recipe, loaded, checked, result, report)
-        tmp = _ship(recipe, request, calibrated, checked, report, result, use_cache)
+        # the verified staging folder: every format written and checked as it is, or the size's planned file
+        # (``use_cache``: the run's statistics cache setting; ``--no-cache`` reaches the size plan's prices too)
+        tmp = checked.workflow.ship(request, windows, checked, report, result, use_cache=use_cache)
         out = stages.publish_output(tmp, checked.out, report, t_start, recipe)
     except BaseException as err:
         # whatever stopped it (Ctrl-C, SIGTERM, a full disk) between two steps that each clean up after themselves
@@ -312,29 +312,11 @@ def _run_checked(recipe: Recipe, checked: stages.Checked, given: stages.Loaded |
         raise
     dist.broadcast_object((None, report))
     _end_state(checked)
-    if size.sizing(recipe).structural:  # a size plan changed no weight of the model in memory
+    if checked.workflow.changes_blocks:  # a size plan changed no weight of the model in memory
         stages.adopt(loaded.model, request.compression)
     logger.info("saved compressed model to %s", out)
     logger.info("%s", result.gate_message)
     return OneshotResult(loaded.model, loaded.tokenizer, report, out, result)
-
-
-def _ship(recipe: Recipe, request, calibrated: stages.Calibrated, checked: stages.Checked, report: dict,
-          result: CompressionResult, use_cache: bool) -> Path:
-    """The verified staging folder: the size stage's planned file (:mod:`compressor.pipeline.size`), or every
-    format written and checked as it is. ``use_cache``: the run's statistics cache setting (``--no-cache``
-    reaches the size plan's prices too)."""
-    import torch
-
-    def write() -> Path:  # every format into a staging folder, each reloaded and checked
-        tmp = stages.write(recipe.output, request, checked, report["timings"])
-        stages.verify(recipe.output, request, tmp, report)
-        return tmp
-
-    cal = calibrated.cal
-    tmp = size.sizing(recipe).ship(request, torch.cat([cal.fit, cal.heldout]), checked, report, result,
-                                    write=write, use_cache=use_cache)
-    return tmp if tmp is not None else write()
 
 
 def _end_state(checked: stages.Checked) -> None:
@@ -349,10 +331,9 @@ def _end_state(checked: stages.Checked) -> None:
                     state.folder, nbytes / 1e9, checked.out)
 
 
-def _wait_for_main(loaded: stages.Loaded, result: CompressionResult, last=None) -> OneshotResult:
-    """A rank other than 0: wait for rank 0's write and return its report (or its failure); ``last``: rank 0's
-    last word where a size run's rounding already took it."""
-    failed, report = last if last is not None else dist.broadcast_object()
+def _wait_for_main(loaded: stages.Loaded, result: CompressionResult, last: tuple) -> OneshotResult:
+    """A rank other than 0: rank 0's report (or its failure), ``last``: its last word, as the workflow took it."""
+    failed, report = last
     if failed is not None:
         raise dist.RankFailed(*failed)
     return OneshotResult(loaded.model, loaded.tokenizer, report, Path(report["output"]), result)

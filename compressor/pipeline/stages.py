@@ -29,12 +29,14 @@ from compressor.inputs.data import CalibrationSet, OverlapError, check_disjoint
 from compressor.inputs.load import ResolvedSource, load_model, object_source, resolve_source  # noqa: F401
 from compressor.output import VerificationError
 from compressor.output.hf import source_weight_bytes
-from compressor.policy.compress import CompressionResult, compress_model
+from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import ModelConfig, Recipe
 from compressor.reports.report import build_report, evaluation_report
+from compressor.pipeline.formats import writer_options  # noqa: F401
 from compressor.pipeline.preflight import (  # noqa: F401  (the stages, in one place for the runner and tests)
-    Calibrated, Checked, Loaded, Preflight, check, default_formats, output_grid, preflight, writer_options,
+    Preflight, check, default_formats, output_grid, preflight, workflow_for,
 )
+from compressor.pipeline.products import Calibrated, Checked, Loaded  # noqa: F401
 from compressor.pipeline.writing import (  # noqa: F401
     compression_section, gate_domains, like_with_like, output_sizes, publish_output, remove_tree, save_dtype,
     verify, write, write_request,
@@ -182,19 +184,10 @@ def calibration_key(recipe: Recipe, cal: CalibrationSet, streams: dict[str, torc
 
 
 def compress(recipe: Recipe, loaded: Loaded, calibrated: Calibrated, checked: Checked) -> CompressionResult:
-    """The policy engine: measure, fit, select and gate (:func:`compressor.policy.compress.compress_model`).
-    With ``output.size`` the blocks stay as they are and the size stage plans the file instead."""
-    from compressor.pipeline import size
-
-    result = size.sizing(recipe).baseline_only(loaded.model, checked.eval_streams)
-    if result is not None:
-        result.timings = {**_text_timings(calibrated), **result.timings}
-        return result
-    try:
-        result = compress_model(loaded.model, recipe, calibrated.cal, checked.eval_streams, state=checked.state,
-                                width_multiple=checked.width_multiple, grid=checked.grid)
-    except ResumeError as err:  # a saved state out of step with this run
-        raise InputError(str(err)) from None
+    """The run's workflow changes the model (:meth:`~compressor.pipeline.workflow.Workflow.compress`): the policy
+    engine's measure, fit, select and gate; with ``output.size`` the blocks stay as they are (the original's
+    baseline) and the size workflow plans the file when it ships."""
+    result = checked.workflow.compress(loaded, calibrated, checked)
     result.timings = {**_text_timings(calibrated), **result.timings}
     return result
 
@@ -243,13 +236,11 @@ def reference(recipe: Recipe, loaded: Loaded, checked: Checked) -> Reference:
     recipe names ``evaluation.tasks``, its task scores (:mod:`compressor.evaluation.tasks`)."""
     from compressor.evaluation.agreement import continuation_reference
 
-    from compressor.pipeline import size
-
     e = recipe.evaluation_domains()[0]
     # a size plan leaves the model in memory as it is: its continuations would be compared with themselves (and
     # generating them token by token reads an onloaded model's every layer per token)
     conts = (continuation_reference(loaded.model, checked.eval_streams[e.domain_name()], seq_len=e.seq_len)
-             if size.sizing(recipe).structural else None)
+             if checked.workflow.changes_blocks else None)
     tasks = None
     section = recipe.task_section()
     if section is not None:

@@ -6,20 +6,23 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from compressor.core.errors import InputError
 from compressor.core.modeling import COMPRESSION_FORMAT
 from compressor.core.version import __version__
-from compressor.output import WriteRequest, get_writer, publish, staging_folder
+from compressor.output import WriteRequest, Written, get_writer, publish, staging_folder
 from compressor.output.hf import output_dtype
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import OutputConfig, Recipe
 from compressor.reports.card import model_card
 
-from compressor.pipeline.preflight import Checked, Loaded, writer_options
+from compressor.pipeline.formats import writer_options
+from compressor.pipeline.products import Checked, Loaded
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +78,19 @@ def gate_domains(recipe: Recipe, checked: Checked, result: CompressionResult) ->
             for c in recipe.evaluation_domains()]
 
 
-def write(oc: OutputConfig, request: WriteRequest, checked: Checked, timings: dict | None = None) -> Path:
-    """Every requested format into one staging folder beside the output; returns the folder.
+@dataclass
+class Staged:
+    """Every requested format written into one staging folder beside the output: the folder, and what each
+    writer wrote (what its verify checks)."""
+
+    folder: Path
+    written: dict[str, Written]
+
+
+def write(oc: OutputConfig, request: WriteRequest, checked: Checked, timings: dict | None = None,
+          plans: dict[str, Any] | None = None) -> Staged:
+    """Every requested format into one staging folder beside the output. ``plans``: format → the plan its writer
+    writes, in the format's terms (a size's; a format not named writes the plan of its own options).
 
     The output location is checked again first: it may have changed during the run."""
     from compressor.inputs.safety import check_output_folder
@@ -90,11 +104,12 @@ def write(oc: OutputConfig, request: WriteRequest, checked: Checked, timings: di
         if why:
             raise InputError(f"output.formats: {name}: {why}")
     tmp = staging_folder(checked.out)
+    written: dict[str, Written] = {}
     try:
         for name in oc.writers():
             t0, since = time.perf_counter(), time.time()
             try:
-                get_writer(name).write(request, tmp)
+                written[name] = get_writer(name).write(request, tmp, (plans or {}).get(name))
             except Exception as exc:  # noqa: BLE001 - a full disk is named here, while the file is still there
                 full = disk_full(exc, tmp, since, checked.out)
                 if full is None:
@@ -105,7 +120,7 @@ def write(oc: OutputConfig, request: WriteRequest, checked: Checked, timings: di
     except BaseException:
         remove_tree(tmp)
         raise
-    return tmp
+    return Staged(tmp, written)
 
 
 def disk_full(exc: BaseException, tmp: Path, since: float, out: Path):
@@ -120,30 +135,30 @@ def disk_full(exc: BaseException, tmp: Path, since: float, out: Path):
     return as_disk_full(exc, [tmp], since, fix)
 
 
-def verify(oc: OutputConfig, request: WriteRequest, tmp: Path, rep: dict) -> None:
-    """Each writer reloads its own output and compares it with the in-memory model; a mismatch
+def verify(oc: OutputConfig, request: WriteRequest, staged: Staged, rep: dict) -> None:
+    """Each writer reloads what it wrote and compares it with the in-memory model; a mismatch
     removes the staging folder and raises (nothing is published)."""
-    from compressor.output.gguf import GGUFGateMissed
+    from compressor.output.base import GateMissed
 
     try:
         for name in oc.writers():
             t0 = time.perf_counter()
             try:
-                check = get_writer(name).verify(request, tmp)
-            except GGUFGateMissed as missed:
+                check = get_writer(name).verify(request, staged.written[name])
+            except GateMissed as missed:
                 rep.setdefault("verification", {})[name] = missed.check
-                raise _gguf_gate_failed(rep, str(missed)) from None
+                raise _gate_failed(rep, str(missed)) from None
             rep["timings"][f"verify_{name}_s"] = time.perf_counter() - t0
             rep.setdefault("verification", {})[name] = check
             if name in ("hf", "hf-standard"):
                 rep["reload_check"] = check  # the field report.json readers know
     except BaseException:
-        remove_tree(tmp)
+        remove_tree(staged.folder)
         raise
 
 
-def _gguf_gate_failed(rep: dict, message: str):
-    """The report and exception of a GGUF over the gate in llama.cpp (exit 3, nothing written)."""
+def _gate_failed(rep: dict, message: str):
+    """The report and exception of a file over the gate where it runs (exit 3, nothing written)."""
     from compressor.core.errors import GateFailed
 
     rep.update(status="rejected", exit_code=3, message=message, output=None)
@@ -152,17 +167,21 @@ def _gguf_gate_failed(rep: dict, message: str):
 
 def publish_output(tmp: Path, out: Path, rep: dict, t_start: float, recipe: Recipe | None = None) -> Path:
     """Write ``report.json`` into the verified staging folder, with the resolved ``recipe.yaml`` and the model
-    card (``README.md``) where no writer wrote them, and rename it into place."""
+    card (``README.md``) where no writer wrote them, and rename it into place. The report is validated first
+    (:class:`~compressor.reports.schema.Report`): report.json holds the keys its ``schema_version`` promises."""
+    from compressor.reports.schema import Report
+
     try:
         rep["size"].update(output_sizes(tmp, rep["size"]))
         rep["size"]["like_with_like"] = like_with_like(rep)
         rep["timings"]["total_s"] = time.perf_counter() - t_start
         if recipe is not None:  # what a writer did not write itself (a GGUF-only folder)
-            for name, text in (("recipe.yaml", recipe.to_yaml()), ("README.md", model_card(rep))):
+            for name, text in (("recipe.yaml", recipe.to_yaml), ("README.md", lambda: model_card(rep))):
                 if not (tmp / name).exists():
-                    (tmp / name).write_text(text)
+                    (tmp / name).write_text(text())
         # what this run wrote: a later --overwrite replaces these and keeps whatever else is put beside them
         rep["files"] = sorted({p.name for p in tmp.iterdir()} | {"report.json"})
+        Report.of(rep)
         (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
         return publish(tmp, out)
     except BaseException:
@@ -186,7 +205,9 @@ def like_with_like(rep: dict) -> dict | None:
     """The source and the output file at the same quantization, when the run wrote one: a GGUF source
     against the GGUF written at its types, or a Hugging Face source against the folder saved in its
     dtype. None (with nothing to compare) otherwise."""
-    size, gguf = rep["size"], (rep.get("verification") or {}).get("gguf") or {}
+    size = rep["size"]
+    # the file written at the source's own quantization (a GGUF source's format)
+    gguf = next((c for c in (rep.get("verification") or {}).values() if c.get("quant") == "source"), {})
     src = size.get("source_bytes")
     if not src:
         return None

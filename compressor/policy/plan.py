@@ -41,7 +41,7 @@ def scarce_rows_message(rows: int, units: int, max_tokens: int, heldout_fraction
     Least squares on ``n`` rows and ``p`` regressors errs on unseen rows at least ``n / (n − p)`` times
     as much as it would with unlimited rows (the classical out-of-sample inflation of OLS); on real
     blocks it is far more (Qwen2.5-Coder-1.5B at 1.6 rows per unit: held-out error 43× the fit rows',
-    ``tools/results/resolve_rows_qwen2.5_coder_1.5b.json``)."""
+    ``tools/structural/results/resolve_rows_qwen2.5_coder_1.5b.json``)."""
     if ridge > 0 or rows >= MIN_ROWS_PER_UNIT * units:
         return None
     p = max(units - 256, units // 2)  # a small cut: where the allocation starts

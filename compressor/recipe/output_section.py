@@ -148,17 +148,6 @@ class OutputConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _one_folder_rule(self):
-        """Formats share one output folder: two that each write ``config.json`` and ``model.safetensors``
-        would overwrite each other."""
-        folders = [f for f in self.formats if f in ("hf", "hf-standard", "compressed-tensors")]
-        if "compressed-tensors" in folders and len(folders) > 1:
-            raise ValueError(f"output.formats: {', '.join(folders)} each write config.json and model.safetensors into "
-                             "the output folder; keep compressed-tensors alone (with gguf if you like), and write the "
-                             "Hugging Face folder in a second run to another output.path")
-        return self
-
-    @model_validator(mode="after")
     def _width_rule(self):
         if "hf-standard" in self.formats and self.architecture != "standard":
             raise ValueError("output.formats: hf-standard is the folder output.architecture: standard writes; "
@@ -168,12 +157,6 @@ class OutputConfig(_Section):
             raise ValueError(f"output.width_multiple: {m} with output.architecture: standard must be a multiple of "
                              f"{STANDARD_WIDTH_MULTIPLE}; use e.g. {math.lcm(m, STANDARD_WIDTH_MULTIPLE)} or leave it "
                              "null (automatic)")
-        block = GGML_BLOCK.get(getattr(self, "gguf_quant", "source"), 1)
-        if (m is not None and "gguf" in self.formats and getattr(self, "gguf_unquantizable", "error") == "error"
-                and m % block):
-            raise ValueError(f"output.width_multiple: {m} is not a multiple of {block}, the quantization block of "
-                             f"gguf_quant {self.gguf_quant}: those widths cannot be quantized; use "
-                             f"{math.lcm(m, block)}, leave it null (automatic), or set gguf_unquantizable")
         return self
 
     def writers(self) -> list[str]:
@@ -253,28 +236,22 @@ GGML_BLOCK = {"source": 1, "f32": 1, "f16": 1, "bf16": 1, "q8_0": 32, "q4_0": 32
               "q5_1": 32, "q2_k": 256, "q3_k_m": 256, "q4_k_s": 256, "q4_k_m": 256, "q5_k_m": 256, "q6_k": 256}
 
 
-def width_multiple(output: OutputConfig, source_block: int = 1) -> int:
+def width_multiple(output: OutputConfig, block: int = 1) -> int:
     """The multiple every kept FFN width of the prune/hybrid kinds must be; the allocation offers
     only those widths (:mod:`compressor.policy.compress`), so no width is rounded afterwards.
 
-    ``output.width_multiple`` when set; else the least common multiple of what the outputs need:
-    :data:`STANDARD_WIDTH_MULTIPLE` for ``architecture: standard``, and for the ``gguf`` format the
-    quantization block of ``gguf_quant`` (:data:`GGML_BLOCK`), or ``source_block`` for
-    ``gguf_quant: source`` — the block of a GGUF source's own FFN down projections, which the caller
-    reads from the file (1 for a Hugging Face source). A new format that needs aligned widths adds
-    its rule here.
+    ``output.width_multiple`` when set; else the least common multiple of :data:`STANDARD_WIDTH_MULTIPLE`
+    for ``architecture: standard`` and ``block``: what the output formats need to store every kept width
+    (each writer says its own, :meth:`~compressor.output.base.Writer.width_block`: a GGUF's quantization
+    block), which the caller reads before the model loads.
 
     >>> width_multiple(OutputConfig())
     1
-    >>> width_multiple(OutputConfig(formats=["hf", "gguf"], gguf_quant="q4_k_m"))
+    >>> width_multiple(OutputConfig(), block=256)
     256
-    >>> width_multiple(OutputConfig(architecture="standard", formats=["hf", "gguf"], gguf_quant="q8_0"))
+    >>> width_multiple(OutputConfig(architecture="standard"), block=32)
     64
     """
     if output.width_multiple is not None:
         return output.width_multiple
-    m = STANDARD_WIDTH_MULTIPLE if output.architecture == "standard" else 1
-    if "gguf" in output.formats:
-        quant = getattr(output, "gguf_quant", "source")
-        m = math.lcm(m, source_block if quant == "source" else GGML_BLOCK.get(quant, 1))
-    return m
+    return math.lcm(STANDARD_WIDTH_MULTIPLE if output.architecture == "standard" else 1, block)

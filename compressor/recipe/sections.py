@@ -487,7 +487,7 @@ class LowRankReplacement(_Section):
 
 
 DEFAULT_RIDGE = 1.0
-"""``replacement.ridge`` of prune/hybrid: measured on held-out rows in tools/results/resolve_rows_*.json."""
+"""``replacement.ridge`` of prune/hybrid: measured on held-out rows in tools/structural/results/resolve_rows_*.json."""
 
 
 class _HiddenUnitReplacement(_Section):

@@ -1,2 +1,2 @@
-"""Views for people and pipelines: report.json (report), Markdown (markdown), plots (plot) and the model card
-(card), all importable from render."""
+"""Views for people and pipelines: report.json built (report) and typed (schema, sections), what a run prints
+(summary), Markdown (markdown), plots (plot) and the model card (card), each format's words for them (wording)."""

@@ -13,8 +13,7 @@ from compressor.inputs.calibration import calibration_texts, source_text
 from compressor.inputs.data import CalibrationSet, TextSource
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import Recipe
-
-REPORT_SCHEMA = "compressor.report/v1"
+from compressor.reports.sections import REPORT_SCHEMA, SCHEMA_VERSION
 
 
 def build_report(
@@ -22,6 +21,7 @@ def build_report(
 ) -> dict:
     e = recipe.evaluation_domains()[0]
     return {
+        "schema_version": SCHEMA_VERSION,  # what the keys mean: compressor.reports.schema.Report
         "schema": REPORT_SCHEMA,
         "tool_version": __version__,
         "status": "success" if r.gate_passed else "rejected",

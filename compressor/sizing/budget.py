@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from compressor.recipe.schema import Size
 
@@ -51,7 +52,7 @@ class Budget:
     base: Path | None = None
     """The F16 a plan's file re-quantizes, when it is llama.cpp's converter's (a Hugging Face source); None: the
     GGUF source is re-quantized."""
-    converted: object = None
+    converted: Any = None
     """Where the converter put each weight's rows (:class:`~compressor.output.gguf.converter.ConverterLayout`)
     when it made :attr:`base`."""
 

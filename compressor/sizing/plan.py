@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +29,8 @@ class Choice(NamedTuple):
     importance matrix or without it, and each code rounded to nearest (ggml's own) or by error-compensating
     rounding through Ĥ (``compensated``: GPTQ onto those scales, :mod:`compressor.fitting.gridround`)."""
 
-    type: object
+    type: Any
+    """The format's own name for it: a :class:`~compressor.core.ggml.GGMLType`, or a scheme's name."""
     weighted: bool
     compensated: bool = False
 

@@ -135,9 +135,8 @@ def _embedding_lookup_cost(f_emb: torch.Tensor, freq: torch.Tensor):
 #: :data:`MIN_PRICED_ROWS`: every type's scale search and GPTQ then cost about the same for every tensor, and
 #: only the chosen type is rounded over all rows (:mod:`compressor.pipeline.size.rounding`). At SmolLM2's and
 #: Qwen2.5's widths every tensor of more than 256 rows is priced on 256. Measured on the off-grid SmolLM2-135M
-#: (Q4_K_M size, ``tools/results/size_frontier_offgrid_smollm2_planner_speed.json``): the same file quality as pricing
-#: up to 2²¹
-#: elements over all rows, for a third of the pricing time.
+#: (Q4_K_M size, ``tools/size/results/size_frontier_offgrid_smollm2_planner_speed.json``): the same file quality
+#: as pricing up to 2²¹ elements over all rows, for a third of the pricing time.
 MAX_PRICED_ELEMENTS = 1 << 16
 MIN_PRICED_ROWS = 128
 

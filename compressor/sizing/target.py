@@ -11,8 +11,8 @@ differs by format is a short list, and each format says it once, in its own modu
 * the anchor measured beside the file: what the user would otherwise ship at that size
   (:meth:`measure_anchor` — llama.cpp's preset for a GGUF; the uniform scheme for compressed-tensors).
 
-The writer of the same format writes the plan it is handed (:meth:`SizeTarget.file_plan`, on
-:attr:`~compressor.output.base.WriteRequest.plans`) and measures the file where
+The writer of the same format writes the plan it is handed as an argument (:meth:`SizeTarget.file_plan`;
+:meth:`~compressor.output.base.Writer.write`) and measures the file where
 it runs (its ``verification`` entry: ``quant: plan`` and per gate domain its window scores). A format's target
 lives in the format's package (:mod:`compressor.output.gguf.target`, :mod:`compressor.output.ctensors.target`)
 and is registered with its writer as one :class:`~compressor.output.registry.Format`.
@@ -47,6 +47,13 @@ class SizeTarget:
     rounds_side_by_side: ClassVar[bool] = False
     """Whether :meth:`round_full` of several layers may run at once, one per core (single-threaded numpy and ggml
     work that releases the GIL); False: one at a time (a torch GPTQ, on torch's own threads)."""
+    writes_f16: ClassVar[bool] = False
+    """Whether the budget writes the model's F16 and the anchor file into the work folder (for its disk check)."""
+    reload_check: ClassVar[bool] = False
+    """Whether the planned file is checked by reloading the whole model in transformers (for the memory model,
+    :func:`compressor.engine.memory.size_components`)."""
+    plans_experts: ClassVar[bool] = False
+    """Whether a mixture of experts is planned into this format expert by expert (a file its runtime loads)."""
     streams: ClassVar[bool] = False
     """Whether a size plans this format with the decoder layers onloaded (``model.offload: disk``, or ``cpu``
     with ``device: cuda``): statistics, pricing, rounding and the file made one layer or tensor at a time."""
@@ -140,7 +147,7 @@ class SizeTarget:
 
     def file_plan(self, plan, request):
         """The writer's plan for the size plan ``plan`` (:class:`~compressor.sizing.plan.SizePlan`), in the
-        format's own terms: what the size stage hands the writer (:attr:`WriteRequest.plans`)."""
+        format's own terms: what the size stage hands the writer (:meth:`~compressor.output.base.Writer.write`)."""
         raise NotImplementedError
 
     def anchor_plan(self, run, preset: dict):
@@ -166,3 +173,33 @@ class SizeTarget:
     def output_files(self) -> dict[str, Path]:
         """Files the run made that go into the output beside the planned file (name → path); default none."""
         return {}
+
+    # How the report words this format's file (compressor.reports.wording.FormatWords): the summary `compressor
+    # run` prints and the model card; the defaults name the format plainly.
+    runs_in: ClassVar[str] = "its runtime"
+    """Where the planned file runs and was measured, as the summary's per-domain lines name it ("llama.cpp")."""
+    choices: ClassVar[str] = "types"
+    """What a plan chooses per weight, plural ("tensor types"): the summary's word, and the card's."""
+
+    def shipped(self, folder: Path) -> Path:
+        """The planned file in the output folder ``folder``, as the summary names it (default: the folder)."""
+        return folder
+
+    def beside(self, preset: dict) -> str:
+        """The anchor measured beside the file (a verification entry's ``preset``), as the summary names it
+        (default: what the entry calls it, else :meth:`anchor_called`)."""
+        return preset.get("called") or self.anchor_called(preset["name"])
+
+    def check_line(self, check: dict, size: dict) -> str | None:
+        """The summary's line on this format's verification entry ``check`` of a file written as it is, with no
+        size plan (``size``: the report's ``size`` section); None (the default): none."""
+        return None
+
+    def card_words(self) -> dict[str, str]:
+        """The phrases of a size-planned file's model card, placeholders and all: the fields of
+        :class:`compressor.reports.wording.CardWords` (``file``, ``choice``, ``where``, ``anchor``, ``anchor_line``,
+        ``unchanged``, ``best_line``, ``load``, ``library``)."""
+        return {"file": f"{self.what or self.format} of {{bytes:,}} bytes", "choice": f"every weight's {self.choices}",
+                "where": f"in {self.runs_in}", "anchor": "{name}", "anchor_line": "{name} ({bytes:,} bytes)",
+                "unchanged": f"the file's {self.choices}", "load": f"Load it with {self.runs_in}.",
+                "library": "transformers"}

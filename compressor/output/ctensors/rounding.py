@@ -109,7 +109,7 @@ def _compress(model: nn.Module, schemes: dict[str, IntScheme | None], rounded: d
     for name, r in rounded.items():
         mod = model.get_submodule(name)
         # float32 ints·scales is exact, so the compressor's own quantize() recovers the codes; on the layer's
-        # device, where apply_quantization_config made its zero point (a model on a GPU: tools/gpu_check.py)
+        # device, where apply_quantization_config made its zero point (a model on a GPU: tools/checks/gpu_check.py)
         device = mod.weight.device
         mod.weight = nn.Parameter(r.weight.to(device), requires_grad=False)
         mod.weight_scale = nn.Parameter(r.scales.to(device), requires_grad=False)

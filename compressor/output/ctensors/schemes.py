@@ -19,6 +19,8 @@ from compressor.output.ctensors.grids import SCHEMES, IntScheme, Rounded, get_sc
 logger = logging.getLogger(__name__)
 
 CTENSORS_FORMAT = "compressor.ctensors/v1"
+#: What a compressed-tensors checkpoint's ``quantization_config`` names as its ``quant_method``.
+QUANT_METHOD = "compressed-tensors"
 #: How the library stores every layer written here.
 PACK_FORMAT = "pack-quantized"
 #: What a user runs to get the library.

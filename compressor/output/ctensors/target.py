@@ -67,6 +67,7 @@ class CompressedTensorsTarget(SizeTarget):
     presets = CT_SIZE_SCHEMES
     what = "the compressed-tensors checkpoint"
     heldout_prices = True
+    reload_check = True
     gptq_options = 6  # the integer schemes (SCHEMES)
     full_roundings = 2  # the plan and the uniform anchor
     streams = True
@@ -78,6 +79,29 @@ class CompressedTensorsTarget(SizeTarget):
 
     def anchor_called(self, name: str) -> str:
         return f"the uniform {name} checkpoint"
+
+    # the report's words for a compressed-tensors checkpoint (compressor.reports.wording)
+    runs_in = "transformers"
+    choices = "layer schemes"
+
+    def card_words(self) -> dict[str, str]:
+        return {
+            "file": "a compressed-tensors checkpoint (`pack-quantized`) of {bytes:,} bytes of tensors",
+            "choice": "every linear layer's integer scheme (fused q/k/v and gate/up together)",
+            "where": "in plain transformers after reloading the folder",
+            "anchor": "uniform {name}",
+            "anchor_line": (
+                "the uniform {name} checkpoint of the same model ({bytes:,} bytes of tensors; every linear layer "
+                "in {name}, rounded the same way — what llm-compressor's GPTQModifier writes for that scheme)"
+            ),
+            "unchanged": "the checkpoint's layer schemes",
+            "load": (
+                "```python\n# pip install compressed-tensors\nfrom transformers import AutoModelForCausalLM\n"
+                'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")\n```\n\n'
+                "```bash\nvllm serve path/to/this/folder\n```"
+            ),
+            "library": "transformers",
+        }
 
     def refusal(self, model_type: str, src, config=None) -> str | None:
         from compressor.output.ctensors.writer import CompressedTensorsWriter
@@ -234,10 +258,9 @@ class CompressedTensorsTarget(SizeTarget):
         folder = run.workdir / f"anchor-{scheme}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
-        request = dataclasses.replace(run.request, plans={self.format: self.file_plan(plan, run.request)},
-                                      extra_files={})
+        request = dataclasses.replace(run.request, extra_files={})
         try:
-            get_writer(self.format).write(request, folder)
+            get_writer(self.format).write(request, folder, self.file_plan(plan, run.request))
             return score_folder(folder, run.request.options.get("gate_domains") or [],
                                 reload_dtype(run.request.model, _dtype(run.request)))
         finally:

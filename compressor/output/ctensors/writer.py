@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from compressor.core.onload import input_device, is_offloaded
-from compressor.output.base import VerificationError, WriteRequest, Writer
+from compressor.output.base import VerificationError, WriteRequest, Writer, Written
 from compressor.output.ctensors.grids import IntScheme, Rounded, get_scheme
 from compressor.output.ctensors.rounding import _compress, _replaced, _rounded, _with_weights, alone, base_model
 from compressor.output.ctensors.stream import check_reload, write_streamed
@@ -82,7 +82,7 @@ class CompressedTensorsWriter(Writer):
         ``ct_hessians`` gives an Ĥ."""
         return SchemePlan(hessians=request.options.get("ct_hessians"))
 
-    def write(self, request: WriteRequest, folder: Path) -> list[Path]:
+    def write(self, request: WriteRequest, folder: Path, plan=None) -> Written:
         _require_library()
         from compressed_tensors import __version__ as ct_version
 
@@ -90,7 +90,7 @@ class CompressedTensorsWriter(Writer):
         if (why := self.check_options(request.options)) is not None:
             raise ValueError(why)
         dtype = request.dtype or model.dtype
-        plan = self.plan_of(request)
+        plan = self.plan(request) if plan is None else plan
         if is_offloaded(model):  # never whole in memory: tensor by tensor from the offload store
             if _replaced(model):
                 raise ValueError("an onloaded model with replaced blocks cannot be written as compressed-tensors "
@@ -117,9 +117,9 @@ class CompressedTensorsWriter(Writer):
         for name, text in request.extra_files.items():
             (folder / name).write_text(_card(text, counts, head) if name == "README.md" else text)
         logger.info("compressed-tensors: %s, %d layer(s) rounded by GPTQ", counts, _gptq_layers(plan, schemes))
-        return sorted(folder.iterdir())
+        return Written(Path(folder), sorted(folder.iterdir()), plan)
 
-    def verify(self, request: WriteRequest, folder: Path) -> dict:
+    def verify(self, request: WriteRequest, written: Written) -> dict:
         """Reload with plain transformers in the compute dtype; its logits must equal, to the compute dtype's
         tolerance, those of the in-memory model whose quantized weights are the values the file decodes to
         and whose other tensors are rounded through the saved dtype. Records the reload's perplexity."""
@@ -127,7 +127,7 @@ class CompressedTensorsWriter(Writer):
         t0 = time.perf_counter()
         model = request.model
         dtype = request.dtype or model.dtype
-        plan = self.plan_of(request)
+        folder, plan = written.folder, written.plan
         if is_offloaded(model):
             return self._verify_streamed(request, folder, plan, t0)
         base = base_model(model)

@@ -18,6 +18,8 @@ and exports only what a caller outside it needs.
 
 from __future__ import annotations
 
+import logging
+
 from compressor.output.gguf.check import GGUFGateMissed
 from compressor.output.gguf.encode import GGUFWidthError
 from compressor.output.gguf.target import GGUFTarget
@@ -25,7 +27,10 @@ from compressor.output.gguf.writer import FILE_NAME, LLAMA_CPP_PIN, PPL_TOLERANC
 from compressor.output.registry import Format, register_format
 
 __all__ = ["FILE_NAME", "LLAMA_CPP_PIN", "PPL_TOLERANCE", "GGUFGateMissed", "GGUFTarget", "GGUFWidthError",
-"GGUFWriter",
-           "runtime_missing"]
+           "GGUFWriter", "runtime_missing"]
 
 register_format(Format("gguf", GGUFWriter, GGUFTarget))
+
+# gguf-py says "This GGUF file is for Little Endian only" and lists every file it writes: heard at DEBUG only
+if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+    logging.getLogger("gguf").setLevel(logging.WARNING)

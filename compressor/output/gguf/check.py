@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from compressor.output.base import VerificationError, WriteRequest
+from compressor.output.base import GateMissed, VerificationError, WriteRequest
 from compressor.output.gguf import read
 from compressor.output.gguf.encode import _CapturedOutput
 
@@ -66,13 +66,9 @@ def planned_check(path: Path, request: WriteRequest, options: dict) -> dict:
     return check
 
 
-class GGUFGateMissed(VerificationError):
+class GGUFGateMissed(GateMissed):
     """A GGUF at its source's quantization is over the gate in llama.cpp: nothing is published (the pipeline
     reports it as the gate's failure, exit 3; ``check`` is what was measured)."""
-
-    def __init__(self, message: str, check: dict) -> None:
-        super().__init__(message)
-        self.check = check
 
 
 def _gate_domains(request: WriteRequest, options: dict) -> list[dict]:

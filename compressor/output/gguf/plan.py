@@ -10,6 +10,7 @@ package docstring), else padded, kept in F16, or refused with :func:`width_error
 from __future__ import annotations
 
 import logging
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -142,6 +143,11 @@ def check_options(options: dict) -> str | None:
     how = options.get("unquantizable", "error")
     if how not in UNQUANTIZABLE:
         return f"gguf unquantizable {how!r} is not one of {', '.join(UNQUANTIZABLE)}"
+    m, block = options.get("width_multiple"), GGML_BLOCK.get(quant, 1)
+    if m is not None and how == "error" and m % block:
+        return (f"output.width_multiple: {m} is not a multiple of {block}, the quantization block of gguf_quant "
+                f"{quant}: those widths cannot be quantized; use {math.lcm(m, block)}, leave it null (automatic), "
+                "or set gguf_unquantizable")
     return None
 
 

@@ -32,6 +32,8 @@ class GGUFTarget(SizeTarget):
     keeps_priced_roundings = True
     rounds_side_by_side = True  # ggml's scale searches and numpy's GPTQ column loop
     streams = True
+    plans_experts = True
+    writes_f16 = True
 
     def __init__(self, output=None) -> None:
         super().__init__(output)
@@ -224,6 +226,58 @@ class GGUFTarget(SizeTarget):
 
         path = self._workdir / IMATRIX_FILE if self._workdir is not None else None
         return {IMATRIX_FILE: path} if path is not None and path.is_file() else {}
+
+    # the report's words for a GGUF (compressor.reports.wording)
+    runs_in = "llama.cpp"
+    choices = "tensor types"
+
+    def shipped(self, folder: Path) -> Path:
+        from compressor.output.gguf.writer import FILE_NAME
+
+        return folder / FILE_NAME
+
+    def beside(self, preset: dict) -> str:
+        """llama.cpp's preset, made from the F16 the plan re-quantizes."""
+        return f"{super().beside(preset)} from the same F16"
+
+    def check_line(self, check: dict, size: dict) -> str | None:
+        """A GGUF written as it is: its perplexity in llama.cpp against the source GGUF's (a GGUF source), else its
+        bytes and type, and what quantizing cost against the float model when nothing judged it."""
+        from compressor.engine.cache import human_bytes
+
+        if check.get("source_perplexity") is not None:
+            return (f"llama.cpp: perplexity {check['perplexity']:.4f} against the source GGUF's "
+                    f"{check['source_perplexity']:.4f} ({100 * check['source_relative_change']:+.2f} %, same windows)")
+        if size.get("gguf_bytes") is None:
+            return None
+        q = check.get("quantization_change")
+        note = (f", {100 * q:+.2f} % against the float model: quantizing costs this, not judged"
+                if check.get("compared_with") is None and q is not None else "")
+        return (f"gguf: {human_bytes(size['gguf_bytes'])} ({check.get('file_type', '?')}; llama.cpp perplexity "
+                f"{check.get('perplexity', float('nan')):.4f}{note})")
+
+    def card_words(self) -> dict[str, str]:
+        return {
+            "file": "one GGUF file, `model.gguf`, of {bytes:,} bytes",
+            "choice": "every weight matrix's GGML type",
+            "where": "in llama.cpp",
+            "anchor": "llama.cpp's {name} + imatrix",
+            "anchor_line": (
+                "llama.cpp's own {name} of the same F16 with an importance matrix ({bytes:,} bytes; the matrix, "
+                "from the same calibration text, is `model.imatrix`: `llama-quantize --imatrix model.imatrix` "
+                "takes it)"
+            ),
+            "unchanged": "the GGUF's tensor types",
+            "best_line": (
+                "{called} is of no more bytes ({bytes:,}) and better on the gate's text; the file against it: "
+                '{rows}. The gate\'s "at least as good as the preset" compares with it.\n'
+            ),
+            "load": (
+                '```bash\nllama-cli -m model.gguf -p "Once upon a time"\n```\n\n'
+                '```python\nfrom llama_cpp import Llama\nllm = Llama(model_path="model.gguf")\n```'
+            ),
+            "library": "gguf",
+        }
 
 
 def _dataset_names(calibration) -> list[str]:

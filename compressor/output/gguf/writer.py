@@ -6,7 +6,7 @@ import logging
 import math
 from pathlib import Path
 
-from compressor.output.base import VerificationError, WriteRequest, Writer
+from compressor.output.base import VerificationError, WriteRequest, Writer, Written
 from compressor.output.gguf.check import planned_check, source_quant_check
 from compressor.output.gguf.metadata import tokenizer_problem
 from compressor.output.gguf.plan import (
@@ -53,9 +53,49 @@ class GGUFWriter(Writer):
 
     format = "gguf"
     description = f"one GGUF file for llama.cpp/Ollama ({', '.join(writable())}), checked in llama.cpp"
+    source_suffix = ".gguf"
+    verify_passes = 2  # the file in llama.cpp, and the source (or the preset) beside it
 
     def unsupported(self, model_type: str, kind: str) -> str | None:
         return arch_refusal(model_type) or runtime_missing()
+
+    def source_refusal(self, model_type: str) -> str | None:
+        """The architecture decides, not what is installed: the same recipe writes the same files."""
+        return arch_refusal(model_type)
+
+    def width_block(self, src, output) -> int:
+        """The quantization block of ``gguf_quant``; for ``source``, that of a GGUF source's own FFN down
+        projections (written at the source's types, a width must be a whole number of those blocks)."""
+        from compressor.recipe.schema import GGML_BLOCK
+
+        quant = getattr(output, "gguf_quant", "source")
+        if quant != "source":
+            return GGML_BLOCK.get(quant, 1)
+        if not src.gguf_file:
+            return 1
+        try:
+            from compressor.output.gguf.read import source_down_block
+
+            return source_down_block(Path(src.path) / src.gguf_file)
+        except ImportError:  # no gguf-py: the writer's own check names the missing package
+            return 1
+
+    def snap_grid(self, src, output) -> dict[int, str]:
+        """Written at its source's quantization, each block's down projection keeps the source's quantized type."""
+        if not src.gguf_file or getattr(output, "gguf_quant", "source") != "source":
+            return {}
+        try:
+            from compressor.core.ggml import GGMLType
+        except ImportError:  # no gguf-py: the writer's own check names the missing package
+            return {}
+        grid = {}
+        for name, t in source_tensor_types(Path(src.path) / src.gguf_file).items():
+            parts = name.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2:] == ["ffn_down", "weight"]:
+                known = GGMLType.known(t)
+                if known is not None and known.quantized:
+                    grid[int(parts[1])] = known.name
+        return grid
 
     def check_options(self, options: dict) -> str | None:
         return check_options(options)
@@ -84,17 +124,18 @@ class GGUFWriter(Writer):
         """The writer's ``quant`` option as a plan (:func:`~.plan.writer_plan`)."""
         return writer_plan(request, _options(request))
 
-    def write(self, request: WriteRequest, folder: Path) -> list[Path]:
+    def write(self, request: WriteRequest, folder: Path, plan=None) -> Written:
         options = _options(request)
         if (problem := check_options(options)) is not None:
             raise ValueError(problem)
         path = Path(folder) / options.get("file", FILE_NAME)
-        plan = write_gguf(request, path, options, self.plan_of(request))
-        how = f"{plan.arch}, {plan.quant}" if plan is not None else "a GGUF re-quantized tensor by tensor"
+        file_plan = self.plan(request) if plan is None else plan
+        written = write_gguf(request, path, options, file_plan)
+        how = f"{written.arch}, {written.quant}" if written is not None else "a GGUF re-quantized tensor by tensor"
         logger.info("gguf: wrote %s (%s, %.1f MB)", path.name, how, path.stat().st_size / 1e6)
-        return [path]
+        return Written(Path(folder), [path], file_plan)
 
-    def verify(self, request: WriteRequest, folder: Path) -> dict:
+    def verify(self, request: WriteRequest, written: Written) -> dict:
         """Perplexity in llama.cpp on the probe text. At f32/f16/bf16: within :data:`PPL_TOLERANCE` of
         the in-memory model's. At the source's own quantization (a GGUF source): no worse than the source
         file itself in llama.cpp, on the same windows, by more than the gate's budget. At another
@@ -102,8 +143,8 @@ class GGUFWriter(Writer):
         import llama_cpp
 
         options = _options(request)
-        path = Path(folder) / options.get("file", FILE_NAME)
-        file_plan = self.plan_of(request)
+        path = written.folder / options.get("file", FILE_NAME)
+        file_plan = written.plan
         if file_plan.measured:
             return planned_check(path, request, options)
         quant = file_plan.quant

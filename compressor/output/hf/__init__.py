@@ -27,5 +27,5 @@ __all__ = [
     "reference_logits", "register_auto_classes", "rounded_copy", "source_weight_bytes",
 ]
 
-register_format(Format("hf", HFWriter))
-register_format(Format("hf-standard", StandardWriter))
+register_format(Format("hf", HFWriter, folder=True))
+register_format(Format("hf-standard", StandardWriter, folder=True))

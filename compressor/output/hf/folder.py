@@ -12,7 +12,7 @@ from torch import nn
 
 from compressor.core import modeling as hf_modeling
 from compressor.core.onload import input_device, is_offloaded
-from compressor.output.base import VerificationError, WriteRequest, Writer
+from compressor.output.base import VerificationError, WriteRequest, Writer, Written
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class HFWriter(Writer):
     format = "hf"
     description = "Hugging Face folder (safetensors + config.json); every kind, every architecture"
 
-    def write(self, request: WriteRequest, folder: Path) -> list[Path]:
+    def write(self, request: WriteRequest, folder: Path, plan=None) -> Written:
         model, dtype = request.model, request.dtype
         model_type = model.config.model_type
         cfg_name, model_name = base_class_names(model_type)
@@ -196,16 +196,16 @@ class HFWriter(Writer):
         (folder / MODELING_FILE).write_text(modeling_source(model_type))
         for name, text in request.extra_files.items():
             (folder / name).write_text(text)
-        return sorted(folder.iterdir())
+        return Written(folder, sorted(folder.iterdir()))
 
-    def verify(self, request: WriteRequest, folder: Path) -> dict:
+    def verify(self, request: WriteRequest, written: Written) -> dict:
         """Reload the folder in the compute dtype and compare logits and perplexity with the
         in-memory model whose weights are rounded the way they were saved (see
         :data:`LOGIT_TOLERANCE`)."""
         model = request.model
         register_auto_classes([model.config.model_type])
         reference = reference_logits(request)  # before the reload: never three models in memory at once
-        reloaded = load_compressed(folder, dtype=model.dtype, offload=request.offload, device=request.device)
+        reloaded = load_compressed(written.folder, dtype=model.dtype, offload=request.offload, device=request.device)
         return compare_reloaded(request, reloaded.eval(), "reload check", reference)
 
 

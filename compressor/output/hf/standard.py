@@ -36,7 +36,7 @@ from torch import nn
 
 from compressor.core.archs import ARCHITECTURES, arch_for, find_blocks
 from compressor.core.modeling import AffineFFN, HiddenUnitFFN, LowRankAffineFFN
-from compressor.output.base import VerificationError, WriteRequest, Writer
+from compressor.output.base import VerificationError, WriteRequest, Writer, Written
 from compressor.output.hf.folder import (
     cast_state_dict, compare_reloaded, finish_folder, reference_logits,
 )
@@ -146,7 +146,7 @@ class StandardWriter(Writer):
                     f"representable, not {kind}; use kind: prune or output.architecture: custom")
         return None
 
-    def write(self, request: WriteRequest, folder: Path) -> list[Path]:
+    def write(self, request: WriteRequest, folder: Path, plan=None) -> Written:
         model, dtype = request.model, request.dtype
         std = standard_model(model)
         width_attr = _width_attr(model.config.model_type)
@@ -163,16 +163,16 @@ class StandardWriter(Writer):
         for name, text in request.extra_files.items():
             (folder / name).write_text(_plain_card(text, type(model).__name__, width_attr, width)
                                        if name == "README.md" else text)
-        return sorted(folder.iterdir())
+        return Written(folder, sorted(folder.iterdir()))
 
-    def verify(self, request: WriteRequest, folder: Path) -> dict:
+    def verify(self, request: WriteRequest, written: Written) -> dict:
         """Reload with plain transformers (the base class, no custom code) in the compute dtype and
         compare logits and perplexity with the in-memory model rounded the way it was saved."""
         from transformers import AutoModelForCausalLM
 
         model = request.model
         reference = reference_logits(request)  # before the reload: never three models in memory at once
-        reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(str(written.folder), dtype=model.dtype).eval()
         cls = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
         if not type(reloaded).__module__.startswith("transformers.") or type(reloaded) is not type(model):
             raise VerificationError(f"the standard folder reloaded as {cls}, not the base class "

@@ -1,6 +1,6 @@
 """What a size run needs, checked before the model loads: its format and architecture, a float source, the
-memory (onloading by itself where its format streams), and an output to write. Called through
-:func:`compressor.pipeline.size.sizing` for a run that plans a size only."""
+memory (onloading by itself where its format streams), and an output to write. Called by
+:class:`compressor.pipeline.size.SizeWorkflow`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,19 @@ def check(recipe: Recipe, model_type: str, src, *, given=None, config=None) -> N
                          "(output.formats: [hf])")
 
 
+def check_moe(recipe: Recipe, config) -> None:
+    """A mixture of experts is planned only into a format that holds its experts one by one
+    (:attr:`~compressor.sizing.target.SizeTarget.plans_experts`), held in memory."""
+    from compressor.core.archs import moe_refusal
+    from compressor.output.registry import target_for
+
+    target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
+    why = moe_refusal(config, size=True, fmt=target.format, plans_experts=target.plans_experts,
+                      offload=recipe.model.offload)
+    if why is not None:
+        raise InputError(why)
+
+
 def check_source(recipe: Recipe, config) -> None:
     """A size plans from float weights: a checkpoint whose weights are already integer codes (a
     compressed-tensors folder, llm-compressor's or compressor's own) is refused before it loads, naming what
@@ -59,24 +72,25 @@ def fit_memory(recipe: Recipe, config) -> None:
     avail = available_bytes()
     target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
     if mc.offload != "none":
-        _warn_onloaded(config, mc.dtype, avail, target.format)
+        _warn_onloaded(config, mc.dtype, avail, target)
         return
-    need = size_peak_of(config, offload="none", dtype=mc.dtype, fmt=target.format)
+    need = size_peak_of(config, offload="none", dtype=mc.dtype, reload_check=target.reload_check)
     if avail is None or need is None or need <= avail:
         return
     held = (f"held in memory ({mc.dtype}) the size plan needs about {need / 1e9:.1f} GB, {avail / 1e9:.1f} GB are "
             "available")
     from compressor.core.archs import moe_refusal
 
-    if target.streams and moe_refusal(config, size=True, fmt=target.format, offload="disk") is not None:
+    if target.streams and moe_refusal(config, size=True, fmt=target.format, plans_experts=target.plans_experts,
+                                      offload="disk") is not None:
         raise InputError(f"output.size: {held}, and a mixture of experts is planned held in memory (its experts "
                          "are not onloaded); run on a machine with more memory")
     if target.streams:
-        onloaded = size_peak_of(config, offload="disk", dtype=mc.dtype, fmt=target.format)
+        onloaded = size_peak_of(config, offload="disk", dtype=mc.dtype, reload_check=target.reload_check)
         logger.warning("output.size: %s: onloading the decoder layers from disk (model.offload: disk, about "
                        "%.1f GB); set model.offload to choose", held, onloaded / 1e9)
         mc.offload = "disk"
-        _warn_onloaded(config, mc.dtype, avail, target.format)
+        _warn_onloaded(config, mc.dtype, avail, target)
         return
     streamed = sorted(f for f, cls in targets().items() if cls.streams)
     raise InputError(f"output.size: {held} (within {LIMIT_ENV} or the container's limit, where set), and a "
@@ -97,13 +111,13 @@ def _streamed_fix(streamed: list[str]) -> str:
     return " or ".join(f"{f} (output.formats: [{f}], {sizes(f)})" for f in streamed)
 
 
-def _warn_onloaded(config, dtype: str, avail: int | None, fmt: str) -> None:
+def _warn_onloaded(config, dtype: str, avail: int | None, target) -> None:
     """Said before loading when even the onloaded run's estimated peak (resident embedding and head, one layer,
     its statistics; a compressed-tensors checkpoint's reload) passes the memory available: an estimate, so a
     warning, with what to change."""
     from compressor.engine.memory import size_peak_of
 
-    need = size_peak_of(config, offload="disk", dtype=dtype, fmt=fmt)
+    need = size_peak_of(config, offload="disk", dtype=dtype, reload_check=target.reload_check)
     if avail is not None and need is not None and need > avail:
         logger.warning("output.size: the onloaded run needs about %.1f GB at its peak (memory model: "
                        "compressor.engine.memory.size_components), %.1f GB are available; it may be stopped for "

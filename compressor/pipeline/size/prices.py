@@ -36,6 +36,7 @@ from compressor.pipeline.size.share import Shares, exchange, ordered
 from compressor.sizing.plan import ROUNDED_BYTES, Rounded, from_tensors, to_tensors
 from compressor.sizing.sites import sites
 from compressor.recipe.schema import Recipe
+from compressor.sizing.target import SizeTarget
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class StatisticsPrecision:
     the 2-core AVX512-BF16 machine a bfloat16 product takes a quarter of a float32 one's time, and the off-grid
     SmolLM2-135M's statistics took about 20 s instead of 51 s, Ĥ within 0.15 % on the two layers checked (relative
     norm of the difference), the file's WikiText-2 test score within noise
-    (``tools/results/size_frontier_offgrid_smollm2_planner_speed.json``).
+    (``tools/size/results/size_frontier_offgrid_smollm2_planner_speed.json``).
     """
 
     name: str
@@ -224,7 +225,7 @@ class Statistics:
     precision: str
     crossfit: bool
     groups: list[list[str]] | None
-    target: object = None
+    target: SizeTarget | None = None
     rounding: str = "gptq"
     workdir: Path | None = None
 

@@ -1,5 +1,6 @@
 """Expected seconds of a size run's parts, for the run-time estimate said before a run
-(:mod:`compressor.pipeline.estimate`), with the constants measured on the 2-core machine."""
+(:mod:`compressor.pipeline.estimate`; :meth:`compressor.pipeline.size.SizeWorkflow.estimate`), with the constants
+measured on the 2-core machine."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from compressor.recipe.schema import Recipe
 
 
-def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: int) -> dict[str, float]:
+def estimate(recipe: Recipe, model, fwd: float) -> dict[str, float]:
     """Expected seconds of the size stage's parts: baseline, the statistics (a backward
     pass over :data:`~.prices.FISHER_TOKENS`, the input moments of every window), pricing (large tensors on
     a sample of rows), error-compensating rounding (GPTQ's pricing, and the chosen plan's, and the anchor's
@@ -18,6 +19,9 @@ def estimate(recipe: Recipe, model, cal: int, evals: int, fwd: float, params: in
     from compressor.output.registry import target_for
     from compressor.sizing.sites import priced_rows
 
+    cal = recipe.calibration.max_tokens
+    evals = sum(e.max_tokens for e in recipe.evaluation_domains())
+    params = sum(p.numel() for p in model.parameters())
     weights = [p for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2]
     priced = sum(min(p.shape[0], priced_rows(p.shape[1])) * p.shape[1] for p in weights)
     fisher, moments = STATISTICS_FACTORS[StatisticsPrecision.resolve(recipe.output.size_precision, model).name]

@@ -1,6 +1,6 @@
 """The size stage's run: the original's baseline on the gate's domains (no block changes), then plan →
-allocate → write → gate → back off (:func:`ship`), in a work folder removed on every exit. Called through
-:func:`compressor.pipeline.size.sizing` for a run that plans a size only."""
+allocate → write → verify → gate → back off (:func:`ship`), in a work folder removed on every exit. Called by
+:class:`compressor.pipeline.size.SizeWorkflow`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -16,15 +15,16 @@ from compressor.core.params import count_params
 from compressor.evaluation.gate import Evaluator, gate_ppl_limit
 from compressor.evaluation.teacher import complete_rows
 from compressor.output.base import WriteRequest
+from compressor.pipeline.products import Checked
 from compressor.policy.compress import CompressionResult
 from compressor.recipe.schema import Recipe
 
 logger = logging.getLogger(__name__)
 
 
-def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> CompressionResult | None:
+def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> CompressionResult:
     """With a size, the blocks stay as they are: the original model's evaluation on the gate's domains
-    (teacher caches), as a :class:`CompressionResult` whose final is its baseline. None without a size."""
+    (teacher caches), as a :class:`CompressionResult` whose final is its baseline."""
     cfgs = {c.domain_name(): c for c in recipe.evaluation_domains()}
     t0 = time.perf_counter()
     ev = Evaluator.build(model, streams, seq_len={n: cfgs[n].seq_len for n in streams},
@@ -43,13 +43,12 @@ def baseline_only(model, recipe: Recipe, streams: dict[str, torch.Tensor]) -> Co
         teachers={t.name: t for t in ev.teachers})
 
 
-def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, report: dict,
-         result: CompressionResult, *, write: Callable[[], Path], use_cache: bool = True) -> Path | None:
-    """plan → allocate → write → gate → back off; returns the verified staging folder of the chosen file
-    (:class:`~compressor.core.errors.GateFailed` when none passes). None without a size. ``write()``: the
-    pipeline's write and verify stages for ``request`` as it stands (each attempt sets its plan on it), the
-    staging folder they made. ``use_cache``: the run's cache setting (False: ``--no-cache``, prices measured
-    afresh whatever ``measure.cache`` says).
+def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked: Checked, report: dict,
+         result: CompressionResult, *, use_cache: bool = True) -> Path:
+    """plan → allocate → write → verify → gate → back off; returns the verified staging folder of the chosen file
+    (:class:`~compressor.core.errors.GateFailed` when none passes). Each attempt hands its plan to the format's
+    writer (:class:`~.stage.SizeRun`). ``use_cache``: the run's cache setting (False: ``--no-cache``, prices
+    measured afresh whatever ``measure.cache`` says).
 
     The F16 and the preset live in a work folder beside the output (or under ``output.workdir``), removed on
     every exit, Ctrl-C and SIGTERM included (and reclaimed after a kill). The disk it needs is checked before
@@ -70,7 +69,7 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         work.make_work_folder(recipe, checked.out, workdir)
         t0 = time.perf_counter()
         target = target_for(recipe.output.formats, recipe.output.size, recipe.output)
-        need = work.disk_need(recipe, request, target.format)
+        need = work.disk_need(recipe, request, target)
         work.check_disk(need, workdir, checked.out)
         budget = target.budget(recipe.output.planned, request, workdir)
         need = work.budget_need(need, recipe, request, budget, target.format)  # the budget itself, before pricing
@@ -88,7 +87,7 @@ def ship(recipe: Recipe, request: WriteRequest, windows: torch.Tensor, checked, 
         report["timings"]["size_plan_s"] = time.perf_counter() - t0
         compensator = Compensator.of(request, measured, windows, recipe.calibration.batch_size, timings, target,
                                      spill=workdir)
-        run = SizeRun(recipe, request, checked, report, result, planner, workdir, write, compensator, target,
+        run = SizeRun(recipe, request, checked, report, result, planner, workdir, compensator, target,
                       head={"prices_from_cache": measured.cached, "timings": timings,
                             "rounding": recipe.output.rounding, "statistics_precision": measured.precision.name,
                             **target.report(), **_ranks(measured.shares)})

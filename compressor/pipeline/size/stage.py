@@ -1,9 +1,9 @@
 """The size stage's loop: plan → allocate → write → gate → back off.
 
 One :class:`SizeRun` per run. Each attempt plans a tensor budget (:class:`~.planner.Planner`), hands the
-plan to the format's writer on :attr:`WriteRequest.plans` (in the format's terms:
-:meth:`~compressor.sizing.target.SizeTarget.file_plan`), lets it write and measure (the pipeline's write and
-verify stages, handed in as :attr:`SizeRun.write`), and judges the file
+plan to the format's writer as an argument (in the format's terms:
+:meth:`~compressor.sizing.target.SizeTarget.file_plan`; :func:`~compressor.pipeline.writing.write`), verifies
+what it wrote where it runs (:func:`~compressor.pipeline.writing.verify`), and judges the file
 (:mod:`.gate`). ``output.size: smallest`` searches the tensor budget with the gate's own search
 (:class:`compressor.policy.search.TargetSearch`: each budget measured once, the fewest bytes that pass; when
 the first plan passes, the search goes on below it); a size in bytes, bits per weight or a preset's name is one
@@ -17,11 +17,16 @@ import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from compressor.core.errors import GateFailed, InputError
 from compressor.evaluation.gate import gate_budget, gate_ppl_limit
-from compressor.output.base import VerificationError
+from compressor.output.base import VerificationError, WriteRequest
+from compressor.pipeline.products import Checked
+from compressor.pipeline.size.rounding import Compensator
+from compressor.pipeline.writing import verify, write
+from compressor.policy.compress import CompressionResult
+from compressor.recipe.schema import Recipe
+from compressor.sizing.target import SizeTarget
 from compressor.pipeline.size.gate import best_anchor, judge, message, preset_rows
 from compressor.sizing.budget import Budget
 from compressor.pipeline.size.planner import Planner
@@ -40,19 +45,17 @@ SMALLEST_START_SHARE = 0.6
 class SizeRun:
     """One size run's state: what every attempt needs, and what the report says of them."""
 
-    recipe: object
-    request: object
-    checked: object
+    recipe: Recipe
+    request: WriteRequest
+    checked: Checked
     report: dict
-    result: object
+    result: CompressionResult
     planner: Planner
     workdir: Path
-    write: Callable[[], Path]
-    """The pipeline's write and verify stages for :attr:`request`: the staging folder, its formats checked."""
-    compensator: object = None
-    """Rounds the compensated tensors of a chosen plan over all their rows (:mod:`.rounding`)."""
-    target: object = None
-    """The format planned (:class:`~compressor.sizing.target.SizeTarget`)."""
+    compensator: Compensator | None
+    """Rounds the compensated tensors of a chosen plan over all their rows (:mod:`.rounding`); None: nearest."""
+    target: SizeTarget
+    """The format planned."""
     head: dict = field(default_factory=dict)
     """What the report's ``size_plan`` says before any plan: the budget, prices, timings."""
     target_nll: float | None = None
@@ -63,7 +66,7 @@ class SizeRun:
     """Other anchors of no more bytes with their scores (:meth:`SizeTarget.measure_rivals`), measured once."""
     gate_scores: dict | None = None
     """The scores of the anchor the gate's preset rule compares with: the best of the size's own and its rivals."""
-    _anchor_plan: object = None
+    _anchor_plan: SizePlan | None = None
     _kept: list = field(default_factory=list)
     """``(tensor bytes, folder)`` of the passing attempts set aside in the work folder."""
     plan: SizePlan | None = None
@@ -122,11 +125,11 @@ class SizeRun:
         if self.compensator is not None:  # the anchor's tensors, still to measure, rounded in the same pass
             anchor = self.anchor_plan() if self.preset_scores is None else None
             self.compensator.fill(size_plan, *([anchor] if anchor is not None else []))
-        self.hand(size_plan)
+        self.plan = size_plan
         logger.info("size plan: %s of tensor data, predicted perplexity %+.2f %%; types %s",
                     f"{size_plan.tensor_bytes / 1e6:.2f} MB", 100 * math.expm1(size_plan.predicted_nll_increase),
                     size_plan.to_json()["types_used"])
-        tmp = self.write()
+        tmp = self.write_and_verify(size_plan)
         check = self.report["verification"][self.target.format]
         try:
             self._measure(check, size_plan)
@@ -151,11 +154,14 @@ class SizeRun:
         return Attempt(tensor_bytes, passed, why, outcome=(kept, check, size_plan, self.report["message"]),
                        record=record)
 
-    def hand(self, size_plan: SizePlan) -> None:
-        """``size_plan`` is the plan: its format's writer is handed it in its own terms (the target's
-        :meth:`~compressor.sizing.target.SizeTarget.file_plan`)."""
-        self.plan = size_plan
-        self.request.plans[self.target.format] = self.target.file_plan(size_plan, self.request)
+    def write_and_verify(self, size_plan: SizePlan) -> Path:
+        """Every requested format into a staging folder, the planned one written from ``size_plan`` in its own
+        terms (the target's :meth:`~compressor.sizing.target.SizeTarget.file_plan`), each verified; the folder."""
+        oc, fmt = self.recipe.output, self.target.format
+        staged = write(oc, self.request, self.checked, self.report["timings"],
+                       plans={fmt: self.target.file_plan(size_plan, self.request)})
+        verify(oc, self.request, staged, self.report)
+        return staged.folder
 
     def _measure(self, check: dict, size_plan: SizePlan) -> None:
         """Bytes against the budget (exact: the plan's are known before writing), and the preset beside the file."""
@@ -186,7 +192,7 @@ class SizeRun:
         if best is None:
             self._refuse()
         kept, check, size_plan, message = best.outcome
-        self.hand(size_plan)
+        self.plan = size_plan
         self.report["verification"][self.target.format] = check
         self.report["message"] = message
         self.report["size_plan"] = self.to_json(size_plan)

@@ -23,6 +23,7 @@ from pathlib import Path
 from compressor.core.errors import InputError
 from compressor.inputs.safety import DiskFullError, as_disk_full, disk_of
 from compressor.recipe.schema import Recipe
+from compressor.sizing.target import SizeTarget
 
 logger = logging.getLogger(__name__)
 
@@ -152,16 +153,18 @@ def human_bytes(n: int) -> str:
     return human(n)
 
 
-def disk_need(recipe: Recipe, request, fmt: str) -> DiskNeed | None:
-    """What a size run of ``fmt`` will write, before its budget is measured: for GGUF, from the model's weights
-    (None for another format, whose budget is counted, not written: :func:`budget_need` checks it). Each figure
+def disk_need(recipe: Recipe, request, target: SizeTarget) -> DiskNeed | None:
+    """What a size run will write, before its budget is measured, where its ``target`` writes the model's F16 and
+    the anchor into the work folder (:attr:`~compressor.sizing.target.SizeTarget.writes_f16`: GGUF), from the
+    model's weights (None for another format, whose budget is counted, not written: :func:`budget_need` checks
+    it). Each figure
     is an estimate: the F16 two bytes a weight; a preset per tensor, as llama.cpp quantizes it —
     its bits per weight on Llama-3-8B (:data:`~.budget.PRESET_BPW`) where rows are whole k-quant blocks of 256,
     8.5 (``Q8_0``) where they are only 32-blocks, F16 else (a small model's rows are often too short), 1-D
     tensors F32; a size in bytes or bits per weight the size itself; at most the F16."""
     from compressor.output.gguf.budget import PRESET_BPW
 
-    if fmt != "gguf":
+    if not target.writes_f16:
         return None
     model = request.model
     params = list({id(p): p for p in model.parameters()}.values())

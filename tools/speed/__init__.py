@@ -1,0 +1,1 @@
+"""Speed benchmarks: compressed outputs against their source in transformers and in llama.cpp."""
