@@ -168,7 +168,8 @@ def message(check: dict, pol: PolicyConfig) -> str:
         rule += (f" — over it, passed as at least as good as {_best(check)['called']} on every domain "
                  "(the budget is the default; set it in the recipe to hold the file to it)")
     return (
-        f"{check.get('planned_format', 'the file')} of {check['file_bytes']:,} bytes (budget {check['budget_bytes']:,}); "
+        f"{check.get('planned_format', 'the file')} of {check['file_bytes']:,} bytes "
+        f"(budget {check['budget_bytes']:,}); "
         f"in {check.get('runtime', 'llama.cpp')} against the original: {changes}; {rule}"
     )
 
