@@ -206,13 +206,13 @@ def like_with_like(rep: dict) -> dict | None:
     against the GGUF written at its types, or a Hugging Face source against the folder saved in its
     dtype. None (with nothing to compare) otherwise."""
     size = rep["size"]
-    # the file written at the source's own quantization (a GGUF source's format)
-    gguf = next((c for c in (rep.get("verification") or {}).values() if c.get("quant") == "source"), {})
+    # the file written at the source's own quantization (a GGUF source's format), if any
+    gguf = next((c for c in (rep.get("verification") or {}).values() if c.get("quant") == "source"), None)
     src = size.get("source_bytes")
     if not src:
         return None
     if rep["model"]["resolved"].endswith(".gguf"):
-        if size.get("gguf_bytes") is None or gguf.get("quant") != "source":
+        if size.get("gguf_bytes") is None or gguf is None:
             return None
         out, what = size["gguf_bytes"], f"GGUF at the source's quantization ({gguf.get('file_type')})"
     elif size.get("output_dtype_is_source"):
